@@ -1,0 +1,74 @@
+"""One gRPC channel to the daemon, shared by every model handle of a process."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from nnd import _address
+from nnd.errors import DaemonUnavailable, from_rpc_error
+from nnd.v1 import nnd_pb2_grpc
+
+# Results stream in chunks of a few MiB; allow generous single messages.
+MAX_MESSAGE = 256 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+]
+
+
+class Connection:
+    """A channel and stub to one daemon, with errors mapped to nnd exceptions."""
+
+    def __init__(self, address: str | None = None, *, token: str | None = None) -> None:
+        self.address = _address.normalize(address) if address else _address.default_address()
+        self.token = token if token is not None else os.environ.get("NND_TOKEN")
+        self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self.stub = nnd_pb2_grpc.NndStub(self.channel)
+
+    def _metadata(self) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {self.token}")] if self.token else []
+
+    def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
+        """A unary call; raises nnd exceptions."""
+        try:
+            return getattr(self.stub, method)(request, timeout=timeout, metadata=self._metadata())
+        except grpc.RpcError as err:
+            raise self._translate(err) from None
+
+    def stream(self, method: str, request: Any, *, timeout: float | None = None) -> Iterator[Any]:
+        """A server-streaming call; iterating raises nnd exceptions. Closing the
+        iterator cancels the call on the daemon."""
+        call = getattr(self.stub, method)(request, timeout=timeout, metadata=self._metadata())
+        try:
+            yield from call
+        except grpc.RpcError as err:
+            raise self._translate(err) from None
+        finally:
+            call.cancel()
+
+    def _translate(self, err: grpc.RpcError) -> Exception:
+        exc = from_rpc_error(err)
+        if isinstance(exc, DaemonUnavailable) and "connect" in str(exc).lower():
+            return DaemonUnavailable(f"cannot reach the nnd daemon at {self.address} (is `nnd serve` running?)")
+        return exc
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+_shared: dict[tuple[str | None, str | None], Connection] = {}
+_lock = threading.Lock()
+
+
+def connect(address: str | None = None, *, token: str | None = None) -> Connection:
+    """The process-wide connection to `address` (default: the usual socket)."""
+    key = (address, token)
+    with _lock:
+        if key not in _shared:
+            _shared[key] = Connection(address, token=token)
+        return _shared[key]

@@ -1,0 +1,387 @@
+from nnd.v1 import graph_pb2 as _graph_pb2
+from nnd.v1 import values_pb2 as _values_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ModelState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODEL_STATE_UNSPECIFIED: _ClassVar[ModelState]
+    META: _ClassVar[ModelState]
+    DISPATCHING: _ClassVar[ModelState]
+    DISPATCHED: _ClassVar[ModelState]
+MODEL_STATE_UNSPECIFIED: ModelState
+META: ModelState
+DISPATCHING: ModelState
+DISPATCHED: ModelState
+
+class GetServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("version", "protocol", "ops", "attributes", "limits", "libraries", "devices")
+    class LibrariesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    LIBRARIES_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    protocol: str
+    ops: _containers.RepeatedScalarFieldContainer[str]
+    attributes: _containers.RepeatedScalarFieldContainer[str]
+    limits: Limits
+    libraries: _containers.ScalarMap[str, str]
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[str] = ..., protocol: _Optional[str] = ..., ops: _Optional[_Iterable[str]] = ..., attributes: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., libraries: _Optional[_Mapping[str, str]] = ..., devices: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Limits(_message.Message):
+    __slots__ = ("max_request_bytes", "max_constant_bytes", "max_saved_bytes", "max_invokes", "max_sequence_length", "max_new_tokens", "default_deadline_s", "max_queue_depth", "max_dispatched_models")
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONSTANT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_SAVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_INVOKES_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_DISPATCHED_MODELS_FIELD_NUMBER: _ClassVar[int]
+    max_request_bytes: int
+    max_constant_bytes: int
+    max_saved_bytes: int
+    max_invokes: int
+    max_sequence_length: int
+    max_new_tokens: int
+    default_deadline_s: float
+    max_queue_depth: int
+    max_dispatched_models: int
+    def __init__(self, max_request_bytes: _Optional[int] = ..., max_constant_bytes: _Optional[int] = ..., max_saved_bytes: _Optional[int] = ..., max_invokes: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., default_deadline_s: _Optional[float] = ..., max_queue_depth: _Optional[int] = ..., max_dispatched_models: _Optional[int] = ...) -> None: ...
+
+class Placement(_message.Message):
+    __slots__ = ("device", "device_map", "dtype", "compute_dtype", "max_memory", "tp_size")
+    class MaxMemoryEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MAP_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    device_map: str
+    dtype: str
+    compute_dtype: str
+    max_memory: _containers.ScalarMap[str, str]
+    tp_size: int
+    def __init__(self, device: _Optional[str] = ..., device_map: _Optional[str] = ..., dtype: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., max_memory: _Optional[_Mapping[str, str]] = ..., tp_size: _Optional[int] = ...) -> None: ...
+
+class LoadModelRequest(_message.Message):
+    __slots__ = ("model", "revision", "task", "trust_remote_code", "placement", "dispatch", "keep_alive")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    TRUST_REMOTE_CODE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    DISPATCH_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    revision: str
+    task: str
+    trust_remote_code: bool
+    placement: Placement
+    dispatch: bool
+    keep_alive: str
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., task: _Optional[str] = ..., trust_remote_code: _Optional[bool] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., dispatch: _Optional[bool] = ..., keep_alive: _Optional[str] = ...) -> None: ...
+
+class GetModelRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class DispatchRequest(_message.Message):
+    __slots__ = ("model", "placement", "keep_alive")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    placement: Placement
+    keep_alive: str
+    def __init__(self, model: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., keep_alive: _Optional[str] = ...) -> None: ...
+
+class DispatchProgress(_message.Message):
+    __slots__ = ("stage", "done", "total", "unit", "message", "model")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    done: int
+    total: int
+    unit: str
+    message: str
+    model: ModelInfo
+    def __init__(self, stage: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., unit: _Optional[str] = ..., message: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class UnloadRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class UnloadResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ParameterInfo(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "device")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    device: str
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
+class ModuleInfo(_message.Message):
+    __slots__ = ("path", "type", "parameters", "extra")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    type: str
+    parameters: _containers.RepeatedCompositeFieldContainer[ParameterInfo]
+    extra: str
+    def __init__(self, path: _Optional[str] = ..., type: _Optional[str] = ..., parameters: _Optional[_Iterable[_Union[ParameterInfo, _Mapping]]] = ..., extra: _Optional[str] = ...) -> None: ...
+
+class DeviceMemory(_message.Message):
+    __slots__ = ("device", "bytes")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    bytes: int
+    def __init__(self, device: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "state", "task", "architecture", "config", "num_parameters", "placement", "dispatched_placement", "modules", "weights", "worker_rss_bytes", "worker_pids", "idle_s", "expires_at", "last_error", "dtype", "estimated_bytes")
+    class ConfigEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    DISPATCHED_PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    MODULES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORKER_PIDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    state: ModelState
+    task: str
+    architecture: str
+    config: _containers.ScalarMap[str, str]
+    num_parameters: int
+    placement: Placement
+    dispatched_placement: Placement
+    modules: _containers.RepeatedCompositeFieldContainer[ModuleInfo]
+    weights: _containers.RepeatedCompositeFieldContainer[DeviceMemory]
+    worker_rss_bytes: int
+    worker_pids: _containers.RepeatedScalarFieldContainer[int]
+    idle_s: float
+    expires_at: float
+    last_error: str
+    dtype: str
+    estimated_bytes: int
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., task: _Optional[str] = ..., architecture: _Optional[str] = ..., config: _Optional[_Mapping[str, str]] = ..., num_parameters: _Optional[int] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., dispatched_placement: _Optional[_Union[Placement, _Mapping]] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., weights: _Optional[_Iterable[_Union[DeviceMemory, _Mapping]]] = ..., worker_rss_bytes: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., idle_s: _Optional[float] = ..., expires_at: _Optional[float] = ..., last_error: _Optional[str] = ..., dtype: _Optional[str] = ..., estimated_bytes: _Optional[int] = ...) -> None: ...
+
+class Invoke(_message.Message):
+    __slots__ = ("text", "tokens", "args")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    tokens: TokenIds
+    args: _containers.RepeatedCompositeFieldContainer[_values_pb2.Value]
+    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., args: _Optional[_Iterable[_Union[_values_pb2.Value, _Mapping]]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateOptions(_message.Message):
+    __slots__ = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stream_text")
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STREAM_TEXT_FIELD_NUMBER: _ClassVar[int]
+    max_new_tokens: int
+    do_sample: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stream_text: bool
+    def __init__(self, max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stream_text: _Optional[bool] = ...) -> None: ...
+
+class TraceRequest(_message.Message):
+    __slots__ = ("model", "invokes", "graph", "generate", "no_auto_dispatch", "keep_alive")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INVOKES_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    NO_AUTO_DISPATCH_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    invokes: _containers.RepeatedCompositeFieldContainer[Invoke]
+    graph: _graph_pb2.Graph
+    generate: GenerateOptions
+    no_auto_dispatch: bool
+    keep_alive: str
+    def __init__(self, model: _Optional[str] = ..., invokes: _Optional[_Iterable[_Union[Invoke, _Mapping]]] = ..., graph: _Optional[_Union[_graph_pb2.Graph, _Mapping]] = ..., generate: _Optional[_Union[GenerateOptions, _Mapping]] = ..., no_auto_dispatch: _Optional[bool] = ..., keep_alive: _Optional[str] = ...) -> None: ...
+
+class Saved(_message.Message):
+    __slots__ = ("node", "value")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    node: int
+    value: _values_pb2.Value
+    def __init__(self, node: _Optional[int] = ..., value: _Optional[_Union[_values_pb2.Value, _Mapping]] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("blob", "data")
+    BLOB_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    blob: int
+    data: bytes
+    def __init__(self, blob: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class StepTokens(_message.Message):
+    __slots__ = ("step", "ids", "text")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    text: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., ids: _Optional[_Iterable[int]] = ..., text: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TraceDone(_message.Message):
+    __slots__ = ("compute_s",)
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    compute_s: float
+    def __init__(self, compute_s: _Optional[float] = ...) -> None: ...
+
+class TraceResponse(_message.Message):
+    __slots__ = ("saved", "chunk", "step", "done")
+    SAVED_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    saved: Saved
+    chunk: Chunk
+    step: StepTokens
+    done: TraceDone
+    def __init__(self, saved: _Optional[_Union[Saved, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., step: _Optional[_Union[StepTokens, _Mapping]] = ..., done: _Optional[_Union[TraceDone, _Mapping]] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("model", "texts", "no_special_tokens")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    NO_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    no_special_tokens: bool
+    def __init__(self, model: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., no_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    def __init__(self, ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("model", "ids", "skip_special_tokens")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    skip_special_tokens: bool
+    def __init__(self, model: _Optional[str] = ..., ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("texts",)
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, texts: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TokenizerFiles(_message.Message):
+    __slots__ = ("files",)
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.ScalarMap[str, bytes]
+    def __init__(self, files: _Optional[_Mapping[str, bytes]] = ...) -> None: ...

@@ -1,0 +1,53 @@
+from nnd.v1 import nnd_pb2 as _nnd_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerLoadRequest(_message.Message):
+    __slots__ = ("model", "revision", "placement", "trust_remote_code", "task")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    TRUST_REMOTE_CODE_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    revision: str
+    placement: _nnd_pb2.Placement
+    trust_remote_code: bool
+    task: str
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., placement: _Optional[_Union[_nnd_pb2.Placement, _Mapping]] = ..., trust_remote_code: _Optional[bool] = ..., task: _Optional[str] = ...) -> None: ...
+
+class WorkerRunRequest(_message.Message):
+    __slots__ = ("request", "generate")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    request: _nnd_pb2.TraceRequest
+    generate: bool
+    def __init__(self, request: _Optional[_Union[_nnd_pb2.TraceRequest, _Mapping]] = ..., generate: _Optional[bool] = ...) -> None: ...
+
+class WorkerStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("rss_bytes", "weights", "dtype", "devices")
+    class DevicesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    rss_bytes: int
+    weights: _containers.RepeatedCompositeFieldContainer[_nnd_pb2.DeviceMemory]
+    dtype: str
+    devices: _containers.ScalarMap[str, str]
+    def __init__(self, rss_bytes: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[_nnd_pb2.DeviceMemory, _Mapping]]] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Mapping[str, str]] = ...) -> None: ...
