@@ -1,3 +1,82 @@
-"""nnd: look inside models held by the nnd daemon, with nnsight's syntax."""
+"""nnd: look inside models held by the nnd daemon, with nnsight's syntax.
+
+    import nnd
+    model = nnd.TransformersModel("openai-community/gpt2")
+    with model.trace("The Eiffel Tower is in the city of"):
+        hidden = model.transformer.h[5].output.save()
+
+Importing nnd is cheap: torch, grpc and the rest load when first used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# name -> (module, attribute): resolved on first access, so `import nnd` stays light.
+_LAZY = {
+    "TransformersModel": ("nnd._model", "TransformersModel"),
+    "LanguageModel": ("nnd._model", "LanguageModel"),
+    "save": ("nnd._save", "save"),
+    "connect": ("nnd.connection", "connect"),
+    "Proxy": ("nnd._proxy", "Proxy"),
+    "Envoy": ("nnd._envoy", "Envoy"),
+    "MetaTensor": ("nnd._meta", "MetaTensor"),
+    "Size": ("nnd._meta", "Size"),
+    "StepToken": ("nnd._results", "StepToken"),
+    "RemoteTokenizer": ("nnd._tokenizer", "RemoteTokenizer"),
+    "OutsideTrace": ("nnd._usage", "OutsideTrace"),
+    "ValueNotKnown": ("nnd._usage", "ValueNotKnown"),
+    "NndError": ("nnd.errors", "NndError"),
+    "DaemonUnavailable": ("nnd.errors", "DaemonUnavailable"),
+    "ModelNotFound": ("nnd.errors", "ModelNotFound"),
+    "InvalidRequest": ("nnd.errors", "InvalidRequest"),
+    "WrongState": ("nnd.errors", "WrongState"),
+    "LimitExceeded": ("nnd.errors", "LimitExceeded"),
+    "Unauthenticated": ("nnd.errors", "Unauthenticated"),
+    "Unsupported": ("nnd.errors", "Unsupported"),
+    "Cancelled": ("nnd.errors", "Cancelled"),
+    "DeadlineExceeded": ("nnd.errors", "DeadlineExceeded"),
+}
+
+__all__ = ["__version__", *_LAZY]
+
+if TYPE_CHECKING:  # static types for the lazy names (redundant aliases re-export them)
+    from nnd._envoy import Envoy as Envoy
+    from nnd._meta import MetaTensor as MetaTensor
+    from nnd._meta import Size as Size
+    from nnd._model import LanguageModel as LanguageModel
+    from nnd._model import TransformersModel as TransformersModel
+    from nnd._proxy import Proxy as Proxy
+    from nnd._results import StepToken as StepToken
+    from nnd._save import save as save
+    from nnd._tokenizer import RemoteTokenizer as RemoteTokenizer
+    from nnd._usage import OutsideTrace as OutsideTrace
+    from nnd._usage import ValueNotKnown as ValueNotKnown
+    from nnd.connection import connect as connect
+    from nnd.errors import Cancelled as Cancelled
+    from nnd.errors import DaemonUnavailable as DaemonUnavailable
+    from nnd.errors import DeadlineExceeded as DeadlineExceeded
+    from nnd.errors import InvalidRequest as InvalidRequest
+    from nnd.errors import LimitExceeded as LimitExceeded
+    from nnd.errors import ModelNotFound as ModelNotFound
+    from nnd.errors import NndError as NndError
+    from nnd.errors import Unauthenticated as Unauthenticated
+    from nnd.errors import Unsupported as Unsupported
+    from nnd.errors import WrongState as WrongState
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'nnd' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

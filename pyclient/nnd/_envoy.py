@@ -1,0 +1,157 @@
+"""Envoys: the model's module tree on the client, built from the daemon's
+description. Inside a block, `.output`, `.input` and `.inputs` are proxies of
+the values seen at that module; outside, envoys are only for navigation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from nnd import _context, _printing
+from nnd._proxy import Proxy
+from nnd.v1 import graph_pb2, nnd_pb2
+
+if TYPE_CHECKING:
+    from nnd._model import TransformersModel
+    from nnd._tracer import Tracer
+
+
+class Envoy:
+    """One module of the model. Reach children as attributes
+    (`model.transformer.h`) or by index (`h[5]`, `h[-1]`, `h[2:4]`), iterate
+    a ModuleList with `for layer in model.transformer.h`."""
+
+    _SELF_ATTRS = frozenset({"output", "input", "inputs"})
+
+    def __init__(self, model: TransformersModel | None, path: str, type_name: str, extra: str = "") -> None:
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_path", path)
+        object.__setattr__(self, "_type", type_name)
+        object.__setattr__(self, "_extra", extra)
+        object.__setattr__(self, "_children", {})
+        object.__setattr__(self, "_parameters", [])
+
+    # -- tree
+    def _child_items(self) -> Iterable[tuple[str, Envoy]]:
+        return self._children.items()
+
+    def __getattr__(self, name: str) -> Envoy:
+        children = self.__dict__.get("_children")
+        if children is not None and name in children:
+            return children[name]
+        if name.startswith("__") or children is None:
+            raise AttributeError(name)
+        where = self._path or "the model"
+        valid = ", ".join(children) or "none"
+        raise AttributeError(f"{where} ({self._type}) has no module {name!r}; its children are: {valid}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._SELF_ATTRS or name.startswith("_"):
+            object.__setattr__(self, name, value)
+            return
+        raise AttributeError(f"cannot assign {name!r} on a module of the model; set `.output` inside a trace")
+
+    def __getitem__(self, key: int | slice | str) -> Any:
+        children = list(self._children.values())
+        if isinstance(key, str):
+            if key not in self._children:
+                return getattr(self, key)
+            return self._children[key]
+        if isinstance(key, slice):
+            return children[key]
+        try:
+            return children[key]
+        except IndexError:
+            raise IndexError(
+                f"{self._path or 'the model'} has {len(children)} modules; index {key} is out of range"
+            ) from None
+
+    def __len__(self) -> int:
+        return len(self._children)
+
+    def __iter__(self) -> Iterator[Envoy]:
+        return iter(list(self._children.values()))
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(self._children))
+
+    def __repr__(self) -> str:
+        return _printing.render(self)
+
+    def modules(self) -> Iterator[Envoy]:
+        """This module and every module below it, in `named_modules()` order."""
+        yield self
+        for child in self._children.values():
+            yield from child.modules()
+
+    def named_modules(self) -> Iterator[tuple[str, Envoy]]:
+        """(dotted path, envoy) pairs, as torch's `named_modules()`."""
+        for env in self.modules():
+            yield env._path, env
+
+    @property
+    def path(self) -> str:
+        """The dotted module path ("" is the root)."""
+        return self._path
+
+    # -- values inside a block
+    def _tracer(self, what: str) -> Tracer:
+        tracer = _context.current(f"`{self._path or 'model'}.{what}`")
+        if self._model is not None and tracer.model is not self._model:
+            raise ValueError(f"`{self._path}.{what}` belongs to another model than the one being traced")
+        return tracer
+
+    @property
+    def output(self) -> Proxy:
+        """What this module returned (a new node on each read)."""
+        return self._tracer("output")._module(self._path, graph_pb2.OUTPUT)
+
+    @output.setter
+    def output(self, value: Any) -> None:
+        self._tracer("output")._set(self._path, graph_pb2.OUTPUT, value)
+
+    @property
+    def input(self) -> Proxy:
+        """The first positional argument this module was called with."""
+        return self._tracer("input")._module(self._path, graph_pb2.INPUT)
+
+    @input.setter
+    def input(self, value: Any) -> None:
+        self._tracer("input")._set(self._path, graph_pb2.INPUT, value)
+
+    @property
+    def inputs(self) -> Proxy:
+        """All arguments: a tuple (args tuple, kwargs dict)."""
+        return self._tracer("inputs")._module(self._path, graph_pb2.INPUTS)
+
+    @inputs.setter
+    def inputs(self, value: Any) -> None:
+        self._tracer("inputs")._set(self._path, graph_pb2.INPUTS, value)
+
+    def skip(self, value: Any) -> None:
+        """Do not run this module; use `value` as its output."""
+        self._tracer("skip()")._skip(self._path, value)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Proxy:
+        """Run this module out of place on traced values (a logit lens:
+        `model.lm_head(h)`), recorded as a "call_module" op."""
+        return self._tracer("()")._record("call_module", [self._path, *args], kwargs)
+
+
+def build_tree(model: TransformersModel | None, modules: Iterable[nnd_pb2.ModuleInfo], root: Envoy) -> None:
+    """Attach envoys for `modules` (in `named_modules()` order) below `root`."""
+    by_path: dict[str, Envoy] = {"": root}
+    for info in modules:
+        if info.path == "":
+            object.__setattr__(root, "_type", info.type or root._type)
+            object.__setattr__(root, "_extra", info.extra)
+            object.__setattr__(root, "_parameters", list(info.parameters))
+            continue
+        parent_path, _, name = info.path.rpartition(".")
+        parent = by_path.get(parent_path)
+        if parent is None:
+            raise ValueError(f"module {info.path!r} arrived before its parent")
+        env = Envoy(model, info.path, info.type, info.extra)
+        object.__setattr__(env, "_parameters", list(info.parameters))
+        parent._children[name] = env
+        by_path[info.path] = env

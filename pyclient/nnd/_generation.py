@@ -1,0 +1,64 @@
+"""Generation helpers: streaming tokens, and nnsight's `model.generator`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from nnd import _context, _inputs
+from nnd._proxy import Proxy
+from nnd._results import StepToken
+from nnd.v1 import graph_pb2, nnd_pb2
+
+if TYPE_CHECKING:
+    from nnd._model import TransformersModel
+
+
+def generate_options(**opts: Any) -> nnd_pb2.GenerateOptions:
+    gen = nnd_pb2.GenerateOptions(
+        max_new_tokens=int(opts.get("max_new_tokens") or 0),
+        do_sample=bool(opts.get("do_sample") or False),
+        temperature=float(opts.get("temperature") or 0.0),
+        top_k=int(opts.get("top_k") or 0),
+        top_p=float(opts.get("top_p") or 0.0),
+        stream_text=bool(opts.get("stream_text", True)),
+    )
+    if opts.get("seed") is not None:
+        gen.seed = int(opts["seed"])
+    return gen
+
+
+def stream(model: TransformersModel, prompt: Any, **opts: Any) -> Iterator[StepToken]:
+    """Yield each step's tokens as the daemon produces them. Closing the
+    iterator (or leaving the loop early) cancels the generation."""
+    request = nnd_pb2.TraceRequest(
+        model=model.name, invokes=_inputs.to_invokes(prompt), graph=graph_pb2.Graph(), generate=generate_options(**opts)
+    )
+    responses = model._conn.stream("Generate", request)
+    try:
+        for msg in responses:
+            if msg.WhichOneof("kind") == "step":
+                yield StepToken(msg.step.step, tuple(msg.step.ids), tuple(msg.step.text))
+    finally:
+        responses.close()  # cancels the call on the daemon
+
+
+class _Streamer:
+    @property
+    def output(self) -> Proxy:
+        """The tokens streamed per step: inside a loop a list with one ids
+        tensor per step, at top level an [invokes, steps] tensor (after the block)."""
+        tracer = _context.current("`model.generator.streamer.output`")
+        return Proxy(tracer, None)
+
+
+class Generator:
+    """nnsight's `model.generator`: `.output` is the generated ids,
+    `.streamer.output` the per-step tokens."""
+
+    streamer = _Streamer()
+
+    @property
+    def output(self) -> Proxy:
+        """The generated token ids (the same as `tracer.result`)."""
+        return _context.current("`model.generator.output`").result

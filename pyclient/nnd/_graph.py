@@ -1,0 +1,138 @@
+"""Recording graph.proto nodes: ids, scopes, arguments and structural keys.
+
+Every node also gets a *structural key*: a hashable summary of what it
+computes, with references replaced by the referenced node's key. Two reads of
+`h[0].output.shape` made with no write in between have the same key, so the
+concrete-shape cache answers the second without an RPC.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+from nnd import _codec, _source
+from nnd.v1 import graph_pb2, values_pb2
+
+# Ops that change a value in place: a write, for the shape cache.
+_INPLACE = frozenset(
+    {"setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul", "iand", "ior", "ixor"}
+)
+
+
+def is_write_op(name: str) -> bool:
+    return name in _INPLACE or (name.endswith("_") and not name.endswith("__") and name not in ("and_", "or_"))
+
+
+class GraphBuilder:
+    """An SSA list of nodes plus loop scopes, appended to while recording."""
+
+    def __init__(self) -> None:
+        self.graph = graph_pb2.Graph()
+        self.keys: dict[int, Hashable] = {}
+        # Structural keys of every write so far (writes can change later shapes).
+        self.writes: list[Hashable] = []
+        self._scopes: list[int] = [0]
+
+    # -- scopes
+    @property
+    def scope(self) -> int:
+        return self._scopes[-1]
+
+    def push_scope(self, steps: graph_pb2.StepSelector) -> int:
+        self.graph.scopes.add().steps.CopyFrom(steps)
+        index = len(self.graph.scopes)  # scope k is Graph.scopes[k - 1]
+        self._scopes.append(index)
+        return index
+
+    def pop_scope(self) -> None:
+        if len(self._scopes) > 1:
+            self._scopes.pop()
+
+    # -- nodes
+    def _node(self, key: Hashable) -> graph_pb2.Node:
+        node = self.graph.nodes.add()
+        node.id = len(self.graph.nodes)  # ids start at 1: 0 reads as "unset"
+        node.scope = self.scope
+        node.loc.CopyFrom(_source.location())
+        self.keys[node.id] = (key, node.scope)
+        return node
+
+    def module(self, path: str, point: int, invoke: int | None, call: int = 0) -> int:
+        node = self._node(("module", path, point, invoke, call))
+        _fill_module(node.module, path, point, invoke, call)
+        return node.id
+
+    def op(self, name: str, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> int:
+        arg_msgs, arg_keys = zip(*(self.arg(a) for a in args), strict=True) if args else ((), ())
+        kw = {k: self.arg(v) for k, v in (kwargs or {}).items()}
+        key = ("op", name, arg_keys, tuple(sorted((k, v[1]) for k, v in kw.items())))
+        node = self._node(key)
+        node.op.name = name
+        node.op.args.extend(arg_msgs)
+        for k, (msg, _) in kw.items():
+            node.op.kwargs[k].CopyFrom(msg)
+        if is_write_op(name):
+            self.writes.append(key)
+        return node.id
+
+    def save(self, value: Any) -> int:
+        msg, key = self.arg(value)
+        node = self._node(("save", key))
+        node.save.value.CopyFrom(msg)
+        return node.id
+
+    def set(self, path: str, point: int, invoke: int | None, call: int, value: Any) -> int:
+        msg, key = self.arg(value)
+        node = self._node(("set", path, point, invoke, call, key))
+        _fill_module(node.set.target, path, point, invoke, call)
+        node.set.value.CopyFrom(msg)
+        self.writes.append(self.keys[node.id])
+        return node.id
+
+    def skip(self, path: str, invoke: int | None, call: int, value: Any) -> int:
+        msg, key = self.arg(value)
+        node = self._node(("skip", path, invoke, call, key))
+        _fill_module(node.skip.target, path, graph_pb2.OUTPUT, invoke, call)
+        node.skip.value.CopyFrom(msg)
+        self.writes.append(self.keys[node.id])
+        return node.id
+
+    def stop(self) -> int:
+        node = self._node(("stop",))
+        node.stop.SetInParent()
+        self.writes.append(self.keys[node.id])
+        return node.id
+
+    # -- arguments
+    def arg(self, obj: Any) -> tuple[graph_pb2.Arg, Hashable]:
+        """An Arg for a proxy, a constant, or a tuple/list holding proxies."""
+        from nnd._proxy import Proxy
+
+        if isinstance(obj, Proxy):
+            ref = obj._ref()
+            return graph_pb2.Arg(ref=ref), ("r", self.keys[ref])
+        if isinstance(obj, (tuple, list)) and _holds_proxy(obj):
+            items = [self.arg(item) for item in obj]
+            lst = graph_pb2.ArgList(items=[m for m, _ in items])
+            kind = "tuple" if isinstance(obj, tuple) else "list"
+            arg = graph_pb2.Arg(tuple=lst) if kind == "tuple" else graph_pb2.Arg(list=lst)
+            return arg, (kind, tuple(k for _, k in items))
+        if isinstance(obj, Mapping) and _holds_proxy(list(obj.values())):
+            raise TypeError("a dict holding traced values cannot be an argument; pass them separately")
+        value: values_pb2.Value = _codec.encode(obj)
+        return graph_pb2.Arg(value=value), ("v", value.SerializeToString(deterministic=True))
+
+
+def _fill_module(msg: graph_pb2.ModuleValue, path: str, point: int, invoke: int | None, call: int) -> None:
+    msg.path = path
+    msg.point = point  # type: ignore[assignment]
+    if invoke is not None:
+        msg.invoke = invoke
+    msg.call = call
+
+
+def _holds_proxy(items: Sequence[Any]) -> bool:
+    from nnd._proxy import Proxy
+
+    return any(isinstance(i, Proxy) or (isinstance(i, (tuple, list)) and _holds_proxy(i)) for i in items)

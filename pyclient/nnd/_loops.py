@@ -1,0 +1,114 @@
+"""Loop scopes over generation steps: `tracer.iter[...]` and `tracer.all()`.
+
+The body of a loop is recorded once, into a scope the daemon runs at every
+selected step; so the iterator yields exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from nnd._usage import value_not_known
+from nnd.v1 import graph_pb2, values_pb2
+
+if TYPE_CHECKING:
+    from nnd._tracer import Tracer
+
+
+def selector(key: Any) -> graph_pb2.StepSelector:
+    """A StepSelector for `iter[:]`, `iter[1:3]`, `iter[[0, 2]]` or `iter[2]`."""
+    sel = graph_pb2.StepSelector()
+    if isinstance(key, slice):
+        if key.start is None and key.stop is None and key.step is None:
+            sel.all.SetInParent()
+            return sel
+        for field in ("start", "stop", "step"):
+            bound = getattr(key, field)
+            if bound is not None:
+                setattr(sel.range, field, int(bound))
+        sel.range.SetInParent()
+    elif isinstance(key, int) and not isinstance(key, bool):
+        sel.steps.steps.append(key)
+    elif isinstance(key, Sequence) and all(isinstance(s, int) for s in key):
+        sel.steps.steps.extend(key)
+    else:
+        raise TypeError(f"select steps with a slice, an int or a list of ints, not {key!r}")
+    return sel
+
+
+class Step:
+    """The step a loop body runs at. The body is recorded once for all
+    selected steps, so its number is not a Python int; choose steps with
+    `tracer.iter[...]` rather than branching on it."""
+
+    __slots__ = ("scope",)
+
+    def __init__(self, scope: int) -> None:
+        self.scope = scope
+
+    def _refuse(self, what: str) -> Any:
+        raise value_not_known(
+            f"{what} of a loop step (the body runs once per step on the daemon; select steps "
+            "with tracer.iter[[...]] instead)",
+            "",
+        )
+
+    def __bool__(self) -> bool:
+        return self._refuse("`bool()`")
+
+    def __int__(self) -> int:
+        return self._refuse("`int()`")
+
+    def __index__(self) -> int:
+        return self._refuse("the number")
+
+    def __eq__(self, other: object) -> bool:
+        return self._refuse("comparing")
+
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return f"<nnd step of loop scope {self.scope}>"
+
+
+class Loop:
+    """One loop scope: iterate it (`for step in ...`) or enter it (`with ...`)."""
+
+    def __init__(self, tracer: Tracer, steps: graph_pb2.StepSelector) -> None:
+        self._tracer = tracer
+        self._steps = steps
+        self._scope = 0
+
+    def __iter__(self) -> Iterator[Step]:
+        scope = self._tracer._builder.push_scope(self._steps)
+        try:
+            yield Step(scope)
+        finally:
+            self._tracer._builder.pop_scope()
+
+    def __enter__(self) -> Step:
+        self._scope = self._tracer._builder.push_scope(self._steps)
+        return Step(self._scope)
+
+    def __exit__(self, *exc: object) -> None:
+        self._tracer._builder.pop_scope()
+
+
+class StepIter:
+    """`tracer.iter`: index it with the steps to run a loop body at."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        self._tracer = tracer
+
+    def __getitem__(self, key: Any) -> Loop:
+        return Loop(self._tracer, selector(key))
+
+    def __iter__(self) -> Iterator[Step]:
+        return iter(self[:])
+
+
+def every_step(tracer: Tracer) -> Loop:
+    sel = graph_pb2.StepSelector()
+    sel.all.CopyFrom(values_pb2.Empty())
+    return Loop(tracer, sel)

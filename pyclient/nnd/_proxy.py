@@ -1,0 +1,276 @@
+"""Proxies: stand-ins for values that exist only while the daemon runs the model.
+
+Every Python operation on a proxy records an op node instead of computing.
+After the block, a saved proxy holds its real value (`.value`), and further
+operations on it simply compute on that value.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from nnd import _meta, _source, _torchmod
+from nnd._usage import ValueNotKnown, value_not_known
+
+if TYPE_CHECKING:
+    from nnd._tracer import Tracer
+
+_UNSET: Any = object()
+
+# Python's dunder names -> the `operator` module's names used as op names.
+_BINARY = {
+    "add": "add", "sub": "sub", "mul": "mul", "truediv": "truediv", "floordiv": "floordiv",
+    "mod": "mod", "pow": "pow", "matmul": "matmul", "and": "and_", "or": "or_", "xor": "xor",
+    "lshift": "lshift", "rshift": "rshift",
+}  # fmt: skip
+_COMPARE = ("lt", "le", "eq", "ne", "gt", "ge")
+_UNARY = {"neg": "neg", "pos": "pos", "abs": "abs", "invert": "invert"}
+_INPLACE = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor")
+
+
+def op_name(func: Any) -> tuple[str, bool]:
+    """The op name of a torch function or Tensor method, and whether its
+    arguments are reflected (`Tensor.__radd__`)."""
+    name = getattr(func, "__name__", None) or str(func)
+    if name.startswith("__") and name.endswith("__"):
+        core = name[2:-2]
+        if core in ("getitem", "setitem"):
+            return core, False
+        if core == "div":
+            return "truediv", False
+        if core.startswith("r") and core[1:] in _BINARY:
+            return _BINARY[core[1:]], True
+        if core.startswith("i") and core[1:] in _BINARY:
+            return "i" + _BINARY[core[1:]].rstrip("_"), False
+        if core in _BINARY:
+            return _BINARY[core], False
+        if core in _UNARY or core in _COMPARE:
+            return core, False
+    return name, False
+
+
+class Proxy:
+    """A value of the traced model, known only once the daemon has run the block.
+
+    Use it like a tensor inside the block: index it, do arithmetic, call tensor
+    methods and torch functions on it; each use records one node. Call
+    `.save()` on what you want back; after the block its name holds the real
+    value (also at `.value`).
+    """
+
+    __slots__ = ("_tracer", "_node", "_pending", "_value", "__weakref__")
+
+    def __init__(self, tracer: Tracer, node: int | None, pending: tuple[Proxy, str] | None = None) -> None:
+        self._tracer = tracer
+        self._node = node
+        self._pending = pending
+        self._value = _UNSET
+
+    # -- identity in the graph
+    def _ref(self) -> int:
+        """The node id, recording a pending attribute read as a `getattr` op."""
+        if self._node is None:
+            if self._pending is None:
+                raise ValueNotKnown("this value has no node in the graph")
+            base, name = self._pending
+            self._node = self._tracer._builder.op("getattr", [base, name])
+        return self._node
+
+    @property
+    def _resolved(self) -> bool:
+        return self._value is not _UNSET
+
+    def _live(self) -> bool:
+        """True while its block is being recorded."""
+        return self._tracer._recording
+
+    # -- the user API
+    def save(self) -> Proxy:
+        """Return this value after the block: the name it is bound to is rebound
+        to the real value (a list with one entry per step inside a loop)."""
+        if not self._live():
+            return self
+        self._tracer._save(self)
+        return self
+
+    @property
+    def value(self) -> Any:
+        """The real value, once the block has run (only for saved values)."""
+        if self._value is _UNSET:
+            if self._live():
+                raise value_not_known("`.value`", _source.location().text)
+            raise ValueNotKnown("this value was not saved; call `.save()` on it inside the block")
+        return self._value
+
+    @property
+    def shape(self) -> Any:
+        """The shape, known at once: the daemon scans the graph recorded so far
+        (cached, so repeated reads cost no extra RPC)."""
+        if not self._live():
+            return self.value.shape
+        meta = self._tracer._concrete(self)
+        if not hasattr(meta, "shape"):
+            raise TypeError(f"this value is a {type(meta).__name__}, which has no shape")
+        return _meta.Size(meta.shape)
+
+    @property
+    def dtype(self) -> Any:
+        """The element type, known at once (see `shape`)."""
+        if not self._live():
+            return self.value.dtype
+        meta = self._tracer._concrete(self)
+        if not hasattr(meta, "dtype"):
+            raise TypeError(f"this value is a {type(meta).__name__}, which has no dtype")
+        torch = _torchmod.loaded()
+        return getattr(torch, meta.dtype) if torch is not None else meta.dtype
+
+    @property
+    def ndim(self) -> int:
+        """The number of dimensions, known at once (see `shape`)."""
+        return len(self.shape) if self._live() else self.value.ndim
+
+    def __len__(self) -> int:
+        if not self._live():
+            return len(self.value)
+        return len(self._tracer._concrete(self))
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self._live():
+            yield from self.value
+            return
+        for i in range(len(self)):
+            yield self[i]
+
+    # -- attribute reads and method calls
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if not self._live():
+            return getattr(self.value, name)
+        return Proxy(self._tracer, None, pending=(self, name))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pending is None or self._node is not None:
+            raise TypeError("a traced value is not callable")
+        base, name = self._pending
+        return base._tracer._record(name, [base, *args], kwargs)
+
+    def __getitem__(self, key: Any) -> Any:
+        return _record(self, "getitem", [self, key])
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if not self._live():
+            self.value[key] = value
+            return
+        self._tracer._record("setitem", [self, key, value], {})
+
+    # -- value-dependent Python: refused while recording
+    def _refuse(self, what: str) -> Any:
+        if not self._live():
+            return None
+        raise value_not_known(what, _source.location().text)
+
+    def __bool__(self) -> bool:
+        return bool(self.value) if not self._live() else self._refuse("`bool()` (an `if`, `and`, `or`, `not`)")
+
+    def __float__(self) -> float:
+        return float(self.value) if not self._live() else self._refuse("`float()`")
+
+    def __int__(self) -> int:
+        return int(self.value) if not self._live() else self._refuse("`int()`")
+
+    def __index__(self) -> int:
+        return operator.index(self.value) if not self._live() else self._refuse("using it as an index")
+
+    def __complex__(self) -> complex:
+        return complex(self.value) if not self._live() else self._refuse("`complex()`")
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._live():
+            self._refuse("converting it to a numpy array")
+        import numpy as np
+
+        return np.asarray(self.value, *args, **kwargs)
+
+    # numpy: defer `ndarray + proxy` to our reflected operators
+    __array_ufunc__ = None
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        if self._value is not _UNSET:
+            return repr(self._value)
+        if self._node is None and self._pending is not None:
+            return f"<nnd.Proxy .{self._pending[1]}>"
+        node = self._tracer._builder.graph.nodes[self._node - 1] if self._node else None
+        if node is None:
+            return "<nnd.Proxy>"
+        kind = node.WhichOneof("kind")
+        what = node.op.name if kind == "op" else f"{node.module.path or 'model'}.{_point(node.module.point)}"
+        state = "" if self._live() else " (not saved)"
+        return f"<nnd.Proxy %{node.id} {what}{state}>"
+
+    # -- torch functions: torch.softmax(p, -1), F.gelu(p), torch.cat([p, q])
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        tracer = _find_tracer(args, kwargs)
+        name, reflected = op_name(func)
+        args = list(args)
+        if reflected and len(args) == 2:
+            args.reverse()
+        if tracer is None or not tracer._recording:
+            # After the block: compute on the real values.
+            return func(*_values(args), **_values(kwargs or {}))
+        return tracer._record(name, args, kwargs or {}, func=func)
+
+
+def _point(point: int) -> str:
+    return {1: "output", 2: "input", 3: "inputs", 4: "result"}.get(point, "?")
+
+
+def _find_tracer(args: Any, kwargs: Any) -> Tracer | None:
+    stack = [args, kwargs]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Proxy):
+            return item._tracer
+        if isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return None
+
+
+def _values(obj: Any) -> Any:
+    if isinstance(obj, Proxy):
+        return obj.value
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_values(i) for i in obj)
+    if isinstance(obj, dict):
+        return {k: _values(v) for k, v in obj.items()}
+    return obj
+
+
+def _record(proxy: Proxy, name: str, args: list[Any]) -> Any:
+    if not proxy._live():
+        return getattr(operator, name)(*_values(args))
+    return proxy._tracer._record(name, args, {})
+
+
+def _binary(name: str, *, reflected: bool = False) -> Any:
+    def method(self: Proxy, other: Any) -> Any:
+        return _record(self, name, [other, self] if reflected else [self, other])
+
+    return method
+
+
+for _dunder, _name in _BINARY.items():
+    setattr(Proxy, f"__{_dunder}__", _binary(_name))
+    setattr(Proxy, f"__r{_dunder}__", _binary(_name, reflected=True))
+for _dunder in _INPLACE:
+    setattr(Proxy, f"__i{_dunder}__", _binary("i" + _BINARY[_dunder].rstrip("_")))
+for _cmp in _COMPARE:
+    setattr(Proxy, f"__{_cmp}__", _binary(_cmp))
+for _dunder, _name in _UNARY.items():
+    setattr(Proxy, f"__{_dunder}__", lambda self, _n=_name: _record(self, _n, [self]))

@@ -1,0 +1,46 @@
+"""Where in the user's program a node was recorded."""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+from types import FrameType
+
+from nnd import _torchmod
+from nnd.v1 import graph_pb2
+
+_PKG = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_skip: tuple[str, ...] = (_PKG,)
+_torch_seen = False
+
+
+def _skipped() -> tuple[str, ...]:
+    # torch's override machinery (torch/overrides.py, torch/nn/functional.py)
+    # sits between a user's `F.softmax(p)` and our __torch_function__.
+    global _skip, _torch_seen
+    if not _torch_seen:
+        torch = _torchmod.loaded()
+        if torch is not None and getattr(torch, "__file__", None):
+            _skip = (_PKG, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+            _torch_seen = True
+    return _skip
+
+
+def user_frame(depth: int = 1) -> FrameType | None:
+    """The innermost frame outside nnd (and torch's dispatch code)."""
+    skip = _skipped()
+    frame: FrameType | None = sys._getframe(depth)
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame = frame.f_back
+    return frame
+
+
+def location() -> graph_pb2.SourceLocation:
+    """The user's file, line and line text, for a node being recorded."""
+    frame = user_frame(2)
+    if frame is None:
+        return graph_pb2.SourceLocation()
+    file = frame.f_code.co_filename
+    line = frame.f_lineno
+    return graph_pb2.SourceLocation(file=file, line=line, text=linecache.getline(file, line).strip())

@@ -1,0 +1,224 @@
+"""Trace, scan and generate blocks: record a graph, send it on exit, hand back values."""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from nnd import _concrete, _context, _inputs, _meta, _rebind, _results, _source
+from nnd._graph import GraphBuilder
+from nnd._loops import Loop, StepIter, every_step
+from nnd._proxy import Proxy
+from nnd.errors import NndError
+from nnd.v1 import graph_pb2, nnd_pb2
+
+if TYPE_CHECKING:
+    from nnd._model import TransformersModel
+
+_NO_INPUT: Any = object()
+
+
+class Invoker:
+    """`with tracer.invoke(input):` — module values read inside belong to this
+    input's batch rows. With no input, they cover every row."""
+
+    def __init__(self, tracer: Tracer, data: Any) -> None:
+        self._tracer = tracer
+        self._data = data
+        self._previous: int | None = None
+        self.index: int | None = None
+
+    def __enter__(self) -> Invoker:
+        tracer = self._tracer
+        if self._data is not _NO_INPUT:
+            invokes = _inputs.to_invokes(self._data)
+            if len(invokes) != 1:
+                raise ValueError("one prompt per invoke: open one `tracer.invoke(...)` for each prompt")
+            self.index = len(tracer._invokes)
+            tracer._invokes.extend(invokes)
+        self._previous = tracer._invoke
+        tracer._invoke = self.index
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._tracer._invoke = self._previous
+
+
+class Tracer:
+    """A `with` block being recorded. On a clean exit the graph goes to the
+    daemon; saved values come back and the block's names are rebound to them.
+
+    Inside the block: `tracer.invoke(input)` adds a prompt, `tracer.result`
+    is the whole request's result, `tracer.stop()` ends the forward early.
+    """
+
+    _method = "Trace"
+
+    def __init__(self, model: TransformersModel, data: Any = _NO_INPUT, **options: Any) -> None:
+        self.model = model
+        self._builder = GraphBuilder()
+        self._invokes: list[nnd_pb2.Invoke] = []
+        self._invoke: int | None = None
+        self._saved: dict[int, Proxy] = {}
+        self._concrete_saves: list[_meta.Size] = []
+        self._client_saves: list[tuple[Proxy, int]] = []
+        self._recording = False
+        self._options = options
+        self.tokens: list[_results.StepToken] = []
+        """Tokens streamed per generation step (Generate only)."""
+        self.compute_s = 0.0
+        """Wall time the daemon spent running the block."""
+        if data is not _NO_INPUT:
+            self._invokes.extend(_inputs.to_invokes(data))
+            # One prompt is invoke 0; a batch given at once is read as all its rows.
+            self._invoke = 0 if len(self._invokes) == 1 else None
+
+    # -- recording API
+    def invoke(self, data: Any = _NO_INPUT) -> Invoker:
+        """Add one prompt (text, token ids or a tensor of ids) as its own batch rows."""
+        return Invoker(self, data)
+
+    @property
+    def result(self) -> Proxy:
+        """The request's result: the model output (trace/scan) or the
+        generated token ids (generate)."""
+        return self._module("", graph_pb2.RESULT, invoke=None)
+
+    def stop(self) -> None:
+        """Stop the forward pass once everything recorded has run."""
+        self._builder.stop()
+
+    @property
+    def iter(self) -> StepIter:
+        """Select generation steps: `for step in tracer.iter[:]:` (all),
+        `tracer.iter[1:3]`, `tracer.iter[[0, 2]]`. The body is recorded once."""
+        return StepIter(self)
+
+    def all(self) -> Loop:
+        """`with tracer.all():` — run the body at every generation step."""
+        return every_step(self)
+
+    # -- used by envoys and proxies
+    def _module(self, path: str, point: int, *, invoke: Any = _NO_INPUT) -> Proxy:
+        which = self._invoke if invoke is _NO_INPUT else invoke
+        return Proxy(self, self._builder.module(path, point, which, 0))
+
+    def _set(self, path: str, point: int, value: Any) -> None:
+        self._builder.set(path, point, self._invoke, 0, value)
+
+    def _skip(self, path: str, value: Any) -> None:
+        self._builder.skip(path, self._invoke, 0, value)
+
+    def _record(self, name: str, args: list[Any], kwargs: dict[str, Any], func: Any = None) -> Proxy:
+        return Proxy(self, self._builder.op(name, args, kwargs))
+
+    def _save(self, proxy: Proxy) -> None:
+        if proxy._node is None and proxy._pending is None:  # client-side value (streamer tokens)
+            self._client_saves.append((proxy, self._builder.scope))
+            return
+        self._saved[self._builder.save(proxy)] = proxy
+
+    def _save_constant(self, value: Any) -> None:
+        self._builder.save(value)
+
+    def _save_concrete(self, size: _meta.Size) -> None:
+        self._concrete_saves.append(size)
+
+    def _concrete(self, proxy: Proxy) -> Any:
+        return _concrete.query(self, proxy)
+
+    # -- running
+    def __enter__(self) -> Tracer:
+        self._recording = True
+        _context.push(self)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        __tracebackhide__ = True  # noqa: F841  (pytest/IPython hide this frame)
+        _context.pop(self)
+        self._recording = False
+        if exc_type is not None:
+            return False
+        try:
+            self._run()
+        except NndError as err:
+            # The daemon's message quotes the user's line; point the traceback at the `with`.
+            raise err.with_traceback(None) from None
+        frame = _source.user_frame()
+        if frame is not None:
+            _rebind.rebind(frame, self._replacements())
+        return False
+
+    def _request(self) -> nnd_pb2.TraceRequest:
+        if not self._invokes:
+            raise ValueError("nothing to run: pass an input to the block or open `tracer.invoke(input)`")
+        request = nnd_pb2.TraceRequest(model=self.model.name, invokes=self._invokes, graph=self._builder.graph)
+        keep_alive = self._options.get("keep_alive")
+        if keep_alive is not None:
+            from nnd._placement import keep_alive_string
+
+            request.keep_alive = keep_alive_string(keep_alive)
+        return request
+
+    def _run(self) -> None:
+        request = self._request()
+        stream = self.model._conn.stream(self._method, request)
+        results = _results.collect(stream, on_step=self.tokens.append)
+        self.compute_s = results.compute_s
+        for node, proxy in self._saved.items():
+            if node in results.saved:
+                proxy._value = results.saved[node]
+        for proxy, scope in self._client_saves:
+            proxy._value = self._client_value(scope)
+
+    def _client_value(self, scope: int) -> Any:
+        return None
+
+    def _replacements(self) -> dict[int, tuple[Any, Any]]:
+        out: dict[int, tuple[Any, Any]] = {}
+        for proxy in self._saved.values():
+            if proxy._resolved:
+                out[id(proxy)] = (proxy, proxy._value)
+        for proxy, _ in self._client_saves:
+            out[id(proxy)] = (proxy, proxy._value)
+        for size in self._concrete_saves:
+            out[id(size)] = (size, size.real())
+        return out
+
+
+class ScanTracer(Tracer):
+    """A scan block: the graph runs on the META model with fake tensors.
+    Saved tensors come back as tensors on the "meta" device (torch) or
+    `nnd.MetaTensor` (no torch): shapes and dtypes, no data."""
+
+    _method = "Scan"
+
+
+class GenerateTracer(Tracer):
+    """A generate block: the graph runs during generation. Module values at
+    top level are read at step 0 (the prompt's forward); bodies of
+    `tracer.iter[...]` / `tracer.all()` run at each selected step, and their
+    saves come back as lists."""
+
+    _method = "Generate"
+
+    def _request(self) -> nnd_pb2.TraceRequest:
+        from nnd._generation import generate_options
+
+        request = super()._request()
+        request.generate.CopyFrom(generate_options(**self._options))
+        return request
+
+    def _client_value(self, scope: int) -> Any:
+        """`model.generator.streamer.output`: the streamed ids, per step inside
+        a loop, else one [invokes, steps] table."""
+        from nnd import _torchmod
+
+        torch = _torchmod.available()
+        rows = [list(step.ids) for step in self.tokens]
+        if scope:
+            return [torch.tensor(r) if torch is not None else r for r in rows]
+        table = [list(col) for col in zip(*rows, strict=True)] if rows else []
+        return torch.tensor(table) if torch is not None else table
