@@ -1,0 +1,60 @@
+"""Turn `nnd serve`'s options into Settings and run the daemon."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from nnd import _address
+from nnd_daemon.control.server import serve
+from nnd_daemon.control.settings import Limits, Settings, parse_bytes
+
+
+def default_state_dir() -> str:
+    if os.environ.get("STATE_DIRECTORY"):  # systemd's StateDirectory=
+        return os.environ["STATE_DIRECTORY"].split(":")[0]
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return os.path.join(base, "nnd")
+
+
+def settings_from_args(ns: argparse.Namespace) -> Settings:
+    if ns.listen:
+        address = ns.listen
+    elif ns.address:
+        address = ns.address
+    else:
+        address = _address.default_address(serving=True)
+    max_memory = {}
+    for item in ns.max_memory or []:
+        dev, _, size = item.partition("=")
+        dev = f"cuda:{dev}" if dev.isdigit() else ("cuda:0" if dev == "cuda" else dev)
+        max_memory[dev] = parse_bytes(size)
+    limits = Limits(
+        max_request_bytes=parse_bytes(ns.max_request_bytes),
+        max_saved_bytes=parse_bytes(ns.max_saved_bytes),
+        max_invokes=ns.max_invokes,
+        max_sequence_length=ns.max_sequence_length,
+        max_new_tokens=ns.max_new_tokens,
+        default_deadline_s=ns.deadline,
+        max_queue_depth=ns.max_queue_depth,
+        max_dispatched_models=ns.max_dispatched,
+    )
+    return Settings(
+        address=address,
+        state_dir=ns.state_dir or default_state_dir(),
+        keep_alive=ns.keep_alive,
+        limits=limits,
+        max_memory=max_memory,
+        allow_remote_code=ns.allow_remote_code,
+        allow_models=ns.allow_model or [],
+        socket_group=ns.socket_group,
+    )
+
+
+def run(ns: argparse.Namespace) -> int:
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    settings = settings_from_args(ns)
+    serve(settings, grace=ns.grace)
+    return 0

@@ -1,0 +1,421 @@
+"""The model registry: every loaded model, its state, its worker.
+
+States: META -> DISPATCHING -> DISPATCHED -> (release, keep-alive expiry,
+worker death) -> META; unload forgets. All transitions happen under one lock;
+slow work (building meta models, loading weights) happens outside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from nnd.v1 import nnd_pb2, worker_pb2
+from nnd_daemon import errors
+from nnd_daemon.control import metamodel, statefile
+from nnd_daemon.control.settings import Settings, parse_duration
+from nnd_daemon.control.supervisor import Worker
+
+log = logging.getLogger("nnd.registry")
+
+META, DISPATCHING, DISPATCHED = nnd_pb2.META, nnd_pb2.DISPATCHING, nnd_pb2.DISPATCHED
+
+
+@dataclass
+class Entry:
+    name: str
+    meta: metamodel.MetaModel
+    placement: nnd_pb2.Placement
+    trust_remote_code: bool = False
+    keep_alive: str = ""
+    state: int = META
+    worker: Worker | None = None
+    dispatched_placement: nnd_pb2.Placement | None = None
+    dtype: str = ""
+    last_used: float = 0.0
+    last_error: str = ""
+    active: int = 0
+    # Trace requests waiting for or running on the worker (the queue).
+    queued: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _merge(base: nnd_pb2.Placement, override: nnd_pb2.Placement | None) -> nnd_pb2.Placement:
+    out = nnd_pb2.Placement()
+    out.CopyFrom(base)
+    if override is not None:
+        for fd, value in override.ListFields():
+            if fd.name == "max_memory":
+                out.max_memory.clear()
+                out.max_memory.update(value)
+            else:
+                setattr(out, fd.name, value)
+    return out
+
+
+class Registry:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._entries: dict[str, Entry] = {}
+        self._loading: dict[str, threading.Event] = {}
+        # Worker sockets live in a private short directory: unix socket paths
+        # are limited to ~107 bytes, and state directories can be deep.
+        self.run_dir = tempfile.mkdtemp(prefix="nnd-", dir=os.environ.get("RUNTIME_DIRECTORY") or None)
+        self.log_dir = os.path.join(settings.state_dir, "logs")
+        os.makedirs(self.log_dir, mode=0o750, exist_ok=True)
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="keep-alive", daemon=True)
+        self._reaper.start()
+
+    # -- lookup -------------------------------------------------------------
+    def get(self, name: str) -> Entry:
+        with self._lock:
+            entry = self._entries.get(name) or self._entries.get(self._alias(name))
+        if entry is None:
+            known = ", ".join(sorted(self._entries)) or "none loaded"
+            raise errors.NotFound(f"model {name!r} is not loaded (loaded: {known}); load it with `nnd load {name}`")
+        return entry
+
+    def _alias(self, name: str) -> str:
+        # A local path may be given relative or absolute.
+        return os.path.abspath(name) if os.path.exists(name) else name
+
+    def entries(self) -> list[Entry]:
+        with self._lock:
+            return list(self._entries.values())
+
+    # -- load / unload ------------------------------------------------------
+    def load(self, req: nnd_pb2.LoadModelRequest) -> Entry:
+        name = req.model.strip()
+        if not name:
+            raise errors.InvalidArgument("LoadModel needs a model: a repo id or a local directory")
+        self._check_allowed(name, req.trust_remote_code)
+        if req.keep_alive:
+            _keep_alive_seconds(req.keep_alive)
+        while True:
+            with self._lock:
+                if name in self._entries:
+                    return self._entries[name]
+                pending = self._loading.get(name)
+                if pending is None:
+                    self._loading[name] = threading.Event()
+                    break
+            pending.wait()
+        try:
+            meta = metamodel.build(name, revision=req.revision, task=req.task, trust_remote_code=req.trust_remote_code)
+            entry = Entry(
+                name=name,
+                meta=meta,
+                placement=_merge(nnd_pb2.Placement(), req.placement),
+                trust_remote_code=req.trust_remote_code,
+                keep_alive=req.keep_alive,
+            )
+            with self._lock:
+                self._entries[name] = entry
+            self.save()
+            return entry
+        finally:
+            with self._lock:
+                self._loading.pop(name).set()
+
+    def _check_allowed(self, name: str, trust_remote_code: bool) -> None:
+        if trust_remote_code and not self.settings.allow_remote_code:
+            raise errors.PermissionDenied(
+                "trust_remote_code is refused: this daemon runs no model code from repositories "
+                "(start it with --allow-remote-code to change that)"
+            )
+        allow = self.settings.allow_models
+        if allow and not any(name == a or (a.endswith("*") and name.startswith(a[:-1])) for a in allow):
+            raise errors.PermissionDenied(f"model {name!r} is not in this daemon's allow-list")
+
+    def unload(self, name: str) -> None:
+        entry = self.get(name)
+        self.release(entry.name)
+        with self._lock:
+            self._entries.pop(entry.name, None)
+        self.save()
+
+    # -- dispatch / release -------------------------------------------------
+    def dispatch(self, name: str, override: nnd_pb2.Placement | None = None, keep_alive: str = "") -> Iterator[Any]:
+        """Start the model's worker; yields DispatchProgress. Waits if another
+        caller is already dispatching it."""
+        entry = self.get(name)
+        if keep_alive:
+            _keep_alive_seconds(keep_alive)
+            entry.keep_alive = keep_alive
+        placement = _merge(entry.placement, override)
+        with self._lock:
+            while entry.state == DISPATCHING:
+                self._changed.wait()
+            if entry.state == DISPATCHED:
+                if override is None or placement == entry.dispatched_placement:
+                    entry.last_used = time.time()
+                    return
+                self._release_locked(entry)  # a new placement: start over
+            self._check_budget(entry, placement)
+            self._make_room(entry)
+            entry.state = DISPATCHING
+            entry.last_error = ""
+        worker = Worker(entry.name, self.run_dir, self.log_dir, self._worker_exited)
+        try:
+            yield nnd_pb2.DispatchProgress(stage="starting", message="starting worker process")
+            worker.start(self.settings.worker_start_timeout_s)
+            entry.worker = worker
+            load = worker_pb2.WorkerLoadRequest(
+                model=entry.meta.source,
+                revision=entry.meta.revision,
+                placement=placement,
+                trust_remote_code=entry.trust_remote_code,
+                task=entry.meta.task,
+            )
+            for progress in worker.load(load):
+                if progress.stage != "ready":
+                    yield progress
+            status = worker.status()
+        except BaseException as exc:
+            worker.stop()
+            with self._lock:
+                entry.worker = None
+                entry.state = META
+                entry.last_error = str(exc)
+                self._changed.notify_all()
+            raise
+        with self._lock:
+            entry.state = DISPATCHED
+            entry.dispatched_placement = placement
+            entry.dtype = status.dtype if status else ""
+            entry.last_used = time.time()
+            self._changed.notify_all()
+        self.save()
+
+    def _check_budget(self, entry: Entry, placement: nnd_pb2.Placement) -> None:
+        need = entry.meta.estimate_bytes(placement.dtype)
+        device = _primary_device(placement)
+        budget = self.settings.max_memory.get(device)
+        if budget is None and device == "cpu":
+            budget = psutil.virtual_memory().available
+            source = "free host memory"
+        else:
+            source = f"--max-memory {device}"
+        if budget is not None:
+            used = (
+                sum(
+                    e.meta.estimate_bytes(e.dtype or e.placement.dtype)
+                    for e in self._entries.values()
+                    if e is not entry
+                    and e.state in (DISPATCHED, DISPATCHING)
+                    and _primary_device(e.dispatched_placement or e.placement) == device
+                )
+                if source.startswith("--max-memory")
+                else 0
+            )
+            if need + used > budget:
+                raise errors.ResourceExhausted(
+                    f"dispatching {entry.name} needs about {_gib(need)} of weights on {device} "
+                    f"({placement.dtype or 'default dtype'}), but the budget ({source}) is {_gib(budget)}"
+                    + (f" of which {_gib(used)} is taken by other models" if used else "")
+                    + "; release a model, pick a smaller dtype (e.g. nf4) or raise the budget"
+                )
+
+    def _make_room(self, entry: Entry) -> None:
+        cap = self.settings.limits.max_dispatched_models
+        live = [e for e in self._entries.values() if e is not entry and e.state in (DISPATCHED, DISPATCHING)]
+        if not cap or len(live) < cap:
+            return
+        idle = sorted((e for e in live if e.state == DISPATCHED and e.active == 0), key=lambda e: e.last_used)
+        if not idle:
+            raise errors.ResourceExhausted(
+                f"{len(live)} models are dispatched (the cap is {cap}) and none is idle; try again later"
+            )
+        victim = idle[0]
+        log.info("releasing %s (least recently used) to make room for %s", victim.name, entry.name)
+        self._release_locked(victim, reason=f"released to make room for {entry.name} (cap {cap})")
+
+    def release(self, name: str, reason: str = "") -> Entry:
+        entry = self.get(name)
+        with self._lock:
+            while entry.state == DISPATCHING:
+                self._changed.wait()
+            self._release_locked(entry, reason)
+        self.save()
+        return entry
+
+    def _release_locked(self, entry: Entry, reason: str = "") -> None:
+        worker, entry.worker = entry.worker, None
+        entry.state = META
+        entry.dispatched_placement = None
+        entry.dtype = ""
+        if reason:
+            entry.last_error = reason
+        self._changed.notify_all()
+        if worker is not None:
+            worker.stop()
+
+    def _worker_exited(self, worker: Worker, reason: str) -> None:
+        with self._lock:
+            for entry in self._entries.values():
+                if entry.worker is worker:
+                    entry.worker = None
+                    if entry.state == DISPATCHED:
+                        entry.state = META
+                    entry.last_error = f"worker died: {reason}"
+                    self._changed.notify_all()
+        self.save()
+
+    # -- requests -----------------------------------------------------------
+    def acquire(self, name: str, *, auto_dispatch: bool, keep_alive: str = "") -> Entry:
+        """The entry, dispatched (dispatching it first if allowed), counted as busy."""
+        entry = self.get(name)
+        if keep_alive:
+            _keep_alive_seconds(keep_alive)
+            entry.keep_alive = keep_alive
+        if entry.state != DISPATCHED:
+            if not auto_dispatch:
+                raise errors.FailedPrecondition(
+                    f"model {entry.name} is not dispatched; dispatch it first (`nnd dispatch {entry.name}`)"
+                )
+            for _ in self.dispatch(entry.name):
+                pass
+        with self._lock:
+            depth = self.settings.limits.max_queue_depth
+            if depth and entry.queued >= depth:
+                raise errors.ResourceExhausted(f"the queue of {entry.name} is full (max_queue_depth={depth})")
+            if entry.state != DISPATCHED or entry.worker is None:
+                raise errors.Unavailable(f"model {entry.name} lost its worker: {entry.last_error or 'released'}")
+            entry.active += 1
+            entry.queued += 1
+            entry.last_used = time.time()
+        return entry
+
+    def done(self, entry: Entry) -> None:
+        with self._lock:
+            entry.active -= 1
+            entry.queued -= 1
+            entry.last_used = time.time()
+            expire_now = entry.active == 0 and self.keep_alive_s(entry) == 0
+        if expire_now:
+            self.release(entry.name)
+
+    def keep_alive_s(self, entry: Entry) -> float | None:
+        return _keep_alive_seconds(entry.keep_alive or self.settings.keep_alive)
+
+    def expires_at(self, entry: Entry) -> float:
+        ka = self.keep_alive_s(entry)
+        if entry.state != DISPATCHED or ka is None:
+            return 0.0
+        return entry.last_used + ka
+
+    def _reap(self) -> None:
+        while not self._stop.wait(0.5):
+            now = time.time()
+            for entry in self.entries():
+                exp = self.expires_at(entry)
+                if exp and entry.active == 0 and now >= exp:
+                    log.info("keep-alive of %s expired; releasing", entry.name)
+                    try:
+                        self.release(entry.name, reason="")
+                    except errors.NndError:
+                        pass
+
+    # -- views --------------------------------------------------------------
+    def info(self, entry: Entry, *, modules: bool = False) -> nnd_pb2.ModelInfo:
+        status = entry.worker.status() if entry.worker is not None and entry.state == DISPATCHED else None
+        out = nnd_pb2.ModelInfo(
+            name=entry.name,
+            state=entry.state,
+            task=entry.meta.task,
+            architecture=entry.meta.architecture,
+            config=entry.meta.summary(),
+            num_parameters=entry.meta.num_parameters(),
+            placement=entry.placement,
+            idle_s=(time.time() - entry.last_used) if entry.last_used else 0.0,
+            expires_at=self.expires_at(entry),
+            last_error=entry.last_error,
+            dtype=entry.dtype,
+            estimated_bytes=entry.meta.estimate_bytes(entry.placement.dtype),
+        )
+        if entry.dispatched_placement is not None:
+            out.dispatched_placement.CopyFrom(entry.dispatched_placement)
+        if entry.worker is not None:
+            out.worker_pids.append(entry.worker.pid)
+        if status is not None:
+            out.worker_rss_bytes = status.rss_bytes
+            out.weights.extend(status.weights)
+        if modules:
+            out.modules.extend(entry.meta.modules(dict(status.devices) if status else None))
+        return out
+
+    # -- persistence --------------------------------------------------------
+    def save(self) -> None:
+        with self._lock:
+            statefile.write(self.settings.state_file, self._entries.values())
+
+    def restore(self, on_error: Callable[[str, Exception], None]) -> None:
+        """Load (and re-dispatch in the background) what the state file lists."""
+        for rec in statefile.read(self.settings.state_file):
+            try:
+                self.load(rec.load_request())
+            except Exception as exc:  # noqa: BLE001 - one bad record must not stop the rest
+                on_error(rec.name, exc)
+                continue
+            if rec.dispatched:
+                threading.Thread(target=self._redispatch, args=(rec.name, on_error), daemon=True).start()
+
+    def _redispatch(self, name: str, on_error: Callable[[str, Exception], None]) -> None:
+        try:
+            for _ in self.dispatch(name):
+                pass
+        except Exception as exc:  # noqa: BLE001
+            on_error(name, exc)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        with self._lock:
+            workers = [e.worker for e in self._entries.values() if e.worker is not None]
+            for e in self._entries.values():
+                e.worker = None
+        for w in workers:
+            w.stop()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _keep_alive_seconds(text: str) -> float | None:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise errors.InvalidArgument(f"keep_alive: {exc}") from None
+
+
+def _primary_device(placement: nnd_pb2.Placement | None) -> str:
+    if placement is None:
+        return "cpu"
+    text = placement.device or placement.device_map or ""
+    if text.isdigit():
+        return f"cuda:{text}"
+    if text in ("", "cpu"):
+        return "cpu" if text == "cpu" or not _cuda_available() else "cuda:0"
+    if text == "cuda":
+        return "cuda:0"
+    if text.startswith("cuda"):
+        return text
+    return "cuda:0" if _cuda_available() else "cpu"
+
+
+def _cuda_available() -> bool:
+    # Without initialising CUDA in the daemon (that would take GPU memory).
+    return os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"

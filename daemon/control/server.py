@@ -1,0 +1,176 @@
+"""`nnd serve`: build the gRPC server, bind the socket, restore the registry,
+and drain on SIGTERM."""
+
+from __future__ import annotations
+
+import grp
+import logging
+import os
+import signal
+import threading
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from nnd import _address
+from nnd.v1 import nnd_pb2
+from nnd_daemon.control.registry import Registry
+from nnd_daemon.control.servicer import NndServicer
+from nnd_daemon.control.settings import Settings
+
+log = logging.getLogger("nnd.server")
+
+SERVICE = "nnd.v1.Nnd"
+OPTIONS = [
+    ("grpc.max_receive_message_length", 512 * 2**20),
+    ("grpc.max_send_message_length", 512 * 2**20),
+    ("grpc.so_reuseport", 0),
+]
+# These stream a worker's serialized responses through unchanged.
+_RAW_RESPONSES = {"Scan", "Trace", "Generate"}
+
+
+def _handlers(servicer: NndServicer) -> grpc.GenericRpcHandler:
+    service = nnd_pb2.DESCRIPTOR.services_by_name["Nnd"]
+    handlers = {}
+    for method in service.methods:
+        req = getattr(nnd_pb2, method.input_type.name)
+        resp = getattr(nnd_pb2, method.output_type.name)
+        serialize = (lambda b: b) if method.name in _RAW_RESPONSES else resp.SerializeToString
+        fn = getattr(servicer, method.name)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(fn, request_deserializer=req.FromString, response_serializer=serialize)
+    return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+def _prepare_socket(path: str, group: str | None) -> None:
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=0o750, exist_ok=True)
+    os.chmod(directory, 0o750)
+    if group:
+        os.chown(directory, -1, grp.getgrnam(group).gr_gid)
+    if os.path.exists(path):
+        os.unlink(path)  # a stale socket from a previous run
+
+
+class Daemon:
+    def __init__(self, settings: Settings, *, workers: int = 32) -> None:
+        self.settings = settings
+        self.registry = Registry(settings)
+        self.servicer = NndServicer(settings, self.registry)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=OPTIONS)
+        self.server.add_generic_rpc_handlers((_handlers(self.servicer),))
+        self._add_health_and_reflection()
+        self._stopped = threading.Event()
+
+    def _add_health_and_reflection(self) -> None:
+        try:
+            from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+            from grpc_reflection.v1alpha import reflection
+        except ImportError:  # optional extras
+            self.health = None
+            return
+        self.health = health.HealthServicer()
+        self._health_pb2 = health_pb2
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
+
+    def _health_loop(self) -> None:
+        if self.health is None:
+            return
+        pb = self._health_pb2
+        self.health.set("", pb.HealthCheckResponse.SERVING)
+        self.health.set(SERVICE, pb.HealthCheckResponse.SERVING)
+        known: dict[str, int] = {}
+        while not self._stopped.wait(0.2):
+            current = {e.name: e.state for e in self.registry.entries()}
+            for name, state in current.items():
+                serving = (
+                    pb.HealthCheckResponse.SERVING
+                    if state == nnd_pb2.DISPATCHED
+                    else pb.HealthCheckResponse.NOT_SERVING
+                )
+                if known.get(name) != serving:
+                    self.health.set(name, serving)
+                    known[name] = serving
+            for name in set(known) - set(current):
+                self.health.set(name, pb.HealthCheckResponse.SERVICE_UNKNOWN)
+                del known[name]
+
+    def bind(self) -> str:
+        address = self.settings.address
+        path = _address.unix_path(address)
+        if path:
+            _prepare_socket(path, self.settings.socket_group)
+            old = os.umask(0o117)  # the socket is created 0660
+            try:
+                self.server.add_insecure_port(address)
+            finally:
+                os.umask(old)
+        else:
+            port = self.server.add_insecure_port(address)
+            if port == 0:
+                raise SystemExit(f"nnd: cannot listen on {address}")
+        return address
+
+    def start(self) -> None:
+        address = self.bind()
+        self.server.start()
+        path = _address.unix_path(address)
+        if path and self.settings.socket_group:
+            os.chown(path, -1, grp.getgrnam(self.settings.socket_group).gr_gid)
+        threading.Thread(target=self._health_loop, name="health", daemon=True).start()
+        threading.Thread(target=_warm_up, name="warm-up", daemon=True).start()
+        log.info("nnd %s listening on %s (state in %s)", nnd_version(), address, self.settings.state_dir)
+        self.registry.restore(lambda name, exc: log.error("could not restore %s: %s", name, exc))
+
+    def stop(self, grace: float) -> None:
+        """Refuse new calls, let in-flight ones finish for `grace` seconds, then
+        end every worker."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        log.info("stopping: draining in-flight requests for up to %.0f s", grace)
+        if self.health is not None:
+            self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
+        self.registry.shutdown()
+        path = _address.unix_path(self.settings.address)
+        if path and os.path.exists(path):
+            os.unlink(path)
+        log.info("stopped")
+
+
+def _warm_up() -> None:
+    """Import what LoadModel needs while the daemon is idle, so the first load
+    answers in milliseconds rather than paying seconds of imports."""
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer, PreTrainedModel  # noqa: F401
+
+    from nnd_daemon import engine  # noqa: F401
+
+    with __import__("torch").device("meta"):
+        cfg = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=1, vocab_size=8, n_positions=8)
+        transformers.GPT2LMHeadModel(cfg)
+
+
+def nnd_version() -> str:
+    from nnd import __version__
+
+    return __version__
+
+
+def serve(settings: Settings, *, grace: float = 30.0) -> None:
+    daemon = Daemon(settings)
+    daemon.start()
+    done = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        threading.Thread(target=lambda: (daemon.stop(grace), done.set()), daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    while not done.wait(1.0):
+        pass

@@ -1,0 +1,197 @@
+"""The public Nnd service: validate, route to the registry or a worker, and map
+errors to statuses in one place (`_guard`)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from nnd import __version__
+from nnd.v1 import nnd_pb2
+from nnd_daemon import errors
+from nnd_daemon.control import requests
+from nnd_daemon.control.registry import Registry
+from nnd_daemon.control.settings import Settings
+
+log = logging.getLogger("nnd.servicer")
+
+
+def _guard(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn NndError into its status; anything else is INTERNAL, logged."""
+
+    @functools.wraps(method)
+    def unary(self: NndServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except errors.NndError as err:
+            errors.abort(context, err)
+        except Exception as exc:
+            log.exception("%s failed", method.__name__)
+            errors.abort(context, errors.NndError(f"internal error: {type(exc).__name__}: {exc}"))
+
+    @functools.wraps(method)
+    def streaming(self: NndServicer, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            yield from method(self, request, context)
+        except errors.NndError as err:
+            errors.abort(context, err)
+        except Exception as exc:
+            log.exception("%s failed", method.__name__)
+            errors.abort(context, errors.NndError(f"internal error: {type(exc).__name__}: {exc}"))
+
+    import inspect
+
+    return streaming if inspect.isgeneratorfunction(method) else unary
+
+
+class NndServicer:
+    def __init__(self, settings: Settings, registry: Registry) -> None:
+        self.settings = settings
+        self.registry = registry
+
+    # -- server -------------------------------------------------------------
+    @_guard
+    def GetServerInfo(self, request: Any, context: grpc.ServicerContext) -> nnd_pb2.ServerInfo:
+        import torch
+        import transformers
+
+        from nnd_daemon.engine import ops
+
+        info = nnd_pb2.ServerInfo(
+            version=__version__,
+            protocol="nnd.v1",
+            ops=sorted(ops.OPS),
+            attributes=sorted(ops.ATTRIBUTES),
+            limits=self.settings.limits.to_proto(),
+            devices=["cpu"] + [f"cuda:{i}" for i in range(_gpu_count())],
+        )
+        info.libraries.update(
+            {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+        )
+        return info
+
+    # -- models -------------------------------------------------------------
+    @_guard
+    def LoadModel(self, request: nnd_pb2.LoadModelRequest, context: grpc.ServicerContext) -> nnd_pb2.ModelInfo:
+        entry = self.registry.load(request)
+        if request.dispatch:
+            for _ in self.registry.dispatch(entry.name, None, request.keep_alive):
+                pass
+        return self.registry.info(entry, modules=True)
+
+    @_guard
+    def GetModel(self, request: nnd_pb2.GetModelRequest, context: grpc.ServicerContext) -> nnd_pb2.ModelInfo:
+        return self.registry.info(self.registry.get(request.model), modules=True)
+
+    @_guard
+    def ListModels(self, request: Any, context: grpc.ServicerContext) -> nnd_pb2.ListModelsResponse:
+        return nnd_pb2.ListModelsResponse(models=[self.registry.info(e) for e in self.registry.entries()])
+
+    @_guard
+    def Dispatch(self, request: nnd_pb2.DispatchRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        entry = self.registry.get(request.model)
+        override = request.placement if request.HasField("placement") else None
+        yield from self.registry.dispatch(entry.name, override, request.keep_alive)
+        yield nnd_pb2.DispatchProgress(stage="ready", message="dispatched", model=self.registry.info(entry))
+
+    @_guard
+    def Release(self, request: nnd_pb2.ReleaseRequest, context: grpc.ServicerContext) -> nnd_pb2.ModelInfo:
+        return self.registry.info(self.registry.release(request.model))
+
+    @_guard
+    def Unload(self, request: nnd_pb2.UnloadRequest, context: grpc.ServicerContext) -> nnd_pb2.UnloadResponse:
+        self.registry.unload(request.model)
+        return nnd_pb2.UnloadResponse()
+
+    # -- tracing ------------------------------------------------------------
+    @_guard
+    def Scan(self, request: nnd_pb2.TraceRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        from nnd_daemon import engine
+
+        requests.check(request, self.settings.limits, generate=False)
+        meta = self.registry.get(request.model).meta
+        out: list[Any] = []
+        with meta.lock:
+            engine.run(
+                meta.module,
+                meta.tokenizer,
+                request,
+                mode="scan",
+                emit=out.append,
+                cancelled=lambda: not context.is_active(),
+                limits=requests.engine_limits(self.settings.limits),
+            )
+        for message in out:
+            yield message.SerializeToString()
+
+    @_guard
+    def Trace(self, request: nnd_pb2.TraceRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        yield from self._run(request, context, generate=False)
+
+    @_guard
+    def Generate(self, request: nnd_pb2.TraceRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        yield from self._run(request, context, generate=True)
+
+    def _run(self, request: nnd_pb2.TraceRequest, context: grpc.ServicerContext, *, generate: bool) -> Iterator[bytes]:
+        requests.check(request, self.settings.limits, generate=generate)
+        entry = self.registry.acquire(
+            request.model, auto_dispatch=not request.no_auto_dispatch, keep_alive=request.keep_alive
+        )
+        try:
+            remaining = context.time_remaining()
+            timeout = (
+                remaining if remaining is not None and remaining < 1e8 else self.settings.limits.default_deadline_s
+            )
+            worker = entry.worker
+            if worker is None:
+                raise errors.Unavailable(f"model {entry.name} lost its worker: {entry.last_error}")
+            yield from worker.run(request, generate=generate, timeout=timeout or None)
+        finally:
+            self.registry.done(entry)
+
+    # -- tokens -------------------------------------------------------------
+    def _tokenizer(self, model: str) -> Any:
+        tok = self.registry.get(model).meta.tokenizer
+        if tok is None:
+            raise errors.FailedPrecondition(f"model {model} has no tokenizer; send token ids instead of text")
+        return tok
+
+    @_guard
+    def Tokenize(self, request: nnd_pb2.TokenizeRequest, context: grpc.ServicerContext) -> nnd_pb2.TokenizeResponse:
+        tok = self._tokenizer(request.model)
+        out = nnd_pb2.TokenizeResponse()
+        for text in request.texts:
+            out.ids.add(ids=tok(text, add_special_tokens=not request.no_special_tokens)["input_ids"])
+        return out
+
+    @_guard
+    def Decode(self, request: nnd_pb2.DecodeRequest, context: grpc.ServicerContext) -> nnd_pb2.DecodeResponse:
+        tok = self._tokenizer(request.model)
+        texts = [tok.decode(list(ids.ids), skip_special_tokens=request.skip_special_tokens) for ids in request.ids]
+        return nnd_pb2.DecodeResponse(texts=texts)
+
+    @_guard
+    def GetTokenizerFiles(self, request: nnd_pb2.GetModelRequest, context: grpc.ServicerContext) -> Any:
+        tok = self._tokenizer(request.model)
+        out = nnd_pb2.TokenizerFiles()
+        with tempfile.TemporaryDirectory() as tmp:
+            tok.save_pretrained(tmp)
+            for name in os.listdir(tmp):
+                with open(os.path.join(tmp, name), "rb") as f:
+                    out.files[name] = f.read()
+        return out
+
+
+def _gpu_count() -> int:
+    return (
+        len([d for d in os.listdir("/dev") if d.startswith("nvidia") and d[6:].isdigit()])
+        if os.path.isdir("/dev")
+        else 0
+    )

@@ -1,0 +1,76 @@
+"""The daemon's settings: where it listens, where it keeps state, its limits."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from nnd.v1 import nnd_pb2
+
+
+@dataclass
+class Limits:
+    """Request limits; 0 means unlimited. Defaults protect a shared box."""
+
+    max_request_bytes: int = 256 * 1024 * 1024
+    max_constant_bytes: int = 256 * 1024 * 1024
+    max_saved_bytes: int = 4 * 1024 * 1024 * 1024
+    max_invokes: int = 64
+    max_sequence_length: int = 8192
+    max_new_tokens: int = 1024
+    default_deadline_s: float = 600.0
+    max_queue_depth: int = 64
+    max_dispatched_models: int = 8
+
+    def to_proto(self) -> nnd_pb2.Limits:
+        return nnd_pb2.Limits(**self.__dict__)
+
+
+@dataclass
+class Settings:
+    address: str
+    state_dir: str
+    keep_alive: str = "30m"
+    limits: Limits = field(default_factory=Limits)
+    # Per-device weight budgets in bytes ("cpu", "cuda:0"); missing: what the device has free.
+    max_memory: dict[str, int] = field(default_factory=dict)
+    allow_remote_code: bool = False
+    # Repo ids / path prefixes a LoadModel may name; empty: anything.
+    allow_models: list[str] = field(default_factory=list)
+    socket_group: str | None = None
+    worker_start_timeout_s: float = 120.0
+
+    @property
+    def state_file(self) -> str:
+        return os.path.join(self.state_dir, "registry.json")
+
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_bytes(text: str) -> int:
+    """'20GiB', '512MB', '1000' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (use e.g. 20GiB, 512MB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_duration(text: str) -> float | None:
+    """Keep-alive durations as Ollama spells them: '5m', '1h30m', '90s', '300'
+    (seconds), '0' (now), '-1' (forever -> None)."""
+    text = text.strip()
+    if text in ("-1", "inf", "forever"):
+        return None
+    if re.fullmatch(r"-?[0-9.]+", text):
+        value = float(text)
+        if value < 0:
+            return None
+        return value
+    parts = re.findall(r"([0-9.]+)\s*(h|m|s|ms)", text)
+    if not parts or "".join(f"{n}{u}" for n, u in parts) != text.replace(" ", ""):
+        raise ValueError(f"not a duration: {text!r} (use e.g. 5m, 1h, 30s, 0, -1)")
+    scale = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    return sum(float(n) * scale[u] for n, u in parts)

@@ -1,0 +1,60 @@
+"""Worker process entry: `python -m nnd_daemon.worker --socket PATH`.
+
+Started by the daemon (never by hand); serves the Worker service on a private
+unix socket until the daemon ends it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+from concurrent import futures
+
+import grpc
+
+from nnd.v1 import worker_pb2_grpc
+from nnd_daemon.worker.service import WorkerService
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """A worker must never outlive the daemon that supervises it."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        return
+    if parent and os.getppid() != parent:  # the daemon died before we got here
+        os._exit(1)
+
+
+OPTIONS = [("grpc.max_receive_message_length", 512 * 2**20), ("grpc.max_send_message_length", 512 * 2**20)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="nnd-worker", description=__doc__)
+    parser.add_argument("--socket", required=True, help="unix socket to serve on")
+    parser.add_argument("--name", default="", help="model name, for logs and ps")
+    parser.add_argument("--parent", type=int, default=0, help="daemon pid; the worker dies with it")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    ns = parser.parse_args()
+    _die_with_parent(ns.parent)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{ns.name}] %(levelname)s %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if ns.threads:
+        import torch
+
+        torch.set_num_threads(ns.threads)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=OPTIONS)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(), server)
+    server.add_insecure_port("unix://" + ns.socket)
+    server.start()
+    signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=2))
+    server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Loading a model's weights in the worker, with the placement it was asked for."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from nnd.v1 import nnd_pb2, worker_pb2
+from nnd_daemon import errors
+from nnd_daemon.control.metamodel import QUANTIZED, infer_task, model_class
+
+Report = Callable[[int, int, str], None]
+
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _TORCH_DTYPES[name.removeprefix("torch.")]
+    except KeyError:
+        raise errors.InvalidArgument(
+            f"unknown dtype {name!r}; use one of {', '.join([*_TORCH_DTYPES, *QUANTIZED, 'auto'])}"
+        ) from None
+
+
+def _device(text: str) -> Any:
+    return int(text) if text.isdigit() else text
+
+
+def from_pretrained_kwargs(placement: nnd_pb2.Placement) -> dict[str, Any]:
+    """transformers' loading keywords for a Placement."""
+    kwargs: dict[str, Any] = {}
+    if placement.device_map:
+        dm = placement.device_map.strip()
+        kwargs["device_map"] = json.loads(dm) if dm.startswith("{") else _device(dm)
+    elif placement.device:
+        kwargs["device_map"] = _device(placement.device)
+    else:
+        kwargs["device_map"] = "cuda" if torch.cuda.is_available() else "cpu"
+    if placement.max_memory:
+        kwargs["max_memory"] = {(int(k) if k.isdigit() else k): v for k, v in placement.max_memory.items()}
+    dtype = placement.dtype or ""
+    on_gpu = torch.cuda.is_available() and "cpu" not in str(kwargs["device_map"])
+    if dtype in QUANTIZED:
+        from transformers import BitsAndBytesConfig
+
+        compute = (
+            torch_dtype(placement.compute_dtype)
+            if placement.compute_dtype
+            else (torch.bfloat16 if on_gpu else torch.float32)
+        )
+        if dtype == "int8":
+            kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+            kwargs["dtype"] = compute
+        else:
+            kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type=dtype, bnb_4bit_compute_dtype=compute
+            )
+            kwargs["dtype"] = compute
+    elif dtype and dtype != "auto":
+        kwargs["dtype"] = torch_dtype(dtype)
+    elif dtype == "auto":
+        kwargs["dtype"] = "auto"
+    return kwargs
+
+
+class _ReportingBar:
+    """Wraps transformers' weight-loading progress bar to report each step."""
+
+    def __init__(self, bar: Any, report: Report) -> None:
+        self._bar = bar
+        self._report = report
+
+    def __iter__(self) -> Iterator[Any]:
+        total = int(getattr(self._bar, "total", 0) or 0)
+        for done, item in enumerate(self._bar, 1):
+            yield item
+            self._report(done, total, "tensors")
+
+    def __enter__(self) -> _ReportingBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bar, name)
+
+
+def load(req: worker_pb2.WorkerLoadRequest, report: Report) -> tuple[torch.nn.Module, Any, str]:
+    """Load weights; returns (model, tokenizer, dtype name)."""
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    common: dict[str, Any] = {"trust_remote_code": req.trust_remote_code}
+    if req.revision:
+        common["revision"] = req.revision
+    config = AutoConfig.from_pretrained(req.model, **common)
+    cls = model_class(config, req.task or infer_task(getattr(config, "architectures", None)))
+    kwargs = from_pretrained_kwargs(req.placement)
+
+    def hook(factory: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+        kw = {**kw, "disable": True}
+        return _ReportingBar(factory(*args, **kw), report)
+
+    previous = hf_logging.set_tqdm_hook(hook) if hasattr(hf_logging, "set_tqdm_hook") else None
+    try:
+        model = cls.from_pretrained(req.model, config=config, **common, **kwargs)
+    finally:
+        if hasattr(hf_logging, "set_tqdm_hook"):
+            hf_logging.set_tqdm_hook(previous)
+    model.eval()
+    model.requires_grad_(False)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(req.model, **common)
+    except Exception:  # noqa: BLE001 - token ids still work without one
+        tokenizer = None
+    dtype = req.placement.dtype if req.placement.dtype in QUANTIZED else str(model.dtype).removeprefix("torch.")
+    return model, tokenizer, dtype
+
+
+def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of parameters and buffers per device."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        key = str(t.device)
+        out[key] = out.get(key, 0) + t.numel() * t.element_size()
+    return out
+
+
+def devices(model: torch.nn.Module) -> dict[str, str]:
+    """Parameter/buffer name -> device."""
+    named = list(model.named_parameters()) + list(model.named_buffers())
+    return {name: str(t.device) for name, t in named}

@@ -1,0 +1,117 @@
+"""The worker's private gRPC service: load once, then run requests one at a
+time through the engine."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import psutil
+
+from nnd.v1 import nnd_pb2, worker_pb2, worker_pb2_grpc
+from nnd_daemon import errors
+from nnd_daemon.worker import loader
+
+log = logging.getLogger("nnd.worker")
+_END = object()
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    def __init__(self) -> None:
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.dtype = ""
+        # One forward at a time: the daemon queues, the worker runs.
+        self._run_lock = threading.Lock()
+        self.limits: Any = None
+
+    # -- Load ---------------------------------------------------------------
+    def Load(self, request: worker_pb2.WorkerLoadRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        events: queue.Queue[Any] = queue.Queue()
+
+        def report(done: int, total: int, unit: str) -> None:
+            events.put(nnd_pb2.DispatchProgress(stage="loading", done=done, total=total, unit=unit))
+
+        def work() -> None:
+            try:
+                self.model, self.tokenizer, self.dtype = loader.load(request, report)
+                events.put(_END)
+            except BaseException as exc:  # noqa: BLE001 - reported to the daemon
+                events.put(exc)
+
+        threading.Thread(target=work, name="load", daemon=True).start()
+        yield nnd_pb2.DispatchProgress(stage="loading", message=f"loading weights of {request.model}")
+        while True:
+            item = events.get()
+            if item is _END:
+                break
+            if isinstance(item, BaseException):
+                err = item if isinstance(item, errors.NndError) else _load_error(item)
+                errors.abort(context, err)
+            yield item
+        yield nnd_pb2.DispatchProgress(stage="ready", message="weights loaded")
+
+    # -- Run ----------------------------------------------------------------
+    def Run(self, request: worker_pb2.WorkerRunRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        from nnd_daemon import engine
+
+        if self.model is None:
+            errors.abort(context, errors.FailedPrecondition("worker has no model loaded"))
+        out: queue.Queue[Any] = queue.Queue()
+        stop = threading.Event()
+        context.add_callback(stop.set)
+        mode = "generate" if request.generate else "trace"
+
+        def work() -> None:
+            try:
+                with self._run_lock:
+                    if stop.is_set():
+                        raise errors.Cancelled("request cancelled before it ran")
+                    engine.run(
+                        self.model,
+                        self.tokenizer,
+                        request.request,
+                        mode=mode,
+                        emit=out.put,
+                        cancelled=stop.is_set,
+                        limits=self.limits,
+                    )
+                out.put(_END)
+            except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
+                out.put(exc)
+
+        threading.Thread(target=work, name="run", daemon=True).start()
+        while True:
+            item = out.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                if not isinstance(item, errors.NndError):
+                    log.exception("engine failure", exc_info=item)
+                    item = errors.NndError(f"internal error in worker: {type(item).__name__}: {item}")
+                errors.abort(context, item)
+            yield item
+
+    # -- Status -------------------------------------------------------------
+    def Status(self, request: worker_pb2.WorkerStatusRequest, context: grpc.ServicerContext) -> Any:
+        status = worker_pb2.WorkerStatus(rss_bytes=psutil.Process().memory_info().rss, dtype=self.dtype)
+        if self.model is not None:
+            for device, nbytes in sorted(loader.weight_bytes(self.model).items()):
+                status.weights.add(device=device, bytes=nbytes)
+            status.devices.update(loader.devices(self.model))
+        return status
+
+
+def _load_error(exc: BaseException) -> errors.NndError:
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
+        return errors.ResourceExhausted(f"out of memory while loading: {text}")
+    if isinstance(exc, (OSError, FileNotFoundError)):
+        return errors.NotFound(f"cannot load weights: {text}")
+    if isinstance(exc, (ValueError, TypeError, ImportError)):
+        return errors.InvalidArgument(f"cannot load weights: {text}")
+    return errors.NndError(f"loading failed: {text}")

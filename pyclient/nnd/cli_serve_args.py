@@ -1,0 +1,54 @@
+"""`nnd serve`'s options; defined on the client side so `nnd serve --help`
+works where only the client is installed."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="listen on TCP instead of the unix socket (needs --token-file unless loopback and --insecure)",
+    )
+    p.add_argument(
+        "--state-dir", help="registry, worker sockets and logs (default: $STATE_DIRECTORY, else ~/.local/state/nnd)"
+    )
+    p.add_argument(
+        "--keep-alive", default="30m", help="default idle time before a dispatched model is released (5m, 1h, -1 never)"
+    )
+    p.add_argument(
+        "--max-memory",
+        action="append",
+        metavar="DEVICE=SIZE",
+        help="weight budget per device, e.g. cpu=16GiB, cuda:0=70GiB (repeatable)",
+    )
+    p.add_argument(
+        "--max-dispatched",
+        type=int,
+        default=8,
+        help="cap on models dispatched at once; the least recently used idle one is released beyond it",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=1024, help="largest max_new_tokens a Generate may ask for")
+    p.add_argument("--max-invokes", type=int, default=64, help="invokes (prompts) per request")
+    p.add_argument("--max-request-bytes", default="256MiB", help="largest request")
+    p.add_argument("--max-saved-bytes", default="4GiB", help="saved bytes per request")
+    p.add_argument("--max-sequence-length", type=int, default=8192, help="tokens per prompt")
+    p.add_argument("--max-queue-depth", type=int, default=64, help="requests queued per model")
+    p.add_argument("--deadline", type=float, default=600.0, help="default request deadline, seconds")
+    p.add_argument(
+        "--allow-model",
+        action="append",
+        metavar="NAME",
+        help="restrict LoadModel to these repo ids/paths (a trailing * matches a prefix; repeatable)",
+    )
+    p.add_argument("--allow-remote-code", action="store_true", help="let clients load models with trust_remote_code")
+    p.add_argument("--socket-group", help="group owning the socket (mode 0660), e.g. a lab group")
+    p.add_argument("--token-file", help="file holding the bearer token clients must send")
+    p.add_argument("--insecure", action="store_true", help="allow TCP without a token (loopback only)")
+    p.add_argument("--tls-cert", help="TLS certificate (PEM) for --listen")
+    p.add_argument("--tls-key", help="TLS private key (PEM) for --listen")
+    p.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mTLS)")
+    p.add_argument("--grace", type=float, default=30.0, help="seconds to drain in-flight requests on SIGTERM")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")

@@ -1,0 +1,179 @@
+"""The CLI commands that build requests: scan tables, streamed generation,
+graphs from files. Kept apart from cli.py's argument handling."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from nnd.v1 import graph_pb2, nnd_pb2, values_pb2
+
+_DTYPE_NAMES = {v: k.lower() for k, v in values_pb2.DType.items()}
+
+
+def describe(value: values_pb2.Value) -> str:
+    """A short text for a saved value: tensors as shape and dtype."""
+    kind = value.WhichOneof("kind")
+    if kind == "tensor":
+        t = value.tensor
+        return f"[{', '.join(map(str, t.shape))}] {_DTYPE_NAMES.get(t.dtype, '?')}"
+    if kind in ("list", "tuple"):
+        inner = ", ".join(describe(v) for v in getattr(value, kind).items)
+        return f"({inner})" if kind == "tuple" else f"[{inner}]"
+    if kind == "map":
+        return "{" + ", ".join(f"{k}: {describe(v)}" for k, v in value.map.items.items()) + "}"
+    if kind == "size":
+        return f"Size({list(value.size.dims)})"
+    if kind in ("none", "ellipsis"):
+        return kind
+    if kind == "dtype":
+        return _DTYPE_NAMES.get(value.dtype, "?")
+    return repr(getattr(value, kind)) if kind else "?"
+
+
+def collect(stream: Any) -> tuple[dict[int, values_pb2.Value], dict[int, bytearray], list[nnd_pb2.StepTokens]]:
+    """Saved values by node id, chunk bytes by blob id, streamed steps."""
+    saved: dict[int, values_pb2.Value] = {}
+    blobs: dict[int, bytearray] = {}
+    steps: list[nnd_pb2.StepTokens] = []
+    for msg in stream:
+        kind = msg.WhichOneof("kind")
+        if kind == "saved":
+            saved[msg.saved.node] = msg.saved.value
+        elif kind == "chunk":
+            blobs.setdefault(msg.chunk.blob, bytearray()).extend(msg.chunk.data)
+        elif kind == "step":
+            steps.append(msg.step)
+    return saved, blobs, steps
+
+
+_NUMPY = {
+    values_pb2.FLOAT32: "<f4",
+    values_pb2.FLOAT16: "<f2",
+    values_pb2.FLOAT64: "<f8",
+    values_pb2.INT64: "<i8",
+    values_pb2.INT32: "<i4",
+    values_pb2.INT16: "<i2",
+    values_pb2.INT8: "i1",
+    values_pb2.UINT8: "u1",
+    values_pb2.BOOL: "?",
+}
+
+
+def to_plain(value: values_pb2.Value, blobs: dict[int, bytearray]) -> Any:
+    """A saved value as JSON-able Python: tensors become nested lists."""
+    import numpy as np
+
+    kind = value.WhichOneof("kind")
+    if kind == "tensor":
+        t = value.tensor
+        if t.meta:
+            return {"shape": list(t.shape), "dtype": _DTYPE_NAMES.get(t.dtype, "?")}
+        data = bytes(blobs.get(t.blob, b"")) if t.blob else t.data
+        if t.dtype == values_pb2.BFLOAT16:  # widen to float32: the upper half of its bits
+            arr = (np.frombuffer(data, "<u2").astype("<u4") << 16).view("<f4")
+        else:
+            arr = np.frombuffer(data, _NUMPY[t.dtype])
+        return arr.reshape(list(t.shape)).tolist()
+    if kind in ("list", "tuple"):
+        return [to_plain(v, blobs) for v in getattr(value, kind).items]
+    if kind == "map":
+        return {k: to_plain(v, blobs) for k, v in value.map.items.items()}
+    if kind == "size":
+        return list(value.size.dims)
+    if kind in ("none", "ellipsis"):
+        return None
+    if kind == "dtype":
+        return _DTYPE_NAMES.get(value.dtype, "?")
+    return getattr(value, kind) if kind else None
+
+
+def scan_table(conn: Any, model: str, prompt: str, *, as_json: bool) -> int:
+    info = conn.call("GetModel", nnd_pb2.GetModelRequest(model=model))
+    graph = graph_pb2.Graph()
+    paths = [m.path for m in info.modules]
+    types = {m.path: m.type for m in info.modules}
+    nid = 0
+    save_ids: dict[int, str] = {}
+    for path in paths:
+        nid += 1
+        graph.nodes.add(id=nid, module=graph_pb2.ModuleValue(path=path, point=graph_pb2.OUTPUT))
+        nid += 1
+        graph.nodes.add(id=nid, save=graph_pb2.Save(value=graph_pb2.Arg(ref=nid - 1)))
+        save_ids[nid] = path
+    req = nnd_pb2.TraceRequest(model=model, invokes=[nnd_pb2.Invoke(text=prompt)], graph=graph)
+    saved, _, _ = collect(conn.stream("Scan", req))
+    rows = [(save_ids[i] or "(model)", types[save_ids[i]], describe(v)) for i, v in sorted(saved.items())]
+    if as_json:
+        print(json.dumps([{"module": p, "type": t, "output": d} for p, t, d in rows], indent=2))
+        return 0
+    width = max(len(r[0]) for r in rows)
+    twidth = max(len(r[1]) for r in rows)
+    print(f"{'MODULE'.ljust(width)}  {'TYPE'.ljust(twidth)}  OUTPUT")
+    for path, typ, desc in rows:
+        print(f"{path.ljust(width)}  {typ.ljust(twidth)}  {desc}")
+    called = len(rows)
+    print(f"\n{called} of {len(paths)} modules ran for this input (no weights were read)")
+    return 0
+
+
+def generate_text(conn: Any, model: str, prompt: str, ns: argparse.Namespace) -> int:
+    opts = nnd_pb2.GenerateOptions(
+        max_new_tokens=ns.max_new_tokens,
+        do_sample=ns.do_sample,
+        temperature=ns.temperature,
+        top_k=ns.top_k,
+        top_p=ns.top_p,
+        stream_text=True,
+    )
+    if ns.seed is not None:
+        opts.seed = ns.seed
+    req = nnd_pb2.TraceRequest(model=model, invokes=[nnd_pb2.Invoke(text=prompt)], generate=opts)
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    for msg in conn.stream("Generate", req):
+        if msg.WhichOneof("kind") == "step" and msg.step.text:
+            sys.stdout.write(msg.step.text[0])
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def trace_graph_file(conn: Any, model: str, ns: argparse.Namespace) -> int:
+    from google.protobuf import json_format, text_format
+
+    text = open(ns.graph).read()
+    req = nnd_pb2.TraceRequest()
+    is_json = text.lstrip().startswith("{")
+    for cls in (nnd_pb2.TraceRequest, graph_pb2.Graph):
+        msg = cls()
+        try:
+            if is_json:
+                json_format.Parse(text, msg)
+            else:
+                text_format.Parse(text, msg)
+        except (text_format.ParseError, json_format.ParseError) as exc:
+            last = exc
+            continue
+        if isinstance(msg, graph_pb2.Graph):
+            req.graph.CopyFrom(msg)
+        else:
+            req = msg
+        break
+    else:
+        raise SystemExit(f"nnd: {ns.graph} is neither a TraceRequest nor a Graph: {last}")
+    req.model = model
+    if ns.prompt:
+        del req.invokes[:]
+        req.invokes.extend(nnd_pb2.Invoke(text=p) for p in ns.prompt)
+    generate = req.HasField("generate") and req.generate.max_new_tokens > 0
+    saved, blobs, _ = collect(conn.stream("Generate" if generate else "Trace", req))
+    out = {str(node): to_plain(value, blobs) for node, value in sorted(saved.items())}
+    if ns.json:
+        print(json.dumps(out, indent=2))
+    else:
+        for node, value in out.items():
+            print(f"node {node}: {json.dumps(value)}")
+    return 0
