@@ -1,0 +1,160 @@
+"""Invokes -> one batch: left-padded token ids, attention mask, position ids, or stacked tensors.
+
+Each invoke owns a range of batch rows; module values with `invoke` set are
+views of those rows.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nnd.v1 import nnd_pb2
+
+from .. import errors
+from . import wire
+
+
+@dataclass
+class Batch:
+    size: int
+    rows: list[tuple[int, int]]  # per invoke: [start, stop)
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    lengths: list[int] = field(default_factory=list)  # unpadded token counts (text/token invokes)
+
+    def to(self, device: torch.device | str) -> Batch:
+        def move(x: Any) -> Any:
+            return x.to(device) if isinstance(x, torch.Tensor) else x
+
+        return Batch(
+            self.size,
+            self.rows,
+            tuple(move(a) for a in self.args),
+            {k: move(v) for k, v in self.kwargs.items()},
+            self.lengths,
+        )
+
+
+def input_device(model: torch.nn.Module) -> torch.device:
+    """Where the model wants its inputs: its input embeddings, else its first parameter."""
+    get = getattr(model, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            emb = get()
+        except (NotImplementedError, AttributeError):
+            emb = None
+        weight = getattr(emb, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            return weight.device
+    for p in model.parameters():
+        return p.device
+    for b in model.buffers():
+        return b.device
+    return torch.device("cpu")
+
+
+def accepts(model: torch.nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _token_ids(invoke: nnd_pb2.Invoke, tokenizer: Any, index: int) -> list[int]:
+    if invoke.HasField("tokens"):
+        ids = [int(i) for i in invoke.tokens.ids]
+    else:
+        if tokenizer is None:
+            raise errors.InvalidArgument(f"invoke {index} has text but the model has no tokenizer")
+        ids = list(tokenizer(invoke.text)["input_ids"])
+    if not ids:
+        raise errors.InvalidArgument(f"invoke {index} has no tokens")
+    return ids
+
+
+def pad_id(tokenizer: Any) -> int:
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None) if tokenizer is not None else None
+        if isinstance(value, int):
+            return value
+        if isinstance(value, list) and value:
+            return int(value[0])
+    return 0
+
+
+def _tokens(invokes: Sequence[nnd_pb2.Invoke], tokenizer: Any, max_len: int) -> Batch:
+    seqs = [_token_ids(inv, tokenizer, i) for i, inv in enumerate(invokes)]
+    longest = max(len(s) for s in seqs)
+    if max_len and longest > max_len:
+        raise errors.ResourceExhausted(
+            f"an invoke has {longest} tokens, over the limit max_sequence_length={max_len}"
+        )
+    pad = pad_id(tokenizer)
+    ids = torch.full((len(seqs), longest), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), longest), dtype=torch.long)
+    for row, seq in enumerate(seqs):  # left padding: the last token of every row is at -1
+        ids[row, longest - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+        mask[row, longest - len(seq) :] = 1
+    kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
+    return Batch(len(seqs), [(i, i + 1) for i in range(len(seqs))], (), kwargs, [len(s) for s in seqs])
+
+
+def _tensors(invokes: Sequence[nnd_pb2.Invoke]) -> Batch:
+    per_invoke = [[wire.decode_value(v) for v in inv.args] for inv in invokes]
+    width = len(per_invoke[0])
+    if any(len(a) != width for a in per_invoke):
+        raise errors.InvalidArgument("every invoke must pass the same number of positional args")
+    rows: list[tuple[int, int]] = []
+    start = 0
+    for i, args in enumerate(per_invoke):
+        first = args[0]
+        if not isinstance(first, torch.Tensor) or first.dim() == 0:
+            raise errors.InvalidArgument(f"invoke {i}: the first arg must be a tensor with a batch dimension")
+        rows.append((start, start + first.shape[0]))
+        start += first.shape[0]
+    args: list[Any] = []
+    for pos in range(width):
+        column = [a[pos] for a in per_invoke]
+        if all(isinstance(c, torch.Tensor) and c.dim() > 0 for c in column):
+            try:
+                args.append(torch.cat(column, dim=0))
+            except RuntimeError as e:
+                raise errors.InvalidArgument(f"positional arg {pos} of the invokes cannot be batched: {e}") from e
+        elif all(c == column[0] for c in column):
+            args.append(column[0])
+        else:
+            raise errors.InvalidArgument(f"positional arg {pos} differs between invokes and is not a tensor")
+    return Batch(start, rows, tuple(args))
+
+
+def build(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    invokes: Sequence[nnd_pb2.Invoke],
+    *,
+    max_invokes: int = 0,
+    max_sequence_length: int = 0,
+) -> Batch:
+    """The model's inputs for these invokes (on the CPU; the caller moves them)."""
+    if not invokes:
+        raise errors.InvalidArgument("the request has no invoke: give at least one input")
+    if max_invokes and len(invokes) > max_invokes:
+        raise errors.ResourceExhausted(f"the request has {len(invokes)} invokes, over the limit max_invokes={max_invokes}")
+    kinds = {inv.WhichOneof("input") or ("args" if inv.args else None) for inv in invokes}
+    if None in kinds:
+        raise errors.InvalidArgument("an invoke has no input: give text, token ids or args")
+    if "args" in kinds:
+        if len(kinds) > 1:
+            raise errors.InvalidArgument("invokes with tensor args cannot be mixed with text or token invokes")
+        return _tensors(invokes)
+    batch = _tokens(invokes, tokenizer, max_sequence_length)
+    mask = batch.kwargs["attention_mask"]
+    if accepts(model, "position_ids"):
+        # Left padding shifts every row; without explicit positions GPT-2 would number the pads.
+        batch.kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+    return batch

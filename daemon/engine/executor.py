@@ -1,0 +1,430 @@
+"""Runs a plan's nodes at the hooks of one forward (or of every step of a generation).
+
+Dataflow time: a module value is bound at its module's hook; every node runs
+as soon as all its inputs exist, in id order, until nothing more can run.
+Top-level nodes live in the root frame; a loop scope gets one frame per
+selected step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nnd.v1 import graph_pb2
+
+from .. import errors
+from . import values
+from .failures import where, wrap
+from .hooks import HookSet
+from .plan import POST, PRE, RESULT, Const, Plan, PlanNode, Ref, Seq
+
+HookKey = tuple[str, str, int]
+
+
+class StopForward(BaseException):
+    """Raised at a hook once every node has run and the graph has a Stop; caught by the engine.
+
+    A BaseException so that model code catching Exception cannot swallow it."""
+
+
+class Frame:
+    def __init__(self, scope: int, step: int, ids: list[int], plan: Plan) -> None:
+        self.scope = scope
+        self.step = step
+        self.values: dict[int, Any] = {}
+        self.bound: dict[int, HookKey] = {}  # module node -> the hook that bound it
+        self.pending: set[int] = {i for i in ids if plan.nodes[i].kind != "stop"}
+        self.runnable: list[int] = sorted(i for i in self.pending if plan.nodes[i].kind in ("constant", "op", "save"))
+
+    def done(self) -> bool:
+        return not self.pending
+
+
+class Executor:
+    def __init__(
+        self,
+        plan: Plan,
+        model: torch.nn.Module,
+        batch_rows: list[tuple[int, int]],
+        batch_size: int,
+        *,
+        total_steps: int,
+        cancelled: Callable[[], bool],
+        scan: bool = False,
+        constant: Callable[[Any], Any] = lambda v: v,
+    ) -> None:
+        self.plan = plan
+        self.modules = dict(model.named_modules())
+        self.rows = batch_rows
+        self.batch_size = batch_size
+        self.total_steps = total_steps
+        self.cancelled = cancelled
+        self.scan = scan
+        self.constant = constant  # makes decoded constants fake in a Scan
+        self.root = Frame(0, 0, plan.scope_nodes(0), plan)
+        self.loops: dict[tuple[int, int], Frame] = {}
+        self.events: dict[HookKey, list[int]] = {}
+        self.loop_events: dict[tuple[str, str], list[int]] = {}
+        for node in plan.nodes.values():
+            if node.target is None:
+                continue
+            if node.scope == 0:
+                self.events.setdefault((node.target.path, node.hook, node.target.call), []).append(node.id)
+            else:
+                self.loop_events.setdefault((node.target.path, node.hook), []).append(node.id)
+        self.completed: set[HookKey] = set()
+        self.current: HookKey | None = None
+        self.skips: dict[str, Any] = {}
+        self.writes: list[PlanNode] = []  # writes applied, for errors raised later by the model
+        skip_paths = {n.target.path for n in plan.nodes.values() if n.kind == "skip" and n.hook == PRE and n.target}
+        self.hooks = HookSet(model, plan.paths, skip_paths, self.at_pre, self.at_post, self.take_skip)
+
+    # ------------------------------------------------------------ frames and steps
+
+    def frames(self) -> list[Frame]:
+        return [self.root, *(self.loops[k] for k in sorted(self.loops))]
+
+    def selected(self, scope: int, step: int) -> bool:
+        sel = self.plan.scopes[scope - 1]
+        kind = sel.WhichOneof("kind")
+        if kind == "all":
+            return True
+        span = range(max(self.total_steps, step + 1))
+        if kind == "range":
+            r = sel.range
+            part = span[
+                slice(
+                    r.start if r.HasField("start") else None,
+                    r.stop if r.HasField("stop") else None,
+                    r.step if r.HasField("step") else None,
+                )
+            ]
+            return step in part
+        return any(span[s] == step for s in sel.steps.steps if -len(span) <= s < len(span))
+
+    def begin_step(self, step: int) -> None:
+        added = False
+        for scope in range(1, len(self.plan.scopes) + 1):
+            if (scope, step) not in self.loops and self.selected(scope, step):
+                self.loops[(scope, step)] = Frame(scope, step, self.plan.scope_nodes(scope), self.plan)
+                added = True
+        if added:  # a loop's nodes that need only top-level values run now
+            self.run_ready()
+
+    # ------------------------------------------------------------ hooks
+
+    def poll(self) -> None:
+        if self.cancelled():
+            raise errors.Cancelled("the request was cancelled")
+
+    def collect(self, path: str, hook: str, call: int) -> list[tuple[Frame, PlanNode]]:
+        found = [(self.root, self.plan.nodes[i]) for i in self.events.get((path, hook, call), ())]
+        for i in self.loop_events.get((path, hook), ()):
+            node = self.plan.nodes[i]
+            assert node.target is not None
+            frame = self.loops.get((node.scope, call - node.target.call))
+            if frame is not None:
+                found.append((frame, node))
+        return sorted(found, key=lambda fn: fn[1].id)
+
+    def at_pre(self, path: str, call: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.poll()
+        if path == "":
+            self.begin_step(call)
+        events = self.collect(path, PRE, call)
+        if not events:
+            return None
+        key = (path, PRE, call)
+        self.current = key
+        state: list[Any] = [list(args), dict(kwargs)]
+        changed = False
+        for frame, node in events:
+            if node.kind == "module":
+                self.bind(frame, node, key, self.read_pre(node, state))
+            elif node.kind == "set":
+                self.write_pre(node, state, self.write_value(frame, node, self.pre_like(node, state)))
+                changed = True
+            elif node.kind == "skip":
+                like = values.first_tensor(state)
+                self.skips[path] = self.write_value(frame, node, like)
+        self.finish_hook(key)
+        return (tuple(state[0]), state[1]) if changed else None
+
+    def at_post(self, path: str, call: int, output: Any) -> Any:
+        self.poll()
+        events = self.collect(path, POST, call)
+        if not events:
+            return None
+        key = (path, POST, call)
+        self.current = key
+        state = [output]
+        changed = False
+        for frame, node in events:
+            if node.kind == "module":
+                self.bind(frame, node, key, self.view(state[0], node))
+            else:  # set, or skip of one invoke's rows
+                value = self.write_value(frame, node, values.first_tensor(state[0]))
+                if node.invoke is None:
+                    state[0] = value
+                    changed = True
+                else:
+                    start, stop = self.rows[node.invoke]
+                    self.guard(node, lambda v=value: values.write_rows(state[0], v, start, stop, self.batch_size))
+        self.finish_hook(key)
+        return state[0] if changed else None
+
+    def at_result(self, result: Any) -> None:
+        events = self.collect("", RESULT, 0)
+        key = ("", RESULT, 0)
+        self.current = key
+        for frame, node in events:
+            self.bind(frame, node, key, self.view(result, node))
+        self.finish_hook(key, stop=False)
+
+    def take_skip(self, path: str) -> tuple[bool, Any]:
+        if path in self.skips:
+            return True, self.skips.pop(path)
+        return False, None
+
+    def finish_hook(self, key: HookKey, *, stop: bool = True) -> None:
+        self.run_ready()
+        self.completed.add(key)
+        self.current = None
+        if stop and self.plan.has_stop and all(f.done() for f in self.frames()):
+            raise StopForward
+
+    # ------------------------------------------------------------ reading and writing module values
+
+    def bind(self, frame: Frame, node: PlanNode, key: HookKey, value: Any) -> None:
+        frame.values[node.id] = value
+        frame.bound[node.id] = key
+        frame.pending.discard(node.id)
+
+    def view(self, value: Any, node: PlanNode) -> Any:
+        if node.invoke is None:
+            return value
+        start, stop = self.rows[node.invoke]
+        return values.rows(value, start, stop, self.batch_size)
+
+    def read_pre(self, node: PlanNode, state: list[Any]) -> Any:
+        args, kwargs = state
+        assert node.target is not None
+        if node.target.point == graph_pb2.INPUTS:
+            return self.view((tuple(args), dict(kwargs)), node)
+        if args:
+            return self.view(args[0], node)
+        if kwargs:
+            return self.view(next(iter(kwargs.values())), node)
+        return None
+
+    def pre_like(self, node: PlanNode, state: list[Any]) -> torch.Tensor | None:
+        return values.first_tensor(state)
+
+    def write_pre(self, node: PlanNode, state: list[Any], value: Any) -> None:
+        args, kwargs = state
+        assert node.target is not None
+        if node.target.point == graph_pb2.INPUTS:
+            if not (isinstance(value, (tuple, list)) and len(value) == 2):
+                raise errors.InvalidArgument(f"{where(node.proto)}\n.inputs must be set to an (args, kwargs) pair")
+            if node.invoke is None:
+                state[0], state[1] = list(value[0]), dict(value[1])
+                return
+            start, stop = self.rows[node.invoke]
+            self.guard(node, lambda: values.write_rows((args, kwargs), value, start, stop, self.batch_size))
+            return
+        if node.invoke is not None:
+            start, stop = self.rows[node.invoke]
+            current = args[0] if args else next(iter(kwargs.values()), None)
+            self.guard(node, lambda: values.write_rows(current, value, start, stop, self.batch_size))
+        elif args:
+            args[0] = value
+        elif kwargs:
+            kwargs[next(iter(kwargs))] = value
+        else:
+            args.append(value)
+
+    def write_value(self, frame: Frame, node: PlanNode, like: torch.Tensor | None) -> Any:
+        """The value a set/skip writes, which must exist now (else it is a causality error)."""
+        self.run_ready()
+        if not self.ready(frame, node):
+            late = self.missing_input(frame, node)
+            raise errors.InvalidArgument(
+                f"causality error: {where(node.proto)}\nwrites a value that is only computed later in the forward: "
+                f"it needs {where(late.proto)}, which is not available when this module runs.",
+                exc_type="RuntimeError",
+            )
+        spec = node.args[0]
+        value = self.resolve(frame, spec)
+        if self.is_const(spec):
+            value = values.map_tensors(value, values.placer(like))
+        self.writes.append(node)
+        return value
+
+    def guard(self, node: PlanNode, action: Callable[[], Any]) -> Any:
+        try:
+            return action()
+        except errors.NndError as e:
+            raise wrap(e, node.proto) from None
+        except Exception as e:
+            raise wrap(e, node.proto, scan=self.scan) from None
+
+    # ------------------------------------------------------------ running nodes
+
+    def has(self, frame: Frame, ref: int) -> bool:
+        owner = self.root if self.plan.nodes[ref].scope == 0 else frame
+        return ref in owner.values
+
+    def get(self, frame: Frame, ref: int) -> Any:
+        owner = self.root if self.plan.nodes[ref].scope == 0 else frame
+        return owner.values[ref]
+
+    def ready(self, frame: Frame, node: PlanNode) -> bool:
+        return all(self.has(frame, r) for r in node.refs)
+
+    def missing_input(self, frame: Frame, node: PlanNode) -> PlanNode:
+        """A module value (or other root cause) `node` still waits for."""
+        current = node
+        while True:
+            waiting = [self.plan.nodes[r] for r in current.refs if not self.has(frame, r)]
+            if not waiting:
+                return current
+            current = waiting[0]
+
+    def run_ready(self) -> None:
+        progress = True
+        while progress:
+            progress = False
+            for frame in self.frames():
+                for nid in list(frame.runnable):
+                    node = self.plan.nodes[nid]
+                    if not self.ready(frame, node):
+                        continue
+                    frame.values[nid] = self.execute(frame, node)
+                    frame.runnable.remove(nid)
+                    frame.pending.discard(nid)
+                    progress = True
+
+    def execute(self, frame: Frame, node: PlanNode) -> Any:
+        if node.kind == "constant":
+            return self.constant(node.value)
+        if node.kind == "save":
+            return self.resolve(frame, node.args[0])
+        assert node.op is not None
+        self.check_mutation(frame, node)
+        args = [self.resolve(frame, a) for a in node.args]
+        kwargs = {k: self.resolve(frame, a) for k, a in node.kwargs.items()}
+        target = self.activation(frame, [*node.args, *node.kwargs.values()], [*args, *kwargs.values()])
+        if target is not None:
+            place = values.placer(target)
+            args = [self.place(a, v, place) for a, v in zip(node.args, args, strict=True)]
+            kwargs = {k: self.place(node.kwargs[k], v, place) for k, v in kwargs.items()}
+        name = node.proto.op.name
+        try:
+            if node.op.context:
+                return node.op.fn(self, *args, **kwargs)
+            return node.op.fn(*args, **kwargs)
+        except (errors.NndError, StopForward):
+            raise
+        except Exception as e:
+            raise wrap(e, node.proto, name, scan=self.scan) from None
+
+    def check_mutation(self, frame: Frame, node: PlanNode) -> None:
+        """Run-time half of the causality check: no in-place write into a module value whose hook is over."""
+        if not (node.op and node.op.mutates and node.alias_root is not None):
+            return
+        root = self.plan.nodes[node.alias_root]
+        owner = self.root if root.scope == 0 else frame
+        key = owner.bound.get(root.id)
+        if key is None or not key[0] or key == self.current or key not in self.completed:
+            return
+        late = max((self.plan.nodes[r] for r in node.refs if r != root.id), key=lambda n: n.time, default=root)
+        raise errors.InvalidArgument(
+            f"causality error: {where(node.proto)}\nwrites in place into the output of {key[0]!r} "
+            f"({where(root.proto)}) after that module has already run; the write waited for {where(late.proto)}.",
+            exc_type="RuntimeError",
+        )
+
+    # ------------------------------------------------------------ arguments
+
+    def resolve(self, frame: Frame, spec: Any) -> Any:
+        if isinstance(spec, Ref):
+            return self.get(frame, spec.id)
+        if isinstance(spec, Const):
+            return self.constant(spec.value)
+        assert isinstance(spec, Seq)
+        items = [self.resolve(frame, s) for s in spec.items]
+        return items if spec.is_list else tuple(items)
+
+    def is_const(self, spec: Any) -> bool:
+        if isinstance(spec, Ref):
+            return self.plan.nodes[spec.id].const
+        if isinstance(spec, Seq):
+            return all(self.is_const(s) for s in spec.items)
+        return True
+
+    def activation(self, frame: Frame, specs: list[Any], resolved: list[Any]) -> torch.Tensor | None:
+        """The first tensor that derives from the model (not from constants) among an op's arguments."""
+        for spec, value in zip(specs, resolved, strict=True):
+            if isinstance(spec, Seq):
+                found = self.activation(frame, list(spec.items), list(value))
+                if found is not None:
+                    return found
+            elif isinstance(spec, Ref) and not self.plan.nodes[spec.id].const:
+                found = values.first_tensor(value)
+                if found is not None:
+                    return found
+        return None
+
+    def place(self, spec: Any, value: Any, place: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        if isinstance(spec, Seq):
+            items = [self.place(s, v, place) for s, v in zip(spec.items, value, strict=True)]
+            return items if spec.is_list else tuple(items)
+        if self.is_const(spec):
+            return values.map_tensors(value, place)
+        return value
+
+    # ------------------------------------------------------------ call_module (OpContext)
+
+    def call_module(self, path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        module = self.modules.get(path)
+        if module is None:
+            raise errors.NotFound(f"the model has no module {path!r}")
+        param = next(module.parameters(), None)
+        if param is not None:
+            args = tuple(a.to(param.device) if isinstance(a, torch.Tensor) else a for a in args)
+        with self.hooks.suppressed():
+            return module(*args, **kwargs)
+
+    # ------------------------------------------------------------ end of run
+
+    def check_complete(self) -> None:
+        for frame in self.frames():
+            if frame.pending:
+                node = self.plan.nodes[min(frame.pending)]
+                late = self.missing_input(frame, node) if node.kind != "module" else node
+                raise errors.InvalidArgument(f"{where(node.proto)}\nnever ran: {self.never_ran(late, frame)}")
+
+    def never_ran(self, node: PlanNode, frame: Frame) -> str:
+        if node.target is None:
+            return "its inputs were never computed"
+        path, call = node.target.path, node.target.call + (frame.step if frame.scope else 0)
+        if node.hook == RESULT:
+            return "the request ended before its result"
+        made = self.hooks.calls.get(path, 0)
+        name = repr(path) if path else "the model"
+        return f"it needs call {call} of {name}, but {name} was called {made} time(s) ({where(node.proto)})"
+
+    def saved(self) -> dict[int, Any]:
+        out: dict[int, Any] = {}
+        for node in self.plan.nodes.values():
+            if node.kind != "save":
+                continue
+            if node.scope == 0:
+                out[node.id] = self.root.values[node.id]
+            else:
+                steps = sorted(s for (scope, s) in self.loops if scope == node.scope)
+                out[node.id] = [self.loops[(node.scope, s)].values[node.id] for s in steps]
+        return out

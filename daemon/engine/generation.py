@@ -1,0 +1,108 @@
+"""Generate mode: HF `generate` with per-step token streaming and cancellation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from nnd.v1 import nnd_pb2
+
+from .. import errors
+from .batch import Batch, pad_id
+from .limits import EngineLimits
+
+DEFAULT_MAX_NEW_TOKENS = 20  # transformers' own default generation length
+
+
+@dataclass
+class Options:
+    max_new_tokens: int
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    seed: int | None = None
+    stream_text: bool = False
+
+
+def options(msg: nnd_pb2.GenerateOptions, limits: EngineLimits) -> Options:
+    n = msg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+    if n < 0:
+        raise errors.InvalidArgument(f"generate.max_new_tokens must be positive, got {n}")
+    if limits.max_new_tokens and n > limits.max_new_tokens:
+        raise errors.ResourceExhausted(
+            f"generate.max_new_tokens={n} is over the limit max_new_tokens={limits.max_new_tokens}"
+        )
+    if msg.temperature < 0:
+        raise errors.InvalidArgument(f"generate.temperature must not be negative, got {msg.temperature}")
+    if msg.top_k < 0:
+        raise errors.InvalidArgument(f"generate.top_k must not be negative, got {msg.top_k}")
+    if not 0 <= msg.top_p <= 1:
+        raise errors.InvalidArgument(f"generate.top_p must be in (0, 1], got {msg.top_p}")
+    kwargs: dict[str, Any] = {"max_new_tokens": n, "do_sample": msg.do_sample}
+    if msg.do_sample:  # sampling settings only mean something when sampling (HF warns otherwise)
+        if msg.temperature:
+            kwargs["temperature"] = msg.temperature
+        if msg.top_k:
+            kwargs["top_k"] = msg.top_k
+        if msg.top_p:
+            kwargs["top_p"] = msg.top_p
+    seed = msg.seed if msg.HasField("seed") else None
+    return Options(n, kwargs, seed, msg.stream_text)
+
+
+class StepStreamer(BaseStreamer):
+    """Emits one StepTokens per generation step (HF first `put`s the prompt, which is skipped)."""
+
+    def __init__(
+        self,
+        emit: Callable[[nnd_pb2.TraceResponse], None],
+        rows: list[tuple[int, int]],
+        tokenizer: Any,
+        stream_text: bool,
+        cancelled: Callable[[], bool],
+    ) -> None:
+        self.emit = emit
+        self.rows = rows
+        self.tokenizer = tokenizer
+        self.stream_text = stream_text
+        self.cancelled = cancelled
+        self.step = -1
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.step < 0:
+            self.step = 0
+            return
+        flat = value.reshape(value.shape[0], -1)[:, -1].tolist()
+        ids = [int(flat[start]) for start, _ in self.rows]
+        msg = nnd_pb2.StepTokens(step=self.step, ids=ids)
+        if self.stream_text and self.tokenizer is not None:
+            msg.text.extend(self.tokenizer.decode([i]) for i in ids)
+        self.emit(nnd_pb2.TraceResponse(step=msg))
+        self.step += 1
+        if self.cancelled():
+            raise errors.Cancelled("the request was cancelled")
+
+    def end(self) -> None:
+        pass
+
+
+def generate(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    batch: Batch,
+    opts: Options,
+    emit: Callable[[nnd_pb2.TraceResponse], None],
+    cancelled: Callable[[], bool],
+) -> torch.Tensor:
+    """The generated ids (batch, prompt + new tokens)."""
+    if "input_ids" not in batch.kwargs:
+        raise errors.InvalidArgument("generate needs text or token invokes")
+    if not callable(getattr(model, "generate", None)):
+        raise errors.InvalidArgument(f"{type(model).__name__} cannot generate")
+    inputs = {k: v for k, v in batch.kwargs.items() if k != "position_ids"}  # HF derives them from the mask
+    streamer = StepStreamer(emit, batch.rows, tokenizer, opts.stream_text, cancelled)
+    if opts.seed is not None:
+        torch.manual_seed(opts.seed)
+    return model.generate(**inputs, **opts.kwargs, pad_token_id=pad_id(tokenizer), streamer=streamer)

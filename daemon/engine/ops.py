@@ -1,0 +1,189 @@
+"""The op whitelist: the one table of everything a graph may call.
+
+Each entry says how to run the op and two facts the graph checks need:
+whether it writes into args[0] (`mutates`) and whether its result may share
+memory with args[0] (`aliases`, so an in-place write through it reaches the
+module value it came from). Nothing outside this table runs.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from .. import errors
+
+
+class OpContext(Protocol):
+    """What context ops need from the executor."""
+
+    def call_module(self, path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    fn: Callable[..., Any]
+    mutates: bool = False
+    aliases: bool = False
+    # fn takes the OpContext as its first argument.
+    context: bool = False
+
+
+# Attributes "getattr" may read: tensor facts and model-output fields, never parameters or methods.
+TENSOR_ATTRIBUTES = ("shape", "dtype", "T", "mT", "ndim", "device", "requires_grad", "is_floating_point")
+OUTPUT_ATTRIBUTES = (
+    "logits",
+    "loss",
+    "hidden_states",
+    "attentions",
+    "past_key_values",
+    "last_hidden_state",
+    "pooler_output",
+    "cross_attentions",
+    "sequences",
+    "scores",
+)
+ATTRIBUTES: tuple[str, ...] = TENSOR_ATTRIBUTES + OUTPUT_ATTRIBUTES
+
+
+def _getattr(x: Any, name: Any) -> Any:
+    if not isinstance(name, str) or name not in ATTRIBUTES:
+        raise errors.InvalidArgument(f"attribute {name!r} is not allowed; allowed: {', '.join(ATTRIBUTES)}")
+    if name in OUTPUT_ATTRIBUTES and isinstance(x, dict):
+        if name not in x:
+            raise errors.InvalidArgument(f"the value has no field {name!r}; it has: {', '.join(map(str, x))}")
+        return x[name]
+    if not hasattr(x, name):
+        raise errors.InvalidArgument(f"a value of type {type(x).__name__} has no attribute {name!r}")
+    value = getattr(x, name)
+    return value() if name == "is_floating_point" else value
+
+
+def _setitem(target: Any, index: Any, value: Any) -> None:
+    target[index] = value
+
+
+def _method_or_function(name: str, *, functional: bool = False) -> Callable[..., Any]:
+    """`x.name(*rest)` when args[0] is a tensor with that method, else torch(.nn.functional).name(*args)."""
+    function = getattr(F, name, None) if functional else None
+    if function is None:
+        function = getattr(torch, name, None)
+    has_method = hasattr(torch.Tensor, name)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if has_method and args and isinstance(args[0], torch.Tensor):
+            return getattr(args[0], name)(*args[1:], **kwargs)
+        if function is None:
+            raise TypeError(f"{name}() needs a tensor as its first argument")
+        return function(*args, **kwargs)
+
+    return run
+
+
+def _function(function: Callable[..., Any]) -> Callable[..., Any]:
+    return lambda *args, **kwargs: function(*args, **kwargs)
+
+
+def _generator(seed: Any) -> torch.Generator | None:
+    if seed is None:
+        return None
+    return torch.Generator().manual_seed(int(seed))
+
+
+def _random(function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """torch.randn/rand with an optional `seed` kwarg: the same seed gives the same numbers."""
+
+    def run(*size: Any, seed: Any = None, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        out = function(*size, generator=_generator(seed), **kwargs)
+        return out if device is None else out.to(device)
+
+    return run
+
+
+def _random_like(function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    # Drawn on the CPU with a CPU generator, then moved: the same seed gives the same numbers anywhere.
+    def run(x: torch.Tensor, *, seed: Any = None, dtype: torch.dtype | None = None, **kwargs: Any) -> torch.Tensor:
+        if kwargs:
+            raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
+        out = function(tuple(x.shape), generator=_generator(seed), dtype=dtype or x.dtype)
+        return out.to(x.device)
+
+    return run
+
+
+def _call_module(ctx: OpContext, path: Any, *args: Any, **kwargs: Any) -> Any:
+    if not isinstance(path, str):
+        raise errors.InvalidArgument("call_module needs a module path string as its first argument")
+    return ctx.call_module(path, args, kwargs)
+
+
+_OPERATORS = (
+    "add sub mul truediv floordiv mod pow matmul neg pos abs invert and_ or_ xor lshift rshift "
+    "lt le eq ne gt ge getitem contains"
+).split()
+_INPLACE = "iadd isub imul itruediv ifloordiv imod ipow imatmul iand ior ixor".split()
+# Result shares memory with args[0] (so later in-place writes reach it).
+_ALIASING = (
+    "getitem view reshape transpose permute squeeze unsqueeze flatten expand contiguous detach to float half "
+    "bfloat16 double long int bool cpu view_as expand_as narrow select unflatten movedim swapaxes"
+).split()
+_METHODS = (
+    "softmax log_softmax argmax argmin topk max min mean sum prod norm einsum clone detach to float half bfloat16 "
+    "double long int bool reshape view view_as transpose permute squeeze unsqueeze flatten unflatten expand "
+    "expand_as repeat contiguous cpu zeros_like ones_like full_like abs exp log sqrt tanh sigmoid relu gather "
+    "index_select sort argsort size item tolist dot outer cumsum var std clamp nonzero narrow select movedim "
+    "swapaxes numel dim sign round floor ceil log2 log10 square rsqrt pow isnan isinf all any logsumexp "
+    "masked_fill diff tril triu chunk split flip roll any new_zeros new_ones new_full type_as"
+).split()
+_FUNCTIONAL = "softmax log_softmax gelu relu silu cosine_similarity layer_norm normalize".split()
+_TORCH_ONLY = {
+    "cat": torch.cat,
+    "stack": torch.stack,
+    "where": torch.where,
+    "einsum": torch.einsum,
+    "zeros": torch.zeros,
+    "ones": torch.ones,
+    "full": torch.full,
+    "arange": torch.arange,
+    "tensor": torch.tensor,
+    "eye": torch.eye,
+    "linspace": torch.linspace,
+}
+
+
+def _table() -> dict[str, OpSpec]:
+    table: dict[str, OpSpec] = {}
+    for name in _METHODS:
+        table[name] = OpSpec(_method_or_function(name), aliases=name in _ALIASING)
+    for name in _FUNCTIONAL:
+        table[name] = OpSpec(_method_or_function(name, functional=True))
+    for name, function in _TORCH_ONLY.items():
+        table[name] = OpSpec(_function(function))
+    for name in _OPERATORS:  # operator names win over same-named methods ("abs", "matmul" agree anyway)
+        table[name] = OpSpec(getattr(operator, name), aliases=name in _ALIASING)
+    for name in _INPLACE:
+        table[name] = OpSpec(getattr(operator, name), mutates=True, aliases=True)
+    table["setitem"] = OpSpec(_setitem, mutates=True)
+    table["getattr"] = OpSpec(_getattr, aliases=True)
+    table["randn"] = OpSpec(_random(torch.randn))
+    table["rand"] = OpSpec(_random(torch.rand))
+    table["randn_like"] = OpSpec(_random_like(torch.randn))
+    table["rand_like"] = OpSpec(_random_like(torch.rand))
+    table["call_module"] = OpSpec(_call_module, context=True)
+    return table
+
+
+TABLE: dict[str, OpSpec] = _table()
+OPS: tuple[str, ...] = tuple(sorted(TABLE))
+
+
+def lookup(name: str) -> OpSpec:
+    try:
+        return TABLE[name]
+    except KeyError:
+        raise errors.InvalidArgument(f"unknown op {name!r}; GetServerInfo lists the ops this daemon runs") from None

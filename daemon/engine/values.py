@@ -1,0 +1,88 @@
+"""Structure walks over module values: invoke row views, row writes, constant placement."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .. import errors
+
+
+def rows(value: Any, start: int, stop: int, batch: int) -> Any:
+    """A view of rows [start, stop) of every tensor whose dim 0 is the batch; other leaves as they are."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() >= 1 and value.shape[0] == batch:
+            return value[start:stop]
+        return value
+    if isinstance(value, Mapping):  # dicts and ModelOutputs; a plain dict keeps "getattr logits" working
+        return {k: rows(v, start, stop, batch) for k, v in value.items()}
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(rows(v, start, stop, batch) for v in value)
+    if isinstance(value, list):
+        return [rows(v, start, stop, batch) for v in value]
+    return value
+
+
+def write_rows(current: Any, new: Any, start: int, stop: int, batch: int) -> None:
+    """Copy `new` into rows [start, stop) of `current`, leaf by leaf, in place."""
+    if isinstance(current, torch.Tensor):
+        if current.dim() >= 1 and current.shape[0] == batch:
+            current[start:stop] = new
+            return
+        raise errors.InvalidArgument(
+            f"cannot write one invoke's rows into a value of shape {list(current.shape)}: it has no batch dimension"
+        )
+    if isinstance(current, Mapping) and isinstance(new, Mapping):
+        for key, item in new.items():
+            write_rows(current[key], item, start, stop, batch)
+        return
+    if isinstance(current, (tuple, list)) and isinstance(new, (tuple, list)) and len(current) == len(new):
+        for c, n in zip(current, new, strict=True):
+            write_rows(c, n, start, stop, batch)
+        return
+    if isinstance(current, (tuple, list)) and isinstance(new, torch.Tensor) and current:
+        # `block.output = h` for a block returning (h, ...): the first element is the hidden state.
+        write_rows(current[0], new, start, stop, batch)
+        return
+    raise errors.InvalidArgument(
+        f"cannot write a {type(new).__name__} into one invoke's rows of a {type(current).__name__}"
+    )
+
+
+def first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    items: Any = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else ()
+    for item in items:
+        found = first_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, list):
+        return [map_tensors(v, fn) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+def placer(target: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Moves a constant tensor to `target`'s device, and floating constants to its floating dtype."""
+    if target is None:
+        return lambda t: t
+
+    def place(t: torch.Tensor) -> torch.Tensor:
+        dtype = target.dtype if t.is_floating_point() and target.is_floating_point() else t.dtype
+        if t.device == target.device and t.dtype == dtype:
+            return t
+        return t.to(device=target.device, dtype=dtype)
+
+    return place

@@ -1,0 +1,252 @@
+"""Value <-> Python/torch conversion: constants in, results out.
+
+Results are detached, CPU, contiguous, little-endian bytes. Tensors of
+INLINE_LIMIT bytes or more travel as a blob id followed by Chunk messages.
+The host is assumed little-endian (x86-64, arm64), so torch's own bytes are
+the wire bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nnd.v1 import nnd_pb2, values_pb2
+
+from .. import errors
+
+INLINE_LIMIT = 64 * 1024
+CHUNK_SIZE = 4 * 1024 * 1024
+
+TO_TORCH: dict[int, torch.dtype] = {
+    values_pb2.FLOAT32: torch.float32,
+    values_pb2.FLOAT16: torch.float16,
+    values_pb2.BFLOAT16: torch.bfloat16,
+    values_pb2.FLOAT64: torch.float64,
+    values_pb2.INT64: torch.int64,
+    values_pb2.INT32: torch.int32,
+    values_pb2.INT16: torch.int16,
+    values_pb2.INT8: torch.int8,
+    values_pb2.UINT8: torch.uint8,
+    values_pb2.BOOL: torch.bool,
+}
+FROM_TORCH: dict[torch.dtype, int] = {v: k for k, v in TO_TORCH.items()}
+
+
+def to_torch_dtype(code: int) -> torch.dtype:
+    try:
+        return TO_TORCH[code]
+    except KeyError:
+        raise errors.InvalidArgument(f"unknown dtype {code} (DType enum value)") from None
+
+
+def from_torch_dtype(dtype: torch.dtype) -> int:
+    try:
+        return FROM_TORCH[dtype]
+    except KeyError:
+        raise errors.InvalidArgument(f"dtype {dtype} cannot be sent on the wire") from None
+
+
+# ------------------------------------------------------------------ decoding
+
+
+def decode_tensor(msg: values_pb2.Tensor, data: bytes | None = None) -> torch.Tensor:
+    """A CPU tensor from a Tensor message (`data` overrides msg.data, for chunked results)."""
+    dtype = to_torch_dtype(msg.dtype)
+    shape = tuple(int(d) for d in msg.shape)
+    if any(d < 0 for d in shape):
+        raise errors.InvalidArgument(f"tensor shape {list(shape)} has a negative dimension")
+    if msg.meta:
+        return torch.empty(shape, dtype=dtype, device="meta")
+    raw = msg.data if data is None else data
+    numel = 1
+    for d in shape:
+        numel *= d
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(raw) != numel * itemsize:
+        raise errors.InvalidArgument(
+            f"tensor data is {len(raw)} bytes but shape {list(shape)} of {dtype} needs "
+            f"{numel} * {itemsize} = {numel * itemsize} bytes"
+        )
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    # bytearray: frombuffer needs a writable buffer, and the tensor must own its memory.
+    return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+
+
+def decode_value(msg: values_pb2.Value) -> Any:
+    """The Python/torch value of a Value message (a constant from a request)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise errors.InvalidArgument("a Value has no kind set")
+    if kind == "tensor":
+        return decode_tensor(msg.tensor)
+    if kind in ("int", "float", "bool", "str"):
+        return getattr(msg, kind)
+    if kind == "slice":
+        s = msg.slice
+        return slice(
+            s.start if s.HasField("start") else None,
+            s.stop if s.HasField("stop") else None,
+            s.step if s.HasField("step") else None,
+        )
+    if kind == "ellipsis":
+        return Ellipsis
+    if kind == "none":
+        return None
+    if kind == "list":
+        return [decode_value(v) for v in msg.list.items]
+    if kind == "tuple":
+        return tuple(decode_value(v) for v in msg.tuple.items)
+    if kind == "size":
+        return torch.Size(int(d) for d in msg.size.dims)
+    if kind == "dtype":
+        return to_torch_dtype(msg.dtype)
+    if kind == "map":
+        return {k: decode_value(v) for k, v in msg.map.items.items()}
+    raise errors.InvalidArgument(f"unknown Value kind {kind!r}")
+
+
+def constant_bytes(msg: values_pb2.Value) -> int:
+    """Bytes of tensor data inside a constant (for max_constant_bytes)."""
+    kind = msg.WhichOneof("kind")
+    if kind == "tensor":
+        return len(msg.tensor.data)
+    if kind in ("list", "tuple"):
+        return sum(constant_bytes(v) for v in getattr(msg, kind).items)
+    if kind == "map":
+        return sum(constant_bytes(v) for v in msg.map.items.values())
+    return 0
+
+
+# ------------------------------------------------------------------ encoding
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """Little-endian element bytes of `t` (bfloat16 through a 16-bit view)."""
+    t = t.detach().to("cpu").contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return t.numpy().tobytes()
+
+
+def is_meta(t: torch.Tensor) -> bool:
+    """True for tensors without data: meta or fake tensors (a Scan)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return t.device.type == "meta" or isinstance(t, FakeTensor)
+
+
+@dataclass
+class Encoder:
+    """Turns saved values into Value messages; big tensors become blobs."""
+
+    next_blob: int = 1
+    blobs: list[tuple[int, bytes]] = field(default_factory=list)
+    total_bytes: int = 0
+
+    def tensor(self, t: torch.Tensor) -> values_pb2.Tensor:
+        msg = values_pb2.Tensor(dtype=from_torch_dtype(t.dtype), shape=list(t.shape))
+        if is_meta(t):
+            msg.meta = True
+            msg.device = "meta"
+            return msg
+        msg.device = str(t.device)
+        raw = tensor_bytes(t)
+        self.total_bytes += len(raw)
+        if len(raw) < INLINE_LIMIT:
+            msg.data = raw
+        else:
+            msg.blob = self.next_blob
+            self.blobs.append((self.next_blob, raw))
+            self.next_blob += 1
+        return msg
+
+    def value(self, x: Any) -> values_pb2.Value:
+        if isinstance(x, torch.Tensor):
+            return values_pb2.Value(tensor=self.tensor(x))
+        if x is None:
+            return values_pb2.Value(none=values_pb2.Empty())
+        if x is Ellipsis:
+            return values_pb2.Value(ellipsis=values_pb2.Empty())
+        if isinstance(x, bool):
+            return values_pb2.Value(bool=x)
+        if isinstance(x, int):
+            return values_pb2.Value(int=x)
+        if isinstance(x, float):
+            return values_pb2.Value(float=x)
+        if isinstance(x, str):
+            return values_pb2.Value(str=x)
+        if isinstance(x, torch.dtype):
+            return values_pb2.Value(dtype=from_torch_dtype(x))
+        if isinstance(x, torch.Size):
+            return values_pb2.Value(size=values_pb2.Shape(dims=list(x)))
+        if isinstance(x, slice):
+            s = values_pb2.Slice()
+            for name in ("start", "stop", "step"):
+                if getattr(x, name) is not None:
+                    setattr(s, name, int(getattr(x, name)))
+            return values_pb2.Value(slice=s)
+        if isinstance(x, torch.device):
+            return values_pb2.Value(str=str(x))
+        if isinstance(x, Mapping):  # dicts and HF ModelOutputs: tensor-like fields only
+            items = {str(k): self.value(v) for k, v in x.items() if _encodable(v)}
+            return values_pb2.Value(map=values_pb2.ValueMap(items=items))
+        if isinstance(x, list):
+            return values_pb2.Value(list=values_pb2.ValueList(items=[self.value(v) for v in x]))
+        if isinstance(x, tuple):
+            return values_pb2.Value(tuple=values_pb2.ValueList(items=[self.value(v) for v in x]))
+        raise errors.InvalidArgument(f"a value of type {type(x).__name__} cannot be returned")
+
+
+def _encodable(x: Any) -> bool:
+    if isinstance(x, (list, tuple)):
+        return all(_encodable(v) for v in x)
+    return x is None or isinstance(x, (torch.Tensor, bool, int, float, str, torch.Size, torch.dtype, Mapping))
+
+
+def saved_messages(
+    node: int, value: values_pb2.Value, blobs: Iterable[tuple[int, bytes]]
+) -> Iterable[nnd_pb2.TraceResponse]:
+    """The Saved message for `node` followed by the chunks of its blobs, in order."""
+    yield nnd_pb2.TraceResponse(saved=nnd_pb2.Saved(node=node, value=value))
+    for blob, raw in blobs:
+        for start in range(0, len(raw), CHUNK_SIZE):
+            yield nnd_pb2.TraceResponse(chunk=nnd_pb2.Chunk(blob=blob, data=raw[start : start + CHUNK_SIZE]))
+
+
+# ------------------------------------------------------------------ results (for tests and Python callers)
+
+
+def collect(responses: Iterable[nnd_pb2.TraceResponse]) -> dict[int, Any]:
+    """Decode a response stream into {node id: value}, joining chunked blobs."""
+    saved: dict[int, values_pb2.Value] = {}
+    chunks: dict[int, list[bytes]] = {}
+    for r in responses:
+        kind = r.WhichOneof("kind")
+        if kind == "saved":
+            saved[r.saved.node] = r.saved.value
+        elif kind == "chunk":
+            chunks.setdefault(r.chunk.blob, []).append(r.chunk.data)
+    joined = {k: b"".join(v) for k, v in chunks.items()}
+    return {k: decode_result(v, joined.get) for k, v in saved.items()}
+
+
+def decode_result(msg: values_pb2.Value, blob: Callable[[int], bytes | None]) -> Any:
+    """Like decode_value, but tensors may name blobs whose bytes `blob(id)` returns."""
+    kind = msg.WhichOneof("kind")
+    if kind == "tensor":
+        t = msg.tensor
+        data = blob(t.blob) if t.blob else None
+        return decode_tensor(t, data)
+    if kind in ("list", "tuple"):
+        items = [decode_result(v, blob) for v in getattr(msg, kind).items]
+        return items if kind == "list" else tuple(items)
+    if kind == "map":
+        return {k: decode_result(v, blob) for k, v in msg.map.items.items()}
+    return decode_value(msg)
