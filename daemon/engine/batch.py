@@ -91,9 +91,7 @@ def _tokens(invokes: Sequence[nnd_pb2.Invoke], tokenizer: Any, max_len: int) -> 
     seqs = [_token_ids(inv, tokenizer, i) for i, inv in enumerate(invokes)]
     longest = max(len(s) for s in seqs)
     if max_len and longest > max_len:
-        raise errors.ResourceExhausted(
-            f"an invoke has {longest} tokens, over the limit max_sequence_length={max_len}"
-        )
+        raise errors.ResourceExhausted(f"an invoke has {longest} tokens, over the limit max_sequence_length={max_len}")
     pad = pad_id(tokenizer)
     ids = torch.full((len(seqs), longest), pad, dtype=torch.long)
     mask = torch.zeros((len(seqs), longest), dtype=torch.long)
@@ -144,7 +142,9 @@ def build(
     if not invokes:
         raise errors.InvalidArgument("the request has no invoke: give at least one input")
     if max_invokes and len(invokes) > max_invokes:
-        raise errors.ResourceExhausted(f"the request has {len(invokes)} invokes, over the limit max_invokes={max_invokes}")
+        raise errors.ResourceExhausted(
+            f"the request has {len(invokes)} invokes, over the limit max_invokes={max_invokes}"
+        )
     kinds = {inv.WhichOneof("input") or ("args" if inv.args else None) for inv in invokes}
     if None in kinds:
         raise errors.InvalidArgument("an invoke has no input: give text, token ids or args")

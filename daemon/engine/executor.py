@@ -172,7 +172,9 @@ class Executor:
                     changed = True
                 else:
                     start, stop = self.rows[node.invoke]
-                    self.guard(node, lambda v=value: values.write_rows(state[0], v, start, stop, self.batch_size))
+                    self.guard(
+                        node, lambda v=value, a=start, b=stop: values.write_rows(state[0], v, a, b, self.batch_size)
+                    )
         self.finish_hook(key)
         return state[0] if changed else None
 
@@ -261,6 +263,7 @@ class Executor:
         if self.is_const(spec):
             value = values.map_tensors(value, values.placer(like))
         self.writes.append(node)
+        frame.pending.discard(node.id)
         return value
 
     def guard(self, node: PlanNode, action: Callable[[], Any]) -> Any:

@@ -215,9 +215,7 @@ class _Builder:
                 detail = "a top-level node cannot use a value from inside a loop"
             else:
                 detail = "nodes of one loop cannot use another loop's values"
-            raise errors.InvalidArgument(
-                f"{where(node.proto)}\n{detail} (node {ref}, {where(self.nodes[ref].proto)})"
-            )
+            raise errors.InvalidArgument(f"{where(node.proto)}\n{detail} (node {ref}, {where(self.nodes[ref].proto)})")
 
     def module_value(self, node: PlanNode, mv: graph_pb2.ModuleValue, *, write: bool) -> None:
         proto = node.proto

@@ -13,9 +13,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import tinymodels  # noqa: E402
 import torch  # noqa: E402
 
-import tinymodels  # noqa: E402
 from nnd.v1 import nnd_pb2  # noqa: E402
 from nnd_daemon import engine  # noqa: E402
 from nnd_daemon.engine import wire  # noqa: E402

@@ -59,8 +59,17 @@ class Graph:
             m.invoke = invoke
         return m
 
-    def module(self, path: str, point: str = "output", *, invoke: int | None = None, call: int = 0,
-               scope: int = 0, line: int | None = None, text: str = "") -> N:
+    def module(
+        self,
+        path: str,
+        point: str = "output",
+        *,
+        invoke: int | None = None,
+        call: int = 0,
+        scope: int = 0,
+        line: int | None = None,
+        text: str = "",
+    ) -> N:
         node = self._node(scope, line, text or f"model.{path}.{point}")
         node.module.CopyFrom(self.mv(path, point, invoke, call))
         return N(node.id)
@@ -83,8 +92,18 @@ class Graph:
         node.save.value.CopyFrom(arg(x))
         return N(node.id)
 
-    def set(self, path: str, x: Any, point: str = "output", *, invoke: int | None = None, call: int = 0,
-            scope: int = 0, line: int | None = None, text: str = "") -> N:
+    def set(
+        self,
+        path: str,
+        x: Any,
+        point: str = "output",
+        *,
+        invoke: int | None = None,
+        call: int = 0,
+        scope: int = 0,
+        line: int | None = None,
+        text: str = "",
+    ) -> N:
         node = self._node(scope, line, text or f"model.{path}.{point} = ...")
         node.set.target.CopyFrom(self.mv(path, point, invoke, call))
         node.set.value.CopyFrom(arg(x))
