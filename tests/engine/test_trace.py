@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graphs import S, Graph, idx
+from graphs import Graph, S, idx
 from reference import capture, forward
 from torch.testing import assert_close
 

@@ -1,0 +1,55 @@
+"""Value encoding: dtypes, bfloat16, inline vs chunked tensors, plain values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from graphs import Graph, value
+
+from nnd_daemon import errors
+from nnd_daemon.engine import wire
+
+
+@pytest.mark.parametrize("dtype", list(wire.FROM_TORCH))
+def test_tensor_round_trip(dtype):
+    t = (torch.arange(24).reshape(2, 3, 4) % 7).to(dtype)
+    assert torch.equal(wire.decode_value(value(t)), t)
+
+
+def test_bfloat16_is_upper_half_of_float32():
+    t = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
+    f32 = torch.tensor([1.5, -2.0]).numpy().tobytes()
+    raw = wire.tensor_bytes(t)
+    assert raw == f32[2:4] + f32[6:8]
+
+
+def test_plain_values_round_trip():
+    for x in [3, 2.5, True, "s", None, Ellipsis, slice(1, None, 2), torch.Size([2, 3]), torch.float16, [1, (2, 3)]]:
+        assert wire.decode_value(wire.Encoder().value(x)) == x
+
+
+def test_big_tensor_is_chunked(gpt2):
+    g = Graph()
+    big = g.save(g.op("zeros", 1_300_000))  # 5.2 MB: two 4 MiB chunks
+    small = g.save(g.op("ones", 3))
+    msgs = gpt2.stream(g.request("Hi"))
+    kinds = [r.WhichOneof("kind") for r in msgs]
+    assert kinds == ["saved", "chunk", "chunk", "saved", "done"]
+    assert msgs[0].saved.value.tensor.blob == msgs[1].chunk.blob == msgs[2].chunk.blob
+    assert len(msgs[1].chunk.data) == wire.CHUNK_SIZE
+    got = wire.collect(msgs)
+    assert torch.equal(got[big.id], torch.zeros(1_300_000)) and torch.equal(got[small.id], torch.ones(3))
+
+
+def test_model_output_is_a_map(gpt2):
+    g = Graph()
+    out = g.save(g.module(""))
+    got = gpt2.run(g.request("Hi"))[out.id]
+    assert isinstance(got, dict) and "logits" in got
+
+
+def test_unknown_dtype():
+    v = value(torch.zeros(2))
+    v.tensor.dtype = 99
+    with pytest.raises(errors.InvalidArgument, match="dtype"):
+        wire.decode_value(v)
