@@ -1,0 +1,81 @@
+"""Value encoding round trips and response reassembly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nnd import _codec, _meta, _results
+from nnd.v1 import nnd_pb2, values_pb2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.uint8])
+def test_torch_round_trip(dtype):
+    t = (torch.arange(24).reshape(2, 3, 4) % 5).to(dtype)
+    back = _codec.decode(_codec.encode(t))
+    assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
+
+
+def test_bfloat16_wire_bytes_are_torch_storage():
+    t = torch.tensor([1.0, -2.5, 3.140625], dtype=torch.bfloat16)
+    v = _codec.encode(t)
+    assert v.tensor.dtype == values_pb2.BFLOAT16
+    assert v.tensor.data == t.view(torch.int16).numpy().tobytes()
+    widened = _codec.decode(v, use_torch=False)
+    assert widened.dtype == np.float32 and widened.tolist() == [1.0, -2.5, 3.140625]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64, np.int8, np.bool_])
+def test_numpy_round_trip(dtype):
+    a = (np.arange(6).reshape(2, 3) % 3).astype(dtype)
+    back = _codec.decode(_codec.encode(a), use_torch=False)
+    assert back.dtype == a.dtype and np.array_equal(back, a)
+
+
+def test_scalars_and_containers():
+    value = [1, 2.5, True, "s", None, Ellipsis, slice(None, -1), (1, [2]), {"a": 1}, torch.Size([2, 3]), torch.int64]
+    assert _codec.decode(_codec.encode(value)) == value
+    plain = _codec.decode(_codec.encode((torch.Size([2]), torch.float16)), use_torch=False)
+    assert plain == ((2,), "float16")
+
+
+def test_slice_with_nonint_bound_is_refused():
+    with pytest.raises(TypeError, match="slice bounds"):
+        _codec.encode(slice(0, 2.5))
+
+
+def test_meta_tensors():
+    v = values_pb2.Value(tensor=values_pb2.Tensor(dtype=values_pb2.FLOAT16, shape=[2, 3], meta=True))
+    t = _codec.decode(v)
+    assert t.device.type == "meta" and t.shape == (2, 3) and t.dtype == torch.float16
+    m = _codec.decode(v, use_torch=False)
+    assert isinstance(m, _meta.MetaTensor) and m.shape == (2, 3) and m.dtype == "float16" and m.ndim == 2
+
+
+def test_chunks_are_concatenated_per_blob_in_order():
+    a = torch.arange(10, dtype=torch.float32)
+    b = torch.arange(6, dtype=torch.int64)
+    ab, bb = a.numpy().tobytes(), b.numpy().tobytes()
+    t1 = values_pb2.Tensor(dtype=values_pb2.FLOAT32, shape=[10], blob=1)
+    t2 = values_pb2.Tensor(dtype=values_pb2.INT64, shape=[2, 3], blob=2)
+    nested = values_pb2.Value(list=values_pb2.ValueList(items=[values_pb2.Value(tensor=t2)]))
+    stream = [
+        nnd_pb2.TraceResponse(saved=nnd_pb2.Saved(node=3, value=values_pb2.Value(tensor=t1))),
+        nnd_pb2.TraceResponse(saved=nnd_pb2.Saved(node=5, value=nested)),
+        nnd_pb2.TraceResponse(chunk=nnd_pb2.Chunk(blob=1, data=ab[:7])),
+        nnd_pb2.TraceResponse(chunk=nnd_pb2.Chunk(blob=2, data=bb[:20])),
+        nnd_pb2.TraceResponse(chunk=nnd_pb2.Chunk(blob=1, data=ab[7:])),
+        nnd_pb2.TraceResponse(chunk=nnd_pb2.Chunk(blob=2, data=bb[20:])),
+        nnd_pb2.TraceResponse(step=nnd_pb2.StepTokens(step=0, ids=[4, 5])),
+        nnd_pb2.TraceResponse(done=nnd_pb2.TraceDone(compute_s=0.5)),
+    ]
+    res = _results.collect(stream)
+    assert torch.equal(res.saved[3], a) and torch.equal(res.saved[5][0], b.reshape(2, 3))
+    assert res.steps[0].ids == (4, 5) and res.compute_s == 0.5
+
+
+def test_short_tensor_data_is_an_error():
+    v = values_pb2.Value(tensor=values_pb2.Tensor(dtype=values_pb2.FLOAT32, shape=[4], data=b"\0" * 8))
+    with pytest.raises(ValueError, match="needs 16 bytes"):
+        _codec.decode(v)
