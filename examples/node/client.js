@@ -1,0 +1,337 @@
+#!/usr/bin/env node
+// A Node.js client for nnd that speaks the .proto and nothing else.
+//
+// It loads a model, adds a steering vector to one GPT-2 block's output at the
+// last position, and prints the next-token top 5 as JSON:
+//
+//   node client.js --address unix:///run/nnd/nnd.sock --model openai-community/gpt2 \
+//       --prompt "The Eiffel Tower is in the city of" --layer 5 --scale 4
+//
+// The graph it sends is the protocol form of
+//
+//   model.transformer.h[N].output[:, -1, :] += v
+//   h = model.transformer.h[N].output.save()
+//   logits = model.lm_head.output.save()
+//
+// No generated code: @grpc/proto-loader reads ../../protos at start-up.
+'use strict';
+
+const path = require('path');
+const grpc = require('@grpc/grpc-js');
+const protoLoader = require('@grpc/proto-loader');
+
+const PROTOS = path.resolve(__dirname, '..', '..', 'protos');
+const USAGE =
+  'usage: node client.js --address ADDR --model PATH --prompt TEXT --layer N ' +
+  '[--scale S] [--seed K] [--timeout SECONDS]';
+
+// ------------------------------------------------------------------ arguments
+
+function parseArgs(argv) {
+  const opts = { scale: 1, seed: 0, timeout: 300 };
+  const names = new Set(['address', 'model', 'prompt', 'layer', 'scale', 'seed', 'timeout']);
+  for (let i = 0; i < argv.length; i++) {
+    const arg = argv[i];
+    if (arg === '-h' || arg === '--help') {
+      console.log(USAGE);
+      process.exit(0);
+    }
+    let name;
+    let value;
+    const eq = arg.indexOf('=');
+    if (arg.startsWith('--') && eq > 0) {
+      name = arg.slice(2, eq);
+      value = arg.slice(eq + 1);
+    } else if (arg.startsWith('--')) {
+      name = arg.slice(2);
+      value = argv[++i];
+    }
+    if (!names.has(name) || value === undefined) usageError(`bad argument ${JSON.stringify(arg)}`);
+    opts[name] = value;
+  }
+  for (const required of ['address', 'model', 'prompt', 'layer']) {
+    if (opts[required] === undefined) usageError(`--${required} is required`);
+  }
+  for (const name of ['layer', 'seed']) {
+    const n = Number(opts[name]);
+    if (!Number.isInteger(n) || n < 0) usageError(`--${name} must be a non-negative integer`);
+    opts[name] = n;
+  }
+  for (const name of ['scale', 'timeout']) {
+    const x = Number(opts[name]);
+    if (!Number.isFinite(x)) usageError(`--${name} must be a number`);
+    opts[name] = x;
+  }
+  return opts;
+}
+
+function usageError(message) {
+  process.stderr.write(`nnd-node: ${message}\n${USAGE}\n`);
+  process.exit(2);
+}
+
+// ------------------------------------------------------------------ the service
+
+function connect(address) {
+  const definition = protoLoader.loadSync('nnd/v1/nnd.proto', {
+    includeDirs: [PROTOS],
+    keepCase: true, // field names as in the .proto (snake_case)
+    longs: String, // int64 as decimal strings: token ids and shapes stay exact
+    enums: String, // "OUTPUT", "FLOAT32", "DISPATCHED"
+    defaults: true,
+    oneofs: true, // each oneof gets a virtual property naming the field that is set
+  });
+  const nnd = grpc.loadPackageDefinition(definition).nnd.v1;
+  // Chunks of big results are up to 4 MiB of data plus a few bytes of framing:
+  // do not let the default 4 MiB receive limit stand in the way.
+  return new nnd.Nnd(address, grpc.credentials.createInsecure(), {
+    'grpc.max_receive_message_length': -1,
+    'grpc.max_send_message_length': -1,
+  });
+}
+
+function deadline(seconds) {
+  return new Date(Date.now() + seconds * 1000);
+}
+
+function unary(client, method, request, timeout) {
+  return new Promise((resolve, reject) => {
+    client[method](request, { deadline: deadline(timeout) }, (err, response) =>
+      err ? reject(err) : resolve(response),
+    );
+  });
+}
+
+// A server stream of TraceResponse: Saved, Chunk, StepTokens, then one TraceDone.
+// Returns {saved: Map(node id -> Value), blobs: Map(blob id -> Buffer), done}.
+function trace(client, request, timeout) {
+  return new Promise((resolve, reject) => {
+    const saved = new Map();
+    const pieces = new Map();
+    let done = null;
+    const call = client.Trace(request, { deadline: deadline(timeout) });
+    call.on('data', (msg) => {
+      switch (msg.kind) {
+        case 'saved':
+          saved.set(msg.saved.node, msg.saved.value);
+          break;
+        case 'chunk': {
+          // The chunks of one blob arrive in order: append.
+          const list = pieces.get(msg.chunk.blob) || [];
+          list.push(msg.chunk.data);
+          pieces.set(msg.chunk.blob, list);
+          break;
+        }
+        case 'done':
+          done = msg.done;
+          break;
+        default: // StepTokens: only Generate sends them
+      }
+    });
+    call.on('error', reject);
+    call.on('end', () => {
+      if (done === null) {
+        reject(new Error('the Trace stream ended without a TraceDone'));
+        return;
+      }
+      const blobs = new Map();
+      for (const [id, list] of pieces) blobs.set(id, Buffer.concat(list));
+      resolve({ saved, blobs, done });
+    });
+  });
+}
+
+// ------------------------------------------------------------------ tensors
+
+// Bytes per element of each DType.
+const ITEMSIZE = {
+  FLOAT32: 4, FLOAT16: 2, BFLOAT16: 2, FLOAT64: 8,
+  INT64: 8, INT32: 4, INT16: 2, INT8: 1, UINT8: 1, BOOL: 1,
+};
+
+function halfToFloat(bits) {
+  const sign = bits & 0x8000 ? -1 : 1;
+  const exp = (bits >> 10) & 0x1f;
+  const frac = bits & 0x3ff;
+  if (exp === 0) return sign * frac * 2 ** -24;
+  if (exp === 31) return frac ? NaN : sign * Infinity;
+  return sign * (1 + frac / 1024) * 2 ** (exp - 15);
+}
+
+// The element bytes of a saved tensor: inline `data`, or its reassembled blob.
+function tensorBytes(tensor, blobs) {
+  if (tensor.meta) throw new Error('the tensor has no data (a Scan result)');
+  if (Number(tensor.blob) === 0) return tensor.data;
+  const bytes = blobs.get(tensor.blob);
+  if (bytes === undefined) throw new Error(`no chunks arrived for blob ${tensor.blob}`);
+  return bytes;
+}
+
+// A Tensor message -> {shape, dtype, values (flat, row-major, JS numbers), chunked}.
+function decodeTensor(tensor, blobs) {
+  const shape = tensor.shape.map(Number);
+  const count = shape.reduce((a, b) => a * b, 1);
+  const bytes = tensorBytes(tensor, blobs);
+  const size = ITEMSIZE[tensor.dtype];
+  if (size === undefined) throw new Error(`unknown dtype ${tensor.dtype}`);
+  if (bytes.length !== count * size) {
+    throw new Error(`tensor of shape [${shape}] ${tensor.dtype} needs ${count * size} bytes, got ${bytes.length}`);
+  }
+  // DataView with littleEndian=true: correct on any host.
+  const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.length);
+  const read = {
+    FLOAT32: (i) => view.getFloat32(i * 4, true),
+    FLOAT64: (i) => view.getFloat64(i * 8, true),
+    FLOAT16: (i) => halfToFloat(view.getUint16(i * 2, true)),
+    // bfloat16 is the upper half of a float32's bits.
+    BFLOAT16: (i) => {
+      const scratch = new DataView(new ArrayBuffer(4));
+      scratch.setUint32(0, view.getUint16(i * 2, true) << 16, true);
+      return scratch.getFloat32(0, true);
+    },
+    INT64: (i) => Number(view.getBigInt64(i * 8, true)),
+    INT32: (i) => view.getInt32(i * 4, true),
+    INT16: (i) => view.getInt16(i * 2, true),
+    INT8: (i) => view.getInt8(i),
+    UINT8: (i) => view.getUint8(i),
+    BOOL: (i) => view.getUint8(i) !== 0,
+  }[tensor.dtype];
+  const values = new Array(count);
+  for (let i = 0; i < count; i++) values[i] = read(i);
+  return { shape, dtype: tensor.dtype, values, chunked: Number(tensor.blob) !== 0 };
+}
+
+// A FLOAT32 constant: little-endian element bytes.
+function float32Tensor(values) {
+  const data = Buffer.alloc(values.length * 4);
+  values.forEach((x, i) => data.writeFloatLE(x, i * 4));
+  return { dtype: 'FLOAT32', shape: [values.length], data };
+}
+
+// ------------------------------------------------------------------ the steering vector
+
+// Numerical Recipes' 32-bit LCG: state' = 1664525 * state + 1013904223 mod 2^32.
+// Element i is (2 * u_i - 1) * scale with u_i = state_i / 2^32, rounded to float32.
+// Any client can reproduce it bit for bit.
+function steeringVector(width, seed, scale) {
+  let state = seed >>> 0;
+  const out = new Float32Array(width);
+  for (let i = 0; i < width; i++) {
+    state = (Math.imul(1664525, state) + 1013904223) >>> 0;
+    out[i] = ((state / 4294967296) * 2 - 1) * scale;
+  }
+  return Array.from(out);
+}
+
+// ------------------------------------------------------------------ the graph
+
+function steeringGraph(layerPath, vector) {
+  const loc = (line, text) => ({ file: 'client.js', line, text });
+  const hook = { path: layerPath, point: 'OUTPUT', invoke: 0, call: 0 };
+  // The index of `[:, -1, :]`: (slice(None), -1, slice(None)).
+  const lastPosition = {
+    tuple: { items: [{ value: { slice: {} } }, { value: { int: -1 } }, { value: { slice: {} } }] },
+  };
+  const edit = `model.${layerPath}.output[:, -1, :] += v`;
+  const nodes = [
+    { id: 1, loc: loc(1, edit), module: hook },
+    { id: 2, loc: loc(1, edit), op: { name: 'getitem', args: [{ ref: 1 }, lastPosition] } },
+    { id: 3, loc: loc(1, edit), constant: { tensor: float32Tensor(vector) } },
+    { id: 4, loc: loc(1, edit), op: { name: 'iadd', args: [{ ref: 2 }, { ref: 3 }] } },
+    { id: 5, loc: loc(1, edit), op: { name: 'setitem', args: [{ ref: 1 }, lastPosition, { ref: 4 }] } },
+    // Read the same hook again: nodes ready at one hook run in id order, so
+    // this value includes the edit above.
+    { id: 6, loc: loc(2, `h = model.${layerPath}.output.save()`), module: hook },
+    { id: 7, loc: loc(2, `h = model.${layerPath}.output.save()`), save: { value: { ref: 6 } } },
+    { id: 8, loc: loc(3, 'logits = model.lm_head.output.save()'), module: { path: 'lm_head', point: 'OUTPUT', invoke: 0 } },
+    { id: 9, loc: loc(3, 'logits = model.lm_head.output.save()'), save: { value: { ref: 8 } } },
+  ];
+  return { graph: { nodes, scopes: [] }, layerSave: 7, logitsSave: 9 };
+}
+
+// ------------------------------------------------------------------ main
+
+function hiddenSize(info) {
+  for (const key of ['hidden_size', 'n_embd', 'd_model']) {
+    const n = Number(info.config[key]);
+    if (Number.isInteger(n) && n > 0) return n;
+  }
+  throw new Error(`model ${info.name} reports no hidden size in its config`);
+}
+
+function topK(values, offset, count, k) {
+  const idx = Array.from({ length: count }, (_, i) => i);
+  idx.sort((a, b) => values[offset + b] - values[offset + a] || a - b);
+  return idx.slice(0, k).map((i) => ({ id: i, logit: values[offset + i] }));
+}
+
+async function main() {
+  const opts = parseArgs(process.argv.slice(2));
+  const client = connect(opts.address);
+  try {
+    const info = await unary(client, 'LoadModel', { model: opts.model }, opts.timeout);
+    const width = hiddenSize(info);
+    const layerPath = `transformer.h.${opts.layer}`;
+    const vector = steeringVector(width, opts.seed, opts.scale);
+    const { graph, layerSave, logitsSave } = steeringGraph(layerPath, vector);
+
+    const request = { model: info.name, invokes: [{ text: opts.prompt }], graph };
+    const { saved, blobs, done } = await trace(client, request, opts.timeout);
+    for (const id of [layerSave, logitsSave]) {
+      if (!saved.has(id) || saved.get(id).kind !== 'tensor') throw new Error(`node ${id} saved no tensor`);
+    }
+    const layer = decodeTensor(saved.get(layerSave).tensor, blobs);
+    const logits = decodeTensor(saved.get(logitsSave).tensor, blobs);
+
+    // logits: [batch (1), positions, vocab]; the next token is read at the last position.
+    const [, positions, vocab] = logits.shape;
+    const top = topK(logits.values, (positions - 1) * vocab, vocab, 5);
+    const decoded = await unary(
+      client,
+      'Decode',
+      { model: info.name, ids: top.map((t) => ({ ids: [t.id] })) },
+      opts.timeout,
+    );
+    top.forEach((t, i) => {
+      t.text = decoded.texts[i];
+    });
+
+    const checksum = layer.values.reduce((a, b) => a + b, 0);
+    const out = {
+      model: info.name,
+      prompt: opts.prompt,
+      layer: layerPath,
+      scale: opts.scale,
+      seed: opts.seed,
+      steering: { width, first: vector.slice(0, 4), checksum: vector.reduce((a, b) => a + b, 0) },
+      top5: top,
+      layer_output: { shape: layer.shape, dtype: layer.dtype, checksum, chunked: layer.chunked },
+      logits: { shape: logits.shape, dtype: logits.dtype, chunked: logits.chunked },
+      compute_s: done.compute_s,
+    };
+    process.stdout.write(JSON.stringify(out, null, 2) + '\n');
+  } finally {
+    client.close();
+  }
+}
+
+// gRPC failures: one line, exit 1. The daemon's messages may span lines (the
+// failing node's source location, then what went wrong): join them.
+function describeError(err) {
+  const oneLine = (s) => String(s).split('\n').map((l) => l.trim()).filter(Boolean).join(' | ');
+  if (err && typeof err.code === 'number') {
+    const name = grpc.status[err.code] || `code ${err.code}`;
+    const type = err.metadata ? err.metadata.get('nnd-exception-type')[0] : undefined;
+    return `nnd-node: ${name}${type ? ` (${type})` : ''}: ${oneLine(err.details || err.message)}`;
+  }
+  return `nnd-node: ${oneLine(err && err.message ? err.message : err)}`;
+}
+
+if (require.main === module) {
+  main().catch((err) => {
+    process.stderr.write(describeError(err) + '\n');
+    process.exit(1);
+  });
+}
+
+module.exports = { steeringVector, steeringGraph, decodeTensor };
