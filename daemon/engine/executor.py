@@ -343,12 +343,18 @@ class Executor:
         key = owner.bound.get(root.id)
         if key is None or not key[0] or key == self.current or key not in self.completed:
             return
-        late = max((self.plan.nodes[r] for r in node.refs if r != root.id), key=lambda n: n.time, default=root)
+        # Name the input that arrived late: one bound at the current hook, else any other source.
+        others = [self.plan.nodes[i] for i in sorted(node.sources) if i != root.id]
+        late = next((n for n in others if self.bound_at(frame, n) == self.current), others[0] if others else root)
         raise errors.InvalidArgument(
             f"causality error: {where(node.proto)}\nwrites in place into the output of {key[0]!r} "
             f"({where(root.proto)}) after that module has already run; the write waited for {where(late.proto)}.",
             exc_type="RuntimeError",
         )
+
+    def bound_at(self, frame: Frame, node: PlanNode) -> HookKey | None:
+        owner = self.root if node.scope == 0 else frame
+        return owner.bound.get(node.id)
 
     # ------------------------------------------------------------ arguments
 

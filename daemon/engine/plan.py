@@ -3,10 +3,8 @@
 `build` validates a Graph (ids, refs, scopes, ops, module paths, invokes),
 decodes its constants once, and rejects causality errors: a write whose value
 is only computed later in the forward than the write's own hook. "Later" uses
-each module's place in a depth-first walk of the module tree (pre-hook on
-entry, forward hook on exit), which is the order HF models run their modules;
-the executor re-checks at run time for models that call modules out of tree
-order.
+what the module tree says for certain (order.py); whatever it cannot tell
+the executor checks at run time, before the write happens.
 """
 
 from __future__ import annotations
@@ -19,12 +17,11 @@ import torch
 from nnd.v1 import graph_pb2
 
 from .. import errors
-from . import ops, wire
+from . import ops, order, wire
 from .failures import where
+from .order import POST, PRE, RESULT, HookKey
 
-PRE, POST, RESULT = "pre", "post", "result"
-NEVER = (1 << 62, 1 << 62)  # static time of RESULT: after everything
-BEFORE = (-1, -1)  # static time of constants
+__all__ = ["POST", "PRE", "RESULT", "Const", "Plan", "PlanNode", "Ref", "Seq", "build"]
 
 
 @dataclass(frozen=True)
@@ -61,7 +58,9 @@ class PlanNode:
     hook: str = ""  # PRE | POST | RESULT
     value: Any = None  # constant nodes: the decoded value
     const: bool = False  # derives from constants only (so it moves to where activations live)
-    time: tuple[int, int] = BEFORE
+    # The module-value nodes this value derives from, and (module nodes) the hook that binds it.
+    sources: frozenset[int] = frozenset()
+    key: HookKey | None = None
     alias_root: int | None = None  # the module node whose memory this value may share
 
     @property
@@ -79,24 +78,6 @@ class Plan:
 
     def scope_nodes(self, scope: int) -> list[int]:
         return [i for i, n in self.nodes.items() if n.scope == scope]
-
-
-def module_times(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
-    """(pre-hook ordinal, forward-hook ordinal) of each module in a depth-first walk."""
-    times: dict[str, tuple[int, int]] = {}
-    counter = 0
-
-    def walk(module: torch.nn.Module, path: str) -> None:
-        nonlocal counter
-        enter = counter
-        counter += 1
-        for name, child in module.named_children():
-            walk(child, f"{path}.{name}" if path else name)
-        times.setdefault(path, (enter, counter))
-        counter += 1
-
-    walk(model, "")
-    return times
 
 
 def _arg(arg: graph_pb2.Arg, node: graph_pb2.Node) -> ArgSpec:
@@ -144,7 +125,7 @@ class _Builder:
     def __init__(self, graph: graph_pb2.Graph, model: torch.nn.Module, n_invokes: int) -> None:
         self.graph = graph
         self.modules = dict(model.named_modules())
-        self.times = module_times(model)
+        self.containers = order.ordered_containers(model)
         self.n_invokes = n_invokes
         self.nodes: dict[int, PlanNode] = {}
         self.paths: set[str] = {""}
@@ -253,7 +234,7 @@ class _Builder:
         if first.value not in self.modules:
             raise errors.NotFound(f"{where(node.proto)}\nthe model has no module {first.value!r}")
 
-    # -- static time, constness, aliasing
+    # -- static facts: sources, constness, aliasing
 
     def base_step(self, scope: int) -> int:
         if scope == 0:
@@ -266,60 +247,60 @@ class _Builder:
             return min(sel.steps.steps)
         return 0
 
-    def hook_time(self, node: PlanNode) -> tuple[int, int]:
+    def hook_key(self, node: PlanNode) -> HookKey:
+        """The hook a module value is bound at, or a write happens at (loops: at their first step)."""
         assert node.target is not None
-        if node.hook == RESULT:
-            return NEVER
-        enter, leave = self.times[node.target.path]
-        call = node.target.call + self.base_step(node.scope)
-        return (call, enter if node.hook == PRE else leave)
+        return (node.target.path, node.hook, node.target.call + self.base_step(node.scope))
 
     def static_facts(self, node: PlanNode) -> None:
         inputs = [self.nodes[r] for r in node.refs]
+        if node.target is not None:
+            node.key = self.hook_key(node)
         if node.kind == "module":
-            node.time = self.hook_time(node)
+            node.sources = frozenset((node.id,))
             node.alias_root = node.id
             return
         node.const = all(n.const for n in inputs) and node.kind in ("constant", "op")
-        node.time = max((n.time for n in inputs), default=BEFORE)
+        node.sources = frozenset().union(*(n.sources for n in inputs))
         if node.kind == "save" or (node.op is not None and node.op.aliases):
             first = node.args[0] if node.args else None
             if isinstance(first, Ref):
                 node.alias_root = self.nodes[first.id].alias_root
 
+    def later_source(self, node: PlanNode, than: HookKey) -> PlanNode | None:
+        """A module value `node` needs that certainly exists only after hook `than`."""
+        for s in sorted(node.sources):
+            source = self.nodes[s]
+            if source.key is not None and order.after(source.key, than, self.containers):
+                return source
+        return None
+
     def check_causality(self, node: PlanNode) -> None:
         if node.kind in ("set", "skip"):
-            at = self.hook_time(node)
-            if node.time > at:
-                late = self.latest_input(node)
-                raise self.causality(node, late, "writes a value that is only computed later in the forward")
+            assert node.key is not None
+            late = self.later_source(node, node.key)
+            if late is not None:
+                raise causality(node, late, "writes a value that is only computed later in the forward")
         elif node.op is not None and node.op.mutates and node.alias_root is not None:
             root = self.nodes[node.alias_root]
-            if root.target is not None and root.target.path and node.time > root.time:
-                late = self.latest_input(node)
-                raise self.causality(
+            if root.key is None or not root.key[0]:  # the model's own output: nothing downstream reads it
+                return
+            late = self.later_source(node, root.key)
+            if late is not None:
+                raise causality(
                     node,
                     late,
-                    f"writes in place into the output of {root.target.path!r} ({where(root.proto)}) after that "
+                    f"writes in place into the output of {root.key[0]!r} ({where(root.proto)}) after that "
                     "module has already run",
                 )
 
-    def latest_input(self, node: PlanNode) -> PlanNode:
-        """The module value that makes `node` late: follow the latest input down to a module node."""
-        current = node
-        while current.kind != "module":
-            inputs = [self.nodes[r] for r in current.refs]
-            if not inputs:
-                return current
-            current = max(inputs, key=lambda n: n.time)
-        return current
 
-    def causality(self, node: PlanNode, late: PlanNode, what: str) -> errors.InvalidArgument:
-        return errors.InvalidArgument(
-            f"causality error: {where(node.proto)}\n{what}: it needs {where(late.proto)}, which is only "
-            "available later in the forward pass. Compute the value from modules that run before the write.",
-            exc_type="RuntimeError",
-        )
+def causality(node: PlanNode, late: PlanNode, what: str) -> errors.InvalidArgument:
+    return errors.InvalidArgument(
+        f"causality error: {where(node.proto)}\n{what}: it needs {where(late.proto)}, which is only "
+        "available later in the forward pass. Compute the value from modules that run before the write.",
+        exc_type="RuntimeError",
+    )
 
 
 def build(graph: graph_pb2.Graph, model: torch.nn.Module, n_invokes: int, max_constant_bytes: int = 0) -> Plan:

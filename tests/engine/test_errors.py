@@ -180,3 +180,36 @@ def test_value_kind_unset(gpt2):
     g.save(N(1))
     with pytest.raises(errors.InvalidArgument, match="no kind"):
         gpt2.run(g.request(PROMPT))
+
+
+def test_sibling_order_is_not_guessed(llama):
+    """Llama's MLP registers act_fn after down_proj but calls it first: a valid write must not be rejected."""
+    mlp = "model.layers.0.mlp"
+    g = Graph()
+    act = g.module(f"{mlp}.act_fn")
+    up = g.module(f"{mlp}.up_proj")
+    g.set(f"{mlp}.down_proj", g.op("mul", g.op("mul", act, up), 2.0), "input")
+    logits = g.save(g.op("getattr", g.module(""), "logits"))
+    got = llama.run(g.request(PROMPT))[logits.id]
+    down = llama.model.model.layers[0].mlp.down_proj
+    handle = down.register_forward_pre_hook(lambda mod, a: (a[0] * 2,))
+    try:
+        with torch.no_grad():
+            ref = llama.model(**llama.tokenizer(PROMPT, return_tensors="pt")).logits
+    finally:
+        handle.remove()
+    torch.testing.assert_close(got, ref)
+
+
+def test_causality_found_at_run_time(llama):
+    """Siblings whose order the tree cannot tell: the write is rejected when its hook fires, with no residue."""
+    before = _logits(llama)
+    mlp = "model.layers.0.mlp"
+    g = Graph()
+    down = g.module(f"{mlp}.down_proj", line=50)
+    g.set(f"{mlp}.act_fn", down, "input", line=51)
+    with pytest.raises(errors.InvalidArgument) as e:
+        llama.run(g.request(PROMPT))
+    assert "causality" in e.value.message and "line 50" in e.value.message and "line 51" in e.value.message
+    _clean(llama.model)
+    assert torch.equal(_logits(llama), before)
