@@ -66,6 +66,7 @@ def start_daemon(tmp: pathlib.Path, *extra: str, state_dir: str | None = None, r
 
     from nnd.v1 import nnd_pb2, nnd_pb2_grpc
 
+    tmp.mkdir(parents=True, exist_ok=True)
     sock = tmp / "run" / "nnd.sock"
     state = state_dir or str(tmp / "state")
     address = f"unix://{sock}"

@@ -7,10 +7,11 @@ unix socket until the daemon ends it.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
+import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -18,17 +19,21 @@ import grpc
 from nnd.v1 import worker_pb2_grpc
 from nnd_daemon.worker.service import WorkerService
 
-_PR_SET_PDEATHSIG = 1
-
 
 def _die_with_parent(parent: int) -> None:
-    """A worker must never outlive the daemon that supervises it."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        return
-    if parent and os.getppid() != parent:  # the daemon died before we got here
+    """A worker must never outlive the daemon that supervises it.
+
+    Polling rather than PR_SET_PDEATHSIG: that signal fires when the *thread*
+    that started us ends, and the daemon starts workers from short-lived threads.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
         os._exit(1)
+
+    if parent:
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 OPTIONS = [("grpc.max_receive_message_length", 512 * 2**20), ("grpc.max_send_message_length", 512 * 2**20)]

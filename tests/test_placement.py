@@ -1,0 +1,125 @@
+"""Placement and memory lifecycle: quantized dispatch, budgets, keep-alive,
+the LRU cap, and a registry that survives restarts."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import psutil
+import pytest
+from conftest import start_daemon
+
+
+def _ps(daemon) -> dict[str, dict]:
+    return {m["name"]: m for m in json.loads(daemon.cli("ps", "--json").stdout)}
+
+
+def _wait_state(daemon, name: str, state: str, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        model = _ps(daemon).get(name, {})
+        if model.get("state") == state:
+            return model
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name} is {model.get('state')}, not {state}, after {timeout} s")
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("dtype", ["nf4", "int8"])
+def test_quantized_dispatch_keeps_module_tree(daemon, tiny_models, dtype):
+    path = tiny_models["llama"]
+    daemon.cli("load", path)
+    before = daemon.cli("tree", path, "--json").stdout
+    paths_before = [m.get("path", "") for m in json.loads(before)]
+    daemon.cli("dispatch", path, "--dtype", dtype)
+    model = _ps(daemon)[path]
+    assert model["state"] == "DISPATCHED" and model["dtype"] == dtype
+    tree = json.loads(daemon.cli("tree", path, "--json").stdout)
+    assert [m.get("path", "") for m in tree] == paths_before
+    types = {m.get("path", ""): m["type"] for m in tree}
+    # the tree comes from the meta model: paths and class names never change with quantization
+    assert types["model.layers.0.mlp.gate_proj"] == "Linear"
+    daemon.cli("release", path)
+
+
+def test_dispatch_over_budget_is_refused_with_figures(tmp_path, tiny_models):
+    d = start_daemon(tmp_path, "--max-memory", "cpu=100KiB")
+    try:
+        path = tiny_models["gpt2"]
+        d.cli("load", path)
+        res = d.cli("dispatch", path, check=False)
+        assert res.returncode == 1
+        msg = res.stderr
+        assert "needs about" in msg and "budget" in msg and "--max-memory cpu" in msg and "KiB" not in msg.split("needs about")[0]
+        assert "0.1 MiB" in msg  # the budget, stated
+        assert _ps(d)[path]["state"] == "META"
+        # the daemon is healthy afterwards, and nf4 (smaller) is judged on its own estimate
+        assert d.proc.poll() is None
+        assert "META" in d.cli("ps").stdout
+    finally:
+        d.stop()
+
+
+def test_keep_alive_expiry_releases(daemon, tiny_models):
+    path = tiny_models["gpt2"]
+    daemon.cli("load", path)
+    daemon.cli("dispatch", path, "--keep-alive", "1s")
+    model = _ps(daemon)[path]
+    assert model["state"] == "DISPATCHED" and float(model["expires_at"]) > time.time() - 1
+    pid = model["worker_pids"][0]
+    _wait_state(daemon, path, "META", timeout=15)
+    psutil.wait_procs([psutil.Process(pid)] if psutil.pid_exists(pid) else [], timeout=10)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    daemon.cli("dispatch", path, "--keep-alive", "-1")  # back to forever for later tests
+    assert float(_ps(daemon)[path].get("expires_at", 0)) == 0
+    daemon.cli("release", path)
+
+
+def test_lru_cap_releases_least_recently_used(tmp_path, tiny_models):
+    d = start_daemon(tmp_path, "--max-dispatched", "2")
+    try:
+        a, b, c = tiny_models["gpt2"], tiny_models["llama"], tiny_models["bert"]
+        for p in (a, b, c):
+            d.cli("load", p)
+        d.cli("dispatch", a)
+        d.cli("dispatch", b)
+        d.cli("dispatch", a)  # touches a: b is now the least recently used
+        d.cli("dispatch", c)
+        models = _ps(d)
+        assert models[a]["state"] == "DISPATCHED"
+        assert models[b]["state"] == "META" and "make room" in models[b]["last_error"]
+        assert models[c]["state"] == "DISPATCHED"
+    finally:
+        d.stop()
+
+
+def test_registry_survives_restart(tmp_path, tiny_models):
+    state = str(tmp_path / "state")
+    d = start_daemon(tmp_path / "one", state_dir=state)
+    gpt2, llama = tiny_models["gpt2"], tiny_models["llama"]
+    try:
+        d.cli("load", gpt2)
+        d.cli("load", llama)
+        d.cli("dispatch", llama, "--dtype", "bfloat16")
+    finally:
+        assert d.stop() == 0
+    d2 = start_daemon(tmp_path / "two", state_dir=state)
+    try:
+        assert _ps(d2)[gpt2]["state"] == "META"
+        model = _wait_state(d2, llama, "DISPATCHED")
+        assert model["dtype"] == "bfloat16"
+        assert model["dispatched_placement"]["dtype"] == "bfloat16"
+    finally:
+        d2.stop()
+
+
+def test_several_models_each_in_own_worker(daemon, tiny_models):
+    pids = set()
+    for kind in ("gpt2", "bert"):
+        daemon.cli("load", tiny_models[kind])
+        daemon.cli("dispatch", tiny_models[kind])
+        pids.add(_ps(daemon)[tiny_models[kind]]["worker_pids"][0])
+    assert len(pids) == 2
+    for kind in ("gpt2", "bert"):
+        daemon.cli("release", tiny_models[kind])
