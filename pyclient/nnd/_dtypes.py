@@ -47,9 +47,16 @@ def name_of(enum: int) -> str:
         raise ValueError(f"unknown tensor dtype {enum} on the wire") from None
 
 
-def enum_of(name: str) -> int:
+def enum_of(name: str) -> values_pb2.DType:
     """Wire dtype of a canonical name."""
-    return _TABLE[canonical(name)][0]
+    return values_pb2.DType.Value(name_upper(canonical(name)))
+
+
+def name_upper(name: str) -> str:
+    """The enum's own spelling ("FLOAT32") of a canonical name."""
+    if name not in _TABLE:
+        raise TypeError(f"{name} is not an element type the wire carries")
+    return name.upper()
 
 
 def itemsize(name: str) -> int:

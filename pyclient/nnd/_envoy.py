@@ -22,6 +22,12 @@ class Envoy:
     a ModuleList with `for layer in model.transformer.h`."""
 
     _SELF_ATTRS = frozenset({"output", "input", "inputs"})
+    _model: TransformersModel | None
+    _path: str
+    _type: str
+    _extra: str
+    _children: dict[str, Envoy]
+    _parameters: list[nnd_pb2.ParameterInfo]
 
     def __init__(self, model: TransformersModel | None, path: str, type_name: str, extra: str = "") -> None:
         object.__setattr__(self, "_model", model)

@@ -40,7 +40,7 @@ def stream(model: TransformersModel, prompt: Any, **opts: Any) -> Iterator[StepT
             if msg.WhichOneof("kind") == "step":
                 yield StepToken(msg.step.step, tuple(msg.step.ids), tuple(msg.step.text))
     finally:
-        responses.close()  # cancels the call on the daemon
+        responses.close()  # type: ignore[attr-defined]  # a generator: closing cancels the call
 
 
 class _Streamer:

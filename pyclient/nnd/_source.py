@@ -21,8 +21,9 @@ def _skipped() -> tuple[str, ...]:
     global _skip, _torch_seen
     if not _torch_seen:
         torch = _torchmod.loaded()
-        if torch is not None and getattr(torch, "__file__", None):
-            _skip = (_PKG, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+        torch_file = getattr(torch, "__file__", None) if torch is not None else None
+        if torch_file:
+            _skip = (_PKG, os.path.dirname(os.path.abspath(torch_file)) + os.sep)
             _torch_seen = True
     return _skip
 

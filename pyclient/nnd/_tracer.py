@@ -53,8 +53,13 @@ class Tracer:
     """
 
     _method = "Trace"
+    _options_allowed: frozenset[str] = frozenset({"keep_alive"})
 
     def __init__(self, model: TransformersModel, data: Any = _NO_INPUT, **options: Any) -> None:
+        unknown = set(options) - self._options_allowed
+        if unknown:
+            allowed = ", ".join(sorted(self._options_allowed))
+            raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; this block takes: {allowed}")
         self.model = model
         self._builder = GraphBuilder()
         self._invokes: list[nnd_pb2.Invoke] = []
@@ -135,12 +140,12 @@ class Tracer:
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool:
+    ) -> None:
         __tracebackhide__ = True  # noqa: F841  (pytest/IPython hide this frame)
         _context.pop(self)
         self._recording = False
         if exc_type is not None:
-            return False
+            return
         try:
             self._run()
         except NndError as err:
@@ -149,7 +154,6 @@ class Tracer:
         frame = _source.user_frame()
         if frame is not None:
             _rebind.rebind(frame, self._replacements())
-        return False
 
     def _request(self) -> nnd_pb2.TraceRequest:
         if not self._invokes:
@@ -203,6 +207,9 @@ class GenerateTracer(Tracer):
     saves come back as lists."""
 
     _method = "Generate"
+    _options_allowed = frozenset(
+        {"keep_alive", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stream_text"}
+    )
 
     def _request(self) -> nnd_pb2.TraceRequest:
         from nnd._generation import generate_options

@@ -222,3 +222,11 @@ def test_proxy_after_block_computes_on_its_value(model, fake):
     assert isinstance(proxy, nnd.Proxy) and isinstance(proxy.value, torch.Tensor)
     assert torch.equal(proxy + 1, proxy.value + 1)
     assert proxy.shape == (1, 4, 16) and proxy.sum().item() == 0.0
+
+
+def test_unknown_block_options_are_refused(model):
+    with pytest.raises(TypeError, match="remote"):
+        model.trace("hi", remote=True)
+    with pytest.raises(TypeError, match="max_new_tokens"):
+        model.trace("hi", max_new_tokens=3)
+    model.generate("hi", max_new_tokens=3, keep_alive="5m")
