@@ -40,7 +40,28 @@ def run(
     cancelled: Callable[[], bool] = lambda: False,
     limits: EngineLimits | None = None,
 ) -> None:
-    """Run `request.graph` on `model` and stream its results through `emit`."""
+    """Run `request.graph` on `model` and stream its results through `emit`.
+
+    Raises only `nnd_daemon.errors` exceptions.
+    """
+    try:
+        _run(model, tokenizer, request, mode=mode, emit=emit, cancelled=cancelled, limits=limits)
+    except errors.NndError:
+        raise
+    except Exception as e:  # anything unforeseen still reaches the client as a status, not a traceback
+        raise wrap(e, None, scan=mode == "scan") from e
+
+
+def _run(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    request: nnd_pb2.TraceRequest,
+    *,
+    mode: str,
+    emit: Callable[[nnd_pb2.TraceResponse], None],
+    cancelled: Callable[[], bool],
+    limits: EngineLimits | None,
+) -> None:
     if mode not in MODES:
         raise errors.InvalidArgument(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
     limits = limits or EngineLimits()
