@@ -237,3 +237,21 @@ def test_tensor_args_plain_module():
     with torch.no_grad():
         assert_close(got[first.id], net[0](b))
         assert_close(got[out.id], net(a))
+
+
+def test_set_one_invoke_from_another(gpt2):
+    """`.output = x` inside invoke 1 with x from invoke 0: only invoke 1's rows change."""
+    g = Graph()
+    src = g.op("getitem", g.module("transformer.h.0", invoke=0), idx(S, slice(-2, None), S))
+    dst = g.op("getitem", g.module("transformer.h.0", invoke=1), idx(S, slice(None, -2), S))
+    g.set("transformer.h.0", g.op("cat", [dst, src], dim=1), invoke=1)
+    logits = _logits(g)
+    got = gpt2.run(g.request(PROMPT, OTHER))[logits.id]
+
+    def patch(mod, args, o):
+        o = o.clone()
+        o[1, -2:] = o[0, -2:]
+        return o
+
+    ref = forward(gpt2.model, gpt2.tokenizer, [PROMPT, OTHER], transformer__h__0=patch)
+    assert_close(got, ref.logits)
