@@ -36,7 +36,11 @@ def main() -> None:
         fresh = generate(pathlib.Path(tmp))
         target = OUT / "nnd" / "v1"
         if ns.check:
-            stale = [f.name for f in fresh if not (target / f.name).exists() or not filecmp.cmp(f, target / f.name, shallow=False)]
+            stale = [
+                f.name
+                for f in fresh
+                if not (target / f.name).exists() or not filecmp.cmp(f, target / f.name, shallow=False)
+            ]
             if stale:
                 sys.exit(f"stubs out of date with protos/: {', '.join(stale)}; run python scripts/gen_protos.py")
             print("stubs match protos/")
@@ -44,7 +48,9 @@ def main() -> None:
         target.mkdir(parents=True, exist_ok=True)
         for f in fresh:
             shutil.copy(f, target / f.name)
-        (target / "__init__.py").write_text('"""Generated gRPC stubs for nnd.v1 (scripts/gen_protos.py); do not edit."""\n')
+        (target / "__init__.py").write_text(
+            '"""Generated gRPC stubs for nnd.v1 (scripts/gen_protos.py); do not edit."""\n'
+        )
         print(f"wrote {len(fresh)} files to {target}")
 
 

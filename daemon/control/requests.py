@@ -29,7 +29,7 @@ def check(request: nnd_pb2.TraceRequest, limits: Limits, *, generate: bool) -> N
         if n < 0:
             raise errors.InvalidArgument(f"max_new_tokens must be positive, not {n}")
         if limits.max_new_tokens and n > limits.max_new_tokens:
-            raise errors.InvalidArgument(
+            raise errors.ResourceExhausted(
                 f"max_new_tokens={n} exceeds the daemon's limit max_new_tokens={limits.max_new_tokens}; "
                 "ask for fewer tokens or raise the limit (nnd serve --max-new-tokens)"
             )
