@@ -8,7 +8,7 @@ import time
 
 import psutil
 import pytest
-from conftest import start_daemon
+from daemonproc import start_daemon
 
 
 def _ps(daemon) -> dict[str, dict]:
