@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 from nnd import _address
+from nnd_daemon.control.auth import Access, AccessError
 from nnd_daemon.control.server import serve
 from nnd_daemon.control.settings import Limits, Settings, parse_bytes
 
@@ -19,12 +21,9 @@ def default_state_dir() -> str:
 
 
 def settings_from_args(ns: argparse.Namespace) -> Settings:
-    if ns.listen:
-        address = ns.listen
-    elif ns.address:
-        address = ns.address
-    else:
-        address = _address.default_address(serving=True)
+    # The unix socket is always there (local tools, the systemd unit's clients);
+    # --listen adds a TCP port beside it (see access_from_args).
+    address = ns.address or _address.default_address(serving=True)
     max_memory = {}
     for item in ns.max_memory or []:
         dev, _, size = item.partition("=")
@@ -52,9 +51,25 @@ def settings_from_args(ns: argparse.Namespace) -> Settings:
     )
 
 
+def access_from_args(ns: argparse.Namespace) -> Access:
+    return Access.build(
+        listen=ns.listen,
+        token_file=ns.token_file,
+        insecure=ns.insecure,
+        tls_cert=ns.tls_cert,
+        tls_key=ns.tls_key,
+        tls_client_ca=ns.tls_client_ca,
+    )
+
+
 def run(ns: argparse.Namespace) -> int:
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        access = access_from_args(ns)
+    except AccessError as exc:
+        print(f"nnd: {exc}", file=sys.stderr)
+        return 1
     settings = settings_from_args(ns)
-    serve(settings, grace=ns.grace)
+    serve(settings, access, grace=ns.grace)
     return 0

@@ -7,6 +7,8 @@ import grp
 import logging
 import os
 import signal
+import socket
+import stat
 import threading
 from concurrent import futures
 from typing import Any
@@ -15,6 +17,7 @@ import grpc
 
 from nnd import _address
 from nnd.v1 import nnd_pb2
+from nnd_daemon.control.auth import Access
 from nnd_daemon.control.registry import Registry
 from nnd_daemon.control.servicer import NndServicer
 from nnd_daemon.control.settings import Settings
@@ -46,20 +49,47 @@ def _handlers(servicer: NndServicer) -> grpc.GenericRpcHandler:
 
 def _prepare_socket(path: str, group: str | None) -> None:
     directory = os.path.dirname(path)
+    created = not os.path.isdir(directory)
     os.makedirs(directory, mode=0o750, exist_ok=True)
-    os.chmod(directory, 0o750)
-    if group:
-        os.chown(directory, -1, grp.getgrnam(group).gr_gid)
-    if os.path.exists(path):
+    # Tighten only a directory that is ours: one just made, or a dedicated
+    # `nnd` one (systemd's RuntimeDirectory, $XDG_RUNTIME_DIR/nnd), never a
+    # shared parent such as /tmp or /run that a socket path happens to name.
+    if created or (os.path.basename(directory) == "nnd" and os.stat(directory).st_uid == os.getuid()):
+        os.chmod(directory, 0o750)
+        if group:
+            os.chown(directory, -1, grp.getgrnam(group).gr_gid)
+    elif os.stat(directory).st_mode & stat.S_IWOTH:
+        log.warning("the socket's directory %s is writable by everyone; prefer a private one", directory)
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise SystemExit(f"nnd: {path} exists and is not a socket; refusing to replace it")
+        if _answers(path):
+            raise SystemExit(f"nnd: another daemon is already listening on {path}")
         os.unlink(path)  # a stale socket from a previous run
 
 
+def _answers(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
+
+
 class Daemon:
-    def __init__(self, settings: Settings, *, workers: int = 32) -> None:
+    def __init__(self, settings: Settings, access: Access | None = None, *, workers: int = 32) -> None:
         self.settings = settings
+        self.access = access or Access()
         self.registry = Registry(settings)
         self.servicer = NndServicer(settings, self.registry)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=OPTIONS)
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers),
+            options=OPTIONS,
+            interceptors=self.access.interceptors(),
+        )
+        self.tcp_port = 0
         self.server.add_generic_rpc_handlers((_handlers(self.servicer),))
         self._add_health_and_reflection()
         self._stopped = threading.Event()
@@ -100,31 +130,54 @@ class Daemon:
                 del known[name]
 
     def bind(self) -> str:
+        """Bind the unix socket (mode 0660 in a 0750 directory) and, with
+        --listen, the TCP port; exits with a one-line reason on failure."""
         address = self.settings.address
         path = _address.unix_path(address)
-        if path:
-            _prepare_socket(path, self.settings.socket_group)
-            old = os.umask(0o117)  # the socket is created 0660
+        if not path:
+            raise SystemExit(f"nnd: {address} is not a unix socket; listen on TCP with --listen HOST:PORT")
+        _prepare_socket(path, self.settings.socket_group)
+        old = os.umask(0o117)  # the socket is created 0660
+        try:
+            self.server.add_insecure_port(address)
+        finally:
+            os.umask(old)
+        listen = self.access.listen
+        if listen:
+            creds = self.access.credentials()
             try:
-                self.server.add_insecure_port(address)
-            finally:
-                os.umask(old)
-        else:
-            port = self.server.add_insecure_port(address)
+                port = self.server.add_secure_port(listen, creds) if creds else self.server.add_insecure_port(listen)
+            except RuntimeError:  # grpc raises, or returns 0, when it cannot bind
+                port = 0
             if port == 0:
-                raise SystemExit(f"nnd: cannot listen on {address}")
+                raise SystemExit(f"nnd: cannot listen on {listen} (in use, or not an address of this host)")
+            self.tcp_port = port
         return address
 
     def start(self) -> None:
-        address = self.bind()
+        try:
+            address = self.bind()
+        except BaseException:
+            self.registry.shutdown()
+            raise
         self.server.start()
         path = _address.unix_path(address)
-        if path and self.settings.socket_group:
-            os.chown(path, -1, grp.getgrnam(self.settings.socket_group).gr_gid)
+        if path:
+            os.chmod(path, 0o660)  # whatever umask other threads saw meanwhile
+            if self.settings.socket_group:
+                os.chown(path, -1, grp.getgrnam(self.settings.socket_group).gr_gid)
         threading.Thread(target=self._health_loop, name="health", daemon=True).start()
         threading.Thread(target=_warm_up, name="warm-up", daemon=True).start()
         log.info("nnd %s listening on %s (state in %s)", nnd_version(), address, self.settings.state_dir)
+        if self.access.listen:
+            host = self.access.listen.rsplit(":", 1)[0]
+            log.info("also listening on %s:%d (%s)", host, self.tcp_port, self._describe_tcp())
         self.registry.restore(lambda name, exc: log.error("could not restore %s: %s", name, exc))
+
+    def _describe_tcp(self) -> str:
+        tls = self.access.tls
+        kind = "mTLS" if tls and tls.client_ca else "TLS" if tls else "plaintext"
+        return f"{kind}, token required" if self.access.token else kind
 
     def stop(self, grace: float) -> None:
         """Refuse new calls, let in-flight ones finish for `grace` seconds, then
@@ -162,8 +215,8 @@ def nnd_version() -> str:
     return __version__
 
 
-def serve(settings: Settings, *, grace: float = 30.0) -> None:
-    daemon = Daemon(settings)
+def serve(settings: Settings, access: Access | None = None, *, grace: float = 30.0) -> None:
+    daemon = Daemon(settings, access)
     daemon.start()
     done = threading.Event()
 

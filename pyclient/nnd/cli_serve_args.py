@@ -10,7 +10,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--listen",
         metavar="HOST:PORT",
-        help="listen on TCP instead of the unix socket (needs --token-file unless loopback and --insecure)",
+        help="also listen on TCP (the unix socket stays); needs --token-file or --tls-client-ca, "
+        "or --insecure on a loopback address",
     )
     p.add_argument(
         "--state-dir", help="registry, worker sockets and logs (default: $STATE_DIRECTORY, else ~/.local/state/nnd)"
@@ -44,11 +45,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="restrict LoadModel to these repo ids/paths (a trailing * matches a prefix; repeatable)",
     )
     p.add_argument("--allow-remote-code", action="store_true", help="let clients load models with trust_remote_code")
-    p.add_argument("--socket-group", help="group owning the socket (mode 0660), e.g. a lab group")
-    p.add_argument("--token-file", help="file holding the bearer token clients must send")
-    p.add_argument("--insecure", action="store_true", help="allow TCP without a token (loopback only)")
-    p.add_argument("--tls-cert", help="TLS certificate (PEM) for --listen")
+    p.add_argument("--socket-group", help="group owning the socket (mode 0660, in a 0750 directory), e.g. a lab group")
+    p.add_argument(
+        "--token-file",
+        help="file holding the bearer token clients must send (NND_TOKEN / --token); "
+        "required on every listener, the unix socket included, once given",
+    )
+    p.add_argument("--insecure", action="store_true", help="allow --listen without a token (loopback addresses only)")
+    p.add_argument("--tls-cert", help="TLS certificate chain (PEM) for --listen")
     p.add_argument("--tls-key", help="TLS private key (PEM) for --listen")
-    p.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mTLS)")
+    p.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mTLS) on --listen")
     p.add_argument("--grace", type=float, default=30.0, help="seconds to drain in-flight requests on SIGTERM")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
