@@ -189,11 +189,22 @@ class Daemon:
         if self.health is not None:
             self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+        workers = sum(1 for e in self.registry.entries() if e.worker is not None)
+        log.info("no calls left; stopping %d worker(s)", workers)
         self.registry.shutdown()
         path = _address.unix_path(self.settings.address)
         if path and os.path.exists(path):
             os.unlink(path)
         log.info("stopped")
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopped.is_set()
+
+    def cut_short(self) -> None:
+        """Cancel the calls still draining (a second SIGTERM / Ctrl-C)."""
+        log.warning("cancelling in-flight requests now")
+        self.server.stop(None)
 
 
 def _warm_up() -> None:
@@ -216,12 +227,19 @@ def nnd_version() -> str:
 
 
 def serve(settings: Settings, access: Access | None = None, *, grace: float = 30.0) -> None:
+    """Run until SIGTERM/SIGINT, then drain for `grace` seconds and return
+    (exit status 0); a second signal cancels what is still draining."""
     daemon = Daemon(settings, access)
     daemon.start()
     done = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
-        threading.Thread(target=lambda: (daemon.stop(grace), done.set()), daemon=True).start()
+        # Stopping blocks for up to `grace`; the handler itself must not.
+        if daemon.stopping:
+            threading.Thread(target=daemon.cut_short, daemon=True).start()
+            return
+        log.info("received %s", signal.Signals(signum).name)
+        threading.Thread(target=lambda: (daemon.stop(grace), done.set()), name="drain", daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

@@ -55,5 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", help="TLS certificate chain (PEM) for --listen")
     p.add_argument("--tls-key", help="TLS private key (PEM) for --listen")
     p.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mTLS) on --listen")
-    p.add_argument("--grace", type=float, default=30.0, help="seconds to drain in-flight requests on SIGTERM")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests may take to finish before workers are stopped "
+        "(a second signal cuts it short)",
+    )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
