@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 
 from nnd import _address
-from nnd.errors import DaemonUnavailable, from_rpc_error
+from nnd.errors import DaemonUnavailable, NndError, from_rpc_error
 from nnd.v1 import nnd_pb2_grpc
 
 # Results stream in chunks of a few MiB; allow generous single messages.
@@ -21,13 +21,60 @@ CHANNEL_OPTIONS = [
 ]
 
 
-class Connection:
-    """A channel and stub to one daemon, with errors mapped to nnd exceptions."""
+_TLS_SCHEMES = ("tls://", "https://")
 
-    def __init__(self, address: str | None = None, *, token: str | None = None) -> None:
+
+def _read(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    try:
+        with open(os.path.expanduser(path), "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise NndError(f"cannot read TLS file {path}: {exc.strerror}") from None
+
+
+class Connection:
+    """A channel and stub to one daemon, with errors mapped to nnd exceptions.
+
+    `token` (default `$NND_TOKEN`) is sent as `authorization: Bearer <token>`
+    on every call.
+
+    TLS is chosen by the address: `tls://host:port` (or `https://host:port`)
+    dials over TLS and checks the daemon's certificate against `tls_ca`, a PEM
+    file (default `$NND_TLS_CA`, else the system's roots). A CA given for a
+    plain `host:port` turns TLS on as well, since it has no other use. For a
+    daemon that wants client certificates (mTLS), `tls_cert`/`tls_key`
+    (default `$NND_TLS_CERT`/`$NND_TLS_KEY`) name the client's PEM files.
+    Unix sockets never use TLS.
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ) -> None:
         self.address = _address.normalize(address) if address else _address.default_address()
-        self.token = token if token is not None else os.environ.get("NND_TOKEN")
-        self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        token = token if token is not None else os.environ.get("NND_TOKEN")
+        self.token = token.strip() if token else None
+        tls_ca = tls_ca or os.environ.get("NND_TLS_CA")
+        target = self.address
+        if target.startswith(_TLS_SCHEMES):
+            target = target.split("://", 1)[1]
+        self.tls = target != self.address or bool(tls_ca and not _address.unix_path(self.address))
+        if self.tls:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(tls_ca),
+                private_key=_read(tls_key or os.environ.get("NND_TLS_KEY")),
+                certificate_chain=_read(tls_cert or os.environ.get("NND_TLS_CERT")),
+            )
+            self.channel = grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self.stub = nnd_pb2_grpc.NndStub(self.channel)
 
     def _metadata(self) -> list[tuple[str, str]]:
