@@ -121,6 +121,7 @@ def test_health_follows_the_model_state(fresh_daemon, tiny_models):
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     channel, stub = _stub(fresh_daemon.address)
     with channel:
+        assert _health(channel, tiny_models["gpt2"]) is None  # not loaded yet: NOT_FOUND
         name = stub.LoadModel(nnd_pb2.LoadModelRequest(model=tiny_models["gpt2"]), timeout=60).name
         _wait_health(channel, name, not_serving)
         progress = list(stub.Dispatch(nnd_pb2.DispatchRequest(model=name), timeout=120))
@@ -129,6 +130,9 @@ def test_health_follows_the_model_state(fresh_daemon, tiny_models):
         assert stub.Release(nnd_pb2.ReleaseRequest(model=name), timeout=60).state == nnd_pb2.META
         _wait_health(channel, name, not_serving)
         assert _health(channel, "") == serving
+        stub.Unload(nnd_pb2.UnloadRequest(model=name), timeout=60)
+        _wait_health(channel, name, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+        assert _health(channel, "/no/such/model") is None  # never loaded: NOT_FOUND
 
 
 # ---------------------------------------------------------------- versioning
@@ -227,12 +231,6 @@ def test_chunked_result_reassembles_in_order(daemon, gpt2):
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.xfail(
-    reason="wire.CHUNK_SIZE is 4 MiB of data, so a Chunk message is a few bytes over gRPC's default 4 MiB "
-    "receive limit: clients with default settings (Go, Rust, Node, Python) fail with RESOURCE_EXHAUSTED. "
-    "Chunks need to stay below 4 MiB including framing (e.g. 1 MiB or 4 MiB - 64 KiB).",
-    strict=False,
-)
 def test_a_client_with_default_limits_receives_big_results(daemon, gpt2):
     channel, stub = _stub(daemon.address)  # gRPC defaults: 4 MiB receive limit
     with channel:

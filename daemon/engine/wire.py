@@ -19,7 +19,9 @@ from nnd.v1 import nnd_pb2, values_pb2
 from .. import errors
 
 INLINE_LIMIT = 64 * 1024
-CHUNK_SIZE = 4 * 1024 * 1024
+# Under gRPC's default 4 MiB receive limit with room for framing, so clients
+# with default channel settings (Go, Rust, Node) receive any result.
+CHUNK_SIZE = 4 * 1024 * 1024 - 64 * 1024
 
 TO_TORCH: dict[int, torch.dtype] = {
     values_pb2.FLOAT32: torch.float32,
