@@ -136,7 +136,10 @@ class Daemon:
         path = _address.unix_path(address)
         if not path:
             raise SystemExit(f"nnd: {address} is not a unix socket; listen on TCP with --listen HOST:PORT")
-        _prepare_socket(path, self.settings.socket_group)
+        try:
+            _prepare_socket(path, self.settings.socket_group)
+        except OSError as exc:  # e.g. /run/nnd for a user without $XDG_RUNTIME_DIR
+            raise SystemExit(f"nnd: cannot make the socket {path}: {exc.strerror}; choose one with --address") from None
         old = os.umask(0o117)  # the socket is created 0660
         try:
             self.server.add_insecure_port(address)
