@@ -167,7 +167,7 @@ class Registry:
             self._make_room(entry)
             entry.state = DISPATCHING
             entry.last_error = ""
-        worker = Worker(entry.name, self.run_dir, self.log_dir, self._worker_exited)
+        worker = Worker(entry.name, self.run_dir, self.log_dir, self._worker_exited, limits=self._engine_limits())
         try:
             yield nnd_pb2.DispatchProgress(stage="starting", message="starting worker process")
             worker.start(self.settings.worker_start_timeout_s)
@@ -198,6 +198,17 @@ class Registry:
             entry.last_used = time.time()
             self._changed.notify_all()
         self.save()
+
+    def _engine_limits(self) -> dict[str, int]:
+        """The limits a worker's engine enforces on every request."""
+        lim = self.settings.limits
+        return {
+            "max_saved_bytes": lim.max_saved_bytes,
+            "max_invokes": lim.max_invokes,
+            "max_sequence_length": lim.max_sequence_length,
+            "max_new_tokens": lim.max_new_tokens,
+            "max_constant_bytes": lim.max_constant_bytes,
+        }
 
     def _check_budget(self, entry: Entry, placement: nnd_pb2.Placement) -> None:
         need = entry.meta.estimate_bytes(placement.dtype)

@@ -41,7 +41,9 @@ def _handlers(servicer: NndServicer) -> grpc.GenericRpcHandler:
         req = getattr(nnd_pb2, method.input_type.name)
         resp = getattr(nnd_pb2, method.output_type.name)
         serialize = (lambda b: b) if method.name in _RAW_RESPONSES else resp.SerializeToString
-        fn = getattr(servicer, method.name)
+        fn = getattr(servicer, method.name, None)
+        if fn is None:  # not implemented yet: gRPC answers UNIMPLEMENTED
+            continue
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[method.name] = make(fn, request_deserializer=req.FromString, response_serializer=serialize)
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
@@ -158,6 +160,9 @@ class Daemon:
         return address
 
     def start(self) -> None:
+        # Restored models are known (META) before the first call is answered;
+        # their re-dispatch runs in the background.
+        self.registry.restore(lambda name, exc: log.error("could not restore %s: %s", name, exc))
         try:
             address = self.bind()
         except BaseException:
@@ -175,7 +180,6 @@ class Daemon:
         if self.access.listen:
             host = self.access.listen.rsplit(":", 1)[0]
             log.info("also listening on %s:%d (%s)", host, self.tcp_port, self._describe_tcp())
-        self.registry.restore(lambda name, exc: log.error("could not restore %s: %s", name, exc))
 
     def _describe_tcp(self) -> str:
         tls = self.access.tls
@@ -219,7 +223,9 @@ def _warm_up() -> None:
     from nnd_daemon import engine  # noqa: F401
 
     with __import__("torch").device("meta"):
-        cfg = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=1, vocab_size=8, n_positions=8)
+        cfg = transformers.GPT2Config(
+            n_layer=1, n_embd=8, n_head=1, vocab_size=8, n_positions=8, bos_token_id=0, eos_token_id=0
+        )
         transformers.GPT2LMHeadModel(cfg)
 
 

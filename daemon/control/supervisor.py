@@ -4,6 +4,7 @@ unix socket, notice when it dies, end it on release."""
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import signal
@@ -39,8 +40,17 @@ def _tail(path: str, lines: int = 5) -> str:
 class Worker:
     """One worker process and the channel to it."""
 
-    def __init__(self, name: str, run_dir: str, log_dir: str, on_exit: Callable[[Worker, str], None]) -> None:
+    def __init__(
+        self,
+        name: str,
+        run_dir: str,
+        log_dir: str,
+        on_exit: Callable[[Worker, str], None],
+        *,
+        limits: dict[str, int] | None = None,
+    ) -> None:
         self.name = name
+        self.limits = limits or {}
         safe = "".join(c if c.isalnum() else "_" for c in name)[-40:]
         self.socket = os.path.join(run_dir, f"w{next(_serial)}.sock")
         self.log_path = os.path.join(log_dir, f"{safe}.log")
@@ -60,7 +70,7 @@ class Worker:
             os.unlink(self.socket)
         logf = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
         cmd = [sys.executable, "-m", "nnd_daemon.worker", "--socket", self.socket, "--name", self.name]
-        cmd += ["--parent", str(os.getpid())]
+        cmd += ["--parent", str(os.getpid()), "--limits", json.dumps(self.limits)]
         # No preexec_fn: running Python between fork and exec in a threaded
         # daemon can crash the child. The worker ties its life to ours itself.
         self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, close_fds=True)

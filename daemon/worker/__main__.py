@@ -7,6 +7,7 @@ unix socket until the daemon ends it.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -44,6 +45,7 @@ def main() -> None:
     parser.add_argument("--socket", required=True, help="unix socket to serve on")
     parser.add_argument("--name", default="", help="model name, for logs and ps")
     parser.add_argument("--parent", type=int, default=0, help="daemon pid; the worker dies with it")
+    parser.add_argument("--limits", default="", help="engine limits as JSON (from the daemon's settings)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     ns = parser.parse_args()
     _die_with_parent(ns.parent)
@@ -54,7 +56,12 @@ def main() -> None:
 
         torch.set_num_threads(ns.threads)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=OPTIONS)
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(), server)
+    service = WorkerService()
+    if ns.limits:
+        from nnd_daemon.engine import EngineLimits
+
+        service.limits = EngineLimits(**json.loads(ns.limits))
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     server.add_insecure_port("unix://" + ns.socket)
     server.start()
     signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=2))
