@@ -82,8 +82,8 @@ function connect(address) {
     oneofs: true, // each oneof gets a virtual property naming the field that is set
   });
   const nnd = grpc.loadPackageDefinition(definition).nnd.v1;
-  // Chunks of big results are up to 4 MiB of data plus a few bytes of framing:
-  // do not let the default 4 MiB receive limit stand in the way.
+  // Results come in chunks under 4 MiB, so the defaults would do; lifting the
+  // limits keeps this client working against daemons with other chunk sizes.
   return new nnd.Nnd(address, grpc.credentials.createInsecure(), {
     'grpc.max_receive_message_length': -1,
     'grpc.max_send_message_length': -1,
