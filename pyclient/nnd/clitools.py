@@ -93,7 +93,8 @@ def to_plain(value: values_pb2.Value, blobs: dict[int, bytearray]) -> Any:
 def scan_table(conn: Any, model: str, prompt: str, *, as_json: bool) -> int:
     info = conn.call("GetModel", nnd_pb2.GetModelRequest(model=model))
     graph = graph_pb2.Graph()
-    paths = [m.path for m in info.modules]
+    # Containers are never called themselves: there is no output to show.
+    paths = [m.path for m in info.modules if m.type not in ("ModuleList", "ModuleDict")]
     types = {m.path: m.type for m in info.modules}
     nid = 0
     save_ids: dict[int, str] = {}
