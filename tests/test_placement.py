@@ -123,3 +123,36 @@ def test_several_models_each_in_own_worker(daemon, tiny_models):
     assert len(pids) == 2
     for kind in ("gpt2", "bert"):
         daemon.cli("release", tiny_models[kind])
+
+
+def test_quantized_traces_stay_close_to_full_precision(daemon, tiny_models):
+    """nf4, fp4 and int8 dispatches run the same graph (paths never change) and
+    give logits close to the float32 model's."""
+    import torch
+
+    import nnd
+
+    path = tiny_models["llama"]
+    model = nnd.TransformersModel(path, address=daemon.address, device="cpu")
+
+    def trace() -> tuple[torch.Tensor, torch.Tensor]:
+        with model.trace("The Eiffel Tower is in the city of"):
+            gate = model.model.layers[0].mlp.gate_proj.output.save()
+            logits = model.lm_head.output.save()
+        return gate, logits
+
+    model.dispatch()
+    gate32, logits32 = trace()
+    scale = logits32.abs().max()
+    for dtype, tolerance in (("nf4", 0.3), ("fp4", 0.3), ("int8", 0.05)):
+        daemon.cli("dispatch", path, "--dtype", dtype)
+        assert _ps(daemon)[path]["dtype"] == dtype
+        gate, logits = trace()
+        assert gate.shape == gate32.shape and logits.shape == logits32.shape
+        err = (logits - logits32).abs().max() / scale
+        print(f"{dtype}: max relative logit error {err:.4f}")
+        assert 0 < err < tolerance, f"{dtype}: relative error {err:.3f}"
+        # the prediction mostly survives quantization
+        agree = (logits.argmax(-1) == logits32.argmax(-1)).float().mean()
+        assert agree >= 0.5, f"{dtype}: argmax agreement {agree:.2f}"
+    model.release()
