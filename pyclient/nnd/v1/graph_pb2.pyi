@@ -105,7 +105,7 @@ class Stop(_message.Message):
     def __init__(self) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("id", "loc", "scope", "module", "constant", "op", "save", "set", "skip", "stop")
+    __slots__ = ("id", "loc", "scope", "module", "constant", "op", "save", "set", "skip", "stop", "backward", "grad", "set_grad", "cache")
     ID_FIELD_NUMBER: _ClassVar[int]
     LOC_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,10 @@ class Node(_message.Message):
     SET_FIELD_NUMBER: _ClassVar[int]
     SKIP_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    GRAD_FIELD_NUMBER: _ClassVar[int]
+    SET_GRAD_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     id: int
     loc: SourceLocation
     scope: int
@@ -126,7 +130,51 @@ class Node(_message.Message):
     set: SetModuleValue
     skip: Skip
     stop: Stop
-    def __init__(self, id: _Optional[int] = ..., loc: _Optional[_Union[SourceLocation, _Mapping]] = ..., scope: _Optional[int] = ..., module: _Optional[_Union[ModuleValue, _Mapping]] = ..., constant: _Optional[_Union[_values_pb2.Value, _Mapping]] = ..., op: _Optional[_Union[Op, _Mapping]] = ..., save: _Optional[_Union[Save, _Mapping]] = ..., set: _Optional[_Union[SetModuleValue, _Mapping]] = ..., skip: _Optional[_Union[Skip, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ...) -> None: ...
+    backward: Backward
+    grad: Grad
+    set_grad: SetGrad
+    cache: Cache
+    def __init__(self, id: _Optional[int] = ..., loc: _Optional[_Union[SourceLocation, _Mapping]] = ..., scope: _Optional[int] = ..., module: _Optional[_Union[ModuleValue, _Mapping]] = ..., constant: _Optional[_Union[_values_pb2.Value, _Mapping]] = ..., op: _Optional[_Union[Op, _Mapping]] = ..., save: _Optional[_Union[Save, _Mapping]] = ..., set: _Optional[_Union[SetModuleValue, _Mapping]] = ..., skip: _Optional[_Union[Skip, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., backward: _Optional[_Union[Backward, _Mapping]] = ..., grad: _Optional[_Union[Grad, _Mapping]] = ..., set_grad: _Optional[_Union[SetGrad, _Mapping]] = ..., cache: _Optional[_Union[Cache, _Mapping]] = ...) -> None: ...
+
+class Backward(_message.Message):
+    __slots__ = ("loss", "gradient")
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_FIELD_NUMBER: _ClassVar[int]
+    loss: Arg
+    gradient: Arg
+    def __init__(self, loss: _Optional[_Union[Arg, _Mapping]] = ..., gradient: _Optional[_Union[Arg, _Mapping]] = ...) -> None: ...
+
+class Grad(_message.Message):
+    __slots__ = ("value", "backward")
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    value: int
+    backward: int
+    def __init__(self, value: _Optional[int] = ..., backward: _Optional[int] = ...) -> None: ...
+
+class SetGrad(_message.Message):
+    __slots__ = ("value", "backward", "grad")
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    GRAD_FIELD_NUMBER: _ClassVar[int]
+    value: int
+    backward: int
+    grad: Arg
+    def __init__(self, value: _Optional[int] = ..., backward: _Optional[int] = ..., grad: _Optional[_Union[Arg, _Mapping]] = ...) -> None: ...
+
+class Cache(_message.Message):
+    __slots__ = ("modules", "outputs", "inputs", "dtype", "device")
+    MODULES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    modules: _containers.RepeatedScalarFieldContainer[str]
+    outputs: bool
+    inputs: bool
+    dtype: _values_pb2.DType
+    device: str
+    def __init__(self, modules: _Optional[_Iterable[str]] = ..., outputs: _Optional[bool] = ..., inputs: _Optional[bool] = ..., dtype: _Optional[_Union[_values_pb2.DType, str]] = ..., device: _Optional[str] = ...) -> None: ...
 
 class StepSelector(_message.Message):
     __slots__ = ("all", "range", "steps")

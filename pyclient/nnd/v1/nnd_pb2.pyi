@@ -95,7 +95,7 @@ class Placement(_message.Message):
     def __init__(self, device: _Optional[str] = ..., device_map: _Optional[str] = ..., dtype: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., max_memory: _Optional[_Mapping[str, str]] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("model", "revision", "task", "trust_remote_code", "placement", "dispatch", "keep_alive")
+    __slots__ = ("model", "revision", "task", "trust_remote_code", "placement", "dispatch", "keep_alive", "rename")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class LoadModelRequest(_message.Message):
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     DISPATCH_FIELD_NUMBER: _ClassVar[int]
     KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    RENAME_FIELD_NUMBER: _ClassVar[int]
     model: str
     revision: str
     task: str
@@ -110,7 +111,18 @@ class LoadModelRequest(_message.Message):
     placement: Placement
     dispatch: bool
     keep_alive: str
-    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., task: _Optional[str] = ..., trust_remote_code: _Optional[bool] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., dispatch: _Optional[bool] = ..., keep_alive: _Optional[str] = ...) -> None: ...
+    rename: _containers.RepeatedCompositeFieldContainer[Rename]
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., task: _Optional[str] = ..., trust_remote_code: _Optional[bool] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., dispatch: _Optional[bool] = ..., keep_alive: _Optional[str] = ..., rename: _Optional[_Iterable[_Union[Rename, _Mapping]]] = ...) -> None: ...
+
+class Rename(_message.Message):
+    __slots__ = ("path", "type", "aliases")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    type: str
+    aliases: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, path: _Optional[str] = ..., type: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetModelRequest(_message.Message):
     __slots__ = ("model",)
@@ -183,16 +195,18 @@ class ParameterInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class ModuleInfo(_message.Message):
-    __slots__ = ("path", "type", "parameters", "extra")
+    __slots__ = ("path", "type", "parameters", "extra", "aliases")
     PATH_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
     path: str
     type: str
     parameters: _containers.RepeatedCompositeFieldContainer[ParameterInfo]
     extra: str
-    def __init__(self, path: _Optional[str] = ..., type: _Optional[str] = ..., parameters: _Optional[_Iterable[_Union[ParameterInfo, _Mapping]]] = ..., extra: _Optional[str] = ...) -> None: ...
+    aliases: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, path: _Optional[str] = ..., type: _Optional[str] = ..., parameters: _Optional[_Iterable[_Union[ParameterInfo, _Mapping]]] = ..., extra: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DeviceMemory(_message.Message):
     __slots__ = ("device", "bytes")
@@ -282,20 +296,96 @@ class GenerateOptions(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stream_text: _Optional[bool] = ...) -> None: ...
 
 class TraceRequest(_message.Message):
-    __slots__ = ("model", "invokes", "graph", "generate", "no_auto_dispatch", "keep_alive")
+    __slots__ = ("model", "invokes", "graph", "generate", "no_auto_dispatch", "keep_alive", "edits")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INVOKES_FIELD_NUMBER: _ClassVar[int]
     GRAPH_FIELD_NUMBER: _ClassVar[int]
     GENERATE_FIELD_NUMBER: _ClassVar[int]
     NO_AUTO_DISPATCH_FIELD_NUMBER: _ClassVar[int]
     KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    EDITS_FIELD_NUMBER: _ClassVar[int]
     model: str
     invokes: _containers.RepeatedCompositeFieldContainer[Invoke]
     graph: _graph_pb2.Graph
     generate: GenerateOptions
     no_auto_dispatch: bool
     keep_alive: str
-    def __init__(self, model: _Optional[str] = ..., invokes: _Optional[_Iterable[_Union[Invoke, _Mapping]]] = ..., graph: _Optional[_Union[_graph_pb2.Graph, _Mapping]] = ..., generate: _Optional[_Union[GenerateOptions, _Mapping]] = ..., no_auto_dispatch: _Optional[bool] = ..., keep_alive: _Optional[str] = ...) -> None: ...
+    edits: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., invokes: _Optional[_Iterable[_Union[Invoke, _Mapping]]] = ..., graph: _Optional[_Union[_graph_pb2.Graph, _Mapping]] = ..., generate: _Optional[_Union[GenerateOptions, _Mapping]] = ..., no_auto_dispatch: _Optional[bool] = ..., keep_alive: _Optional[str] = ..., edits: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SessionTrace(_message.Message):
+    __slots__ = ("request", "generate")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    request: TraceRequest
+    generate: bool
+    def __init__(self, request: _Optional[_Union[TraceRequest, _Mapping]] = ..., generate: _Optional[bool] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("model", "traces", "no_auto_dispatch", "keep_alive", "scan")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TRACES_FIELD_NUMBER: _ClassVar[int]
+    NO_AUTO_DISPATCH_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    SCAN_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    traces: _containers.RepeatedCompositeFieldContainer[SessionTrace]
+    no_auto_dispatch: bool
+    keep_alive: str
+    scan: bool
+    def __init__(self, model: _Optional[str] = ..., traces: _Optional[_Iterable[_Union[SessionTrace, _Mapping]]] = ..., no_auto_dispatch: _Optional[bool] = ..., keep_alive: _Optional[str] = ..., scan: _Optional[bool] = ...) -> None: ...
+
+class CreateEditRequest(_message.Message):
+    __slots__ = ("model", "graph", "name", "base", "replace")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    graph: _graph_pb2.Graph
+    name: str
+    base: _containers.RepeatedScalarFieldContainer[str]
+    replace: bool
+    def __init__(self, model: _Optional[str] = ..., graph: _Optional[_Union[_graph_pb2.Graph, _Mapping]] = ..., name: _Optional[str] = ..., base: _Optional[_Iterable[str]] = ..., replace: _Optional[bool] = ...) -> None: ...
+
+class EditInfo(_message.Message):
+    __slots__ = ("id", "model", "graphs", "nodes", "named")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    NAMED_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    model: str
+    graphs: int
+    nodes: int
+    named: bool
+    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., graphs: _Optional[int] = ..., nodes: _Optional[int] = ..., named: _Optional[bool] = ...) -> None: ...
+
+class ListEditsRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class ListEditsResponse(_message.Message):
+    __slots__ = ("edits",)
+    EDITS_FIELD_NUMBER: _ClassVar[int]
+    edits: _containers.RepeatedCompositeFieldContainer[EditInfo]
+    def __init__(self, edits: _Optional[_Iterable[_Union[EditInfo, _Mapping]]] = ...) -> None: ...
+
+class DeleteEditRequest(_message.Message):
+    __slots__ = ("model", "id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    id: str
+    def __init__(self, model: _Optional[str] = ..., id: _Optional[str] = ...) -> None: ...
+
+class DeleteEditResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class Saved(_message.Message):
     __slots__ = ("node", "value")
@@ -314,14 +404,16 @@ class Chunk(_message.Message):
     def __init__(self, blob: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StepTokens(_message.Message):
-    __slots__ = ("step", "ids", "text")
+    __slots__ = ("step", "ids", "text", "trace")
     STEP_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
     step: int
     ids: _containers.RepeatedScalarFieldContainer[int]
     text: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step: _Optional[int] = ..., ids: _Optional[_Iterable[int]] = ..., text: _Optional[_Iterable[str]] = ...) -> None: ...
+    trace: int
+    def __init__(self, step: _Optional[int] = ..., ids: _Optional[_Iterable[int]] = ..., text: _Optional[_Iterable[str]] = ..., trace: _Optional[int] = ...) -> None: ...
 
 class TraceDone(_message.Message):
     __slots__ = ("compute_s",)

@@ -84,6 +84,26 @@ class NndStub:
                 request_serializer=nnd_dot_v1_dot_nnd__pb2.TraceRequest.SerializeToString,
                 response_deserializer=nnd_dot_v1_dot_nnd__pb2.TraceResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.unary_stream(
+                '/nnd.v1.Nnd/Session',
+                request_serializer=nnd_dot_v1_dot_nnd__pb2.SessionRequest.SerializeToString,
+                response_deserializer=nnd_dot_v1_dot_nnd__pb2.TraceResponse.FromString,
+                _registered_method=True)
+        self.CreateEdit = channel.unary_unary(
+                '/nnd.v1.Nnd/CreateEdit',
+                request_serializer=nnd_dot_v1_dot_nnd__pb2.CreateEditRequest.SerializeToString,
+                response_deserializer=nnd_dot_v1_dot_nnd__pb2.EditInfo.FromString,
+                _registered_method=True)
+        self.ListEdits = channel.unary_unary(
+                '/nnd.v1.Nnd/ListEdits',
+                request_serializer=nnd_dot_v1_dot_nnd__pb2.ListEditsRequest.SerializeToString,
+                response_deserializer=nnd_dot_v1_dot_nnd__pb2.ListEditsResponse.FromString,
+                _registered_method=True)
+        self.DeleteEdit = channel.unary_unary(
+                '/nnd.v1.Nnd/DeleteEdit',
+                request_serializer=nnd_dot_v1_dot_nnd__pb2.DeleteEditRequest.SerializeToString,
+                response_deserializer=nnd_dot_v1_dot_nnd__pb2.DeleteEditResponse.FromString,
+                _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/nnd.v1.Nnd/Tokenize',
                 request_serializer=nnd_dot_v1_dot_nnd__pb2.TokenizeRequest.SerializeToString,
@@ -178,6 +198,40 @@ class NndServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request, context):
+        """Run several traces (or generations) in one request, in order, on one
+        model (nnsight's `with model.session():`). A node of a later trace may
+        use any value of an earlier one; only saved values come back, once every
+        trace has run.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateEdit(self, request, context):
+        """Store a graph that is applied before every later request that names it
+        in `TraceRequest.edits` (nnsight's `model.edit()`). Requests that do not
+        name it are never affected.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListEdits(self, request, context):
+        """The edits stored for a model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteEdit(self, request, context):
+        """Forget a stored edit (nnsight's `clear_edits()`). Edits stacked on it
+        keep working: each edit holds its whole stack.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Tokenize(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -249,6 +303,26 @@ def add_NndServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=nnd_dot_v1_dot_nnd__pb2.TraceRequest.FromString,
                     response_serializer=nnd_dot_v1_dot_nnd__pb2.TraceResponse.SerializeToString,
+            ),
+            'Session': grpc.unary_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=nnd_dot_v1_dot_nnd__pb2.SessionRequest.FromString,
+                    response_serializer=nnd_dot_v1_dot_nnd__pb2.TraceResponse.SerializeToString,
+            ),
+            'CreateEdit': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateEdit,
+                    request_deserializer=nnd_dot_v1_dot_nnd__pb2.CreateEditRequest.FromString,
+                    response_serializer=nnd_dot_v1_dot_nnd__pb2.EditInfo.SerializeToString,
+            ),
+            'ListEdits': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListEdits,
+                    request_deserializer=nnd_dot_v1_dot_nnd__pb2.ListEditsRequest.FromString,
+                    response_serializer=nnd_dot_v1_dot_nnd__pb2.ListEditsResponse.SerializeToString,
+            ),
+            'DeleteEdit': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteEdit,
+                    request_deserializer=nnd_dot_v1_dot_nnd__pb2.DeleteEditRequest.FromString,
+                    response_serializer=nnd_dot_v1_dot_nnd__pb2.DeleteEditResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
@@ -536,6 +610,114 @@ class Nnd:
             '/nnd.v1.Nnd/Generate',
             nnd_dot_v1_dot_nnd__pb2.TraceRequest.SerializeToString,
             nnd_dot_v1_dot_nnd__pb2.TraceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/nnd.v1.Nnd/Session',
+            nnd_dot_v1_dot_nnd__pb2.SessionRequest.SerializeToString,
+            nnd_dot_v1_dot_nnd__pb2.TraceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateEdit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nnd.v1.Nnd/CreateEdit',
+            nnd_dot_v1_dot_nnd__pb2.CreateEditRequest.SerializeToString,
+            nnd_dot_v1_dot_nnd__pb2.EditInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListEdits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nnd.v1.Nnd/ListEdits',
+            nnd_dot_v1_dot_nnd__pb2.ListEditsRequest.SerializeToString,
+            nnd_dot_v1_dot_nnd__pb2.ListEditsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteEdit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nnd.v1.Nnd/DeleteEdit',
+            nnd_dot_v1_dot_nnd__pb2.DeleteEditRequest.SerializeToString,
+            nnd_dot_v1_dot_nnd__pb2.DeleteEditResponse.FromString,
             options,
             channel_credentials,
             insecure,

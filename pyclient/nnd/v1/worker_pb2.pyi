@@ -1,3 +1,4 @@
+from nnd.v1 import graph_pb2 as _graph_pb2
 from nnd.v1 import nnd_pb2 as _nnd_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -22,12 +23,29 @@ class WorkerLoadRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., placement: _Optional[_Union[_nnd_pb2.Placement, _Mapping]] = ..., trust_remote_code: _Optional[bool] = ..., task: _Optional[str] = ...) -> None: ...
 
 class WorkerRunRequest(_message.Message):
-    __slots__ = ("request", "generate")
+    __slots__ = ("request", "generate", "edits", "session")
+    class EditsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: EditStack
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[EditStack, _Mapping]] = ...) -> None: ...
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     GENERATE_FIELD_NUMBER: _ClassVar[int]
+    EDITS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     request: _nnd_pb2.TraceRequest
     generate: bool
-    def __init__(self, request: _Optional[_Union[_nnd_pb2.TraceRequest, _Mapping]] = ..., generate: _Optional[bool] = ...) -> None: ...
+    edits: _containers.MessageMap[str, EditStack]
+    session: _nnd_pb2.SessionRequest
+    def __init__(self, request: _Optional[_Union[_nnd_pb2.TraceRequest, _Mapping]] = ..., generate: _Optional[bool] = ..., edits: _Optional[_Mapping[str, EditStack]] = ..., session: _Optional[_Union[_nnd_pb2.SessionRequest, _Mapping]] = ...) -> None: ...
+
+class EditStack(_message.Message):
+    __slots__ = ("graphs",)
+    GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    graphs: _containers.RepeatedCompositeFieldContainer[_graph_pb2.Graph]
+    def __init__(self, graphs: _Optional[_Iterable[_Union[_graph_pb2.Graph, _Mapping]]] = ...) -> None: ...
 
 class WorkerStatusRequest(_message.Message):
     __slots__ = ()
