@@ -4,18 +4,25 @@
 request, runs one batched forward (or `generate`), and emits Saved/Chunk/Step
 messages and one Done. Every failure is an `nnd_daemon.errors` exception, and
 the model is left exactly as it was.
+
+`run_session` runs several traces in order with one value table: a node of a
+later trace may use any value of an earlier one, and the saved values of all
+of them are emitted once the last has run. Both take the graphs of stored
+edits by id (`edits`); a request's `edits` field picks which run first.
+Gradients are enabled only while a request that runs a backward pass runs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from nnd.v1 import nnd_pb2
+from nnd.v1 import graph_pb2, nnd_pb2
 
 from .. import errors
 from . import batch as batching
@@ -25,7 +32,7 @@ from .failures import where, wrap
 from .limits import EngineLimits
 from .ops import ATTRIBUTES, OPS
 
-__all__ = ["ATTRIBUTES", "MODES", "OPS", "EngineLimits", "run"]
+__all__ = ["ATTRIBUTES", "MODES", "OPS", "EngineLimits", "run", "run_session"]
 
 MODES = ("trace", "scan", "generate")
 
@@ -39,17 +46,133 @@ def run(
     emit: Callable[[nnd_pb2.TraceResponse], None],
     cancelled: Callable[[], bool] = lambda: False,
     limits: EngineLimits | None = None,
+    edits: Mapping[str, Sequence[graph_pb2.Graph]] | None = None,
 ) -> None:
     """Run `request.graph` on `model` and stream its results through `emit`.
 
-    Raises only `nnd_daemon.errors` exceptions.
+    `edits` maps stored edit ids to their graphs; `request.edits` names the
+    ones applied first. Raises only `nnd_daemon.errors` exceptions.
     """
     try:
-        _run(model, tokenizer, request, mode=mode, emit=emit, cancelled=cancelled, limits=limits)
+        limits = limits or EngineLimits()
+        done = _run(model, tokenizer, request, mode=mode, emit=emit, cancelled=cancelled, limits=limits, edits=edits)
+        _emit_saved(done.plan, done.saved, emit, limits.max_saved_bytes)
+        emit(nnd_pb2.TraceResponse(done=nnd_pb2.TraceDone(compute_s=done.compute_s)))
     except errors.NndError:
         raise
     except Exception as e:  # anything unforeseen still reaches the client as a status, not a traceback
         raise wrap(e, None, scan=mode == "scan") from e
+
+
+def run_session(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    session: nnd_pb2.SessionRequest,
+    *,
+    emit: Callable[[nnd_pb2.TraceResponse], None],
+    cancelled: Callable[[], bool] = lambda: False,
+    limits: EngineLimits | None = None,
+    edits: Mapping[str, Sequence[graph_pb2.Graph]] | None = None,
+) -> None:
+    """Run a session's traces in order, sharing values; emit every saved value at the end.
+
+    Raises only `nnd_daemon.errors` exceptions."""
+    scan = session.scan
+    try:
+        limits = limits or EngineLimits()
+        if not session.traces:
+            raise errors.InvalidArgument("the session has no trace")
+        needed: set[int] = set()
+        for trace in session.traces:
+            needed |= plan.referenced(trace.request.graph)
+        values: dict[int, Any] = {}
+        saved: dict[int, Any] = {}
+        plans: dict[int, plan.Plan] = {}
+        compute_s = 0.0
+        for index, trace in enumerate(session.traces):
+            mode = "scan" if scan else "generate" if trace.generate else "trace"
+            request = trace.request
+            if request.model and request.model != session.model:
+                raise errors.InvalidArgument(
+                    f"trace {index} of the session is for model {request.model!r}, the session for {session.model!r}"
+                )
+
+            def tagged(response: nnd_pb2.TraceResponse, index: int = index) -> None:
+                if response.WhichOneof("kind") == "step":
+                    response.step.trace = index
+                emit(response)
+
+            external = {i: values[i] for i in plan.referenced(request.graph) if i in values}
+            done = _run(
+                model,
+                tokenizer,
+                request,
+                mode=mode,
+                emit=tagged,
+                cancelled=cancelled,
+                limits=limits,
+                edits=edits,
+                external=external,
+            )
+            compute_s += done.compute_s
+            for node_id, value in done.saved.items():
+                saved[node_id] = value
+                plans[node_id] = done.plan
+            for node_id in needed:
+                node = done.plan.nodes.get(node_id)
+                if node is None or node.kind == "external" or node_id < 0:
+                    continue
+                if node.scope != 0 and node.kind != "save":
+                    raise errors.InvalidArgument(
+                        f"{where(node.proto)}\nthis value lives inside a loop over generation steps; a later "
+                        "trace can use only top-level values (or a save inside the loop: a list per step)"
+                    )
+                values[node_id] = done.saved[node_id] if node.kind == "save" else done.values.get(node_id)
+        for trace in session.traces:
+            missing = plan.referenced(trace.request.graph) - values.keys() - {n.id for n in trace.request.graph.nodes}
+            if missing:
+                raise errors.InvalidArgument(f"a trace of the session refers to unknown node(s) {sorted(missing)}")
+        _emit_saved_many(plans, saved, emit, limits.max_saved_bytes)
+        emit(nnd_pb2.TraceResponse(done=nnd_pb2.TraceDone(compute_s=compute_s)))
+    except errors.NndError:
+        raise
+    except Exception as e:
+        raise wrap(e, None, scan=scan) from e
+
+
+@dataclass
+class _Done:
+    plan: plan.Plan
+    saved: dict[int, Any]
+    values: dict[int, Any]  # the root frame's values (what a later trace of a session may use)
+    compute_s: float
+
+
+def _edit_graphs(request: nnd_pb2.TraceRequest, edits: Mapping[str, Sequence[graph_pb2.Graph]] | None) -> list[Any]:
+    out: list[graph_pb2.Graph] = []
+    for edit_id in request.edits:
+        graphs = (edits or {}).get(edit_id)
+        if graphs is None:
+            raise errors.NotFound(f"no stored edit {edit_id!r} for this model (it was deleted, or never created)")
+        out.extend(graphs)
+    return out
+
+
+def _grad_scope(model: torch.nn.Module, stack: contextlib.ExitStack, needs_grad: bool) -> None:
+    """torch.no_grad, or (for a backward pass) enable_grad with every weight frozen until the end."""
+    if not needs_grad:
+        stack.enter_context(torch.no_grad())
+        return
+    stack.enter_context(torch.enable_grad())
+    thawed = [p for p in model.parameters() if p.requires_grad]
+    for p in thawed:
+        p.requires_grad_(False)
+
+    def restore() -> None:
+        for p in thawed:
+            p.requires_grad_(True)
+
+    stack.callback(restore)
 
 
 def _run(
@@ -60,11 +183,12 @@ def _run(
     mode: str,
     emit: Callable[[nnd_pb2.TraceResponse], None],
     cancelled: Callable[[], bool],
-    limits: EngineLimits | None,
-) -> None:
+    limits: EngineLimits,
+    edits: Mapping[str, Sequence[graph_pb2.Graph]] | None = None,
+    external: Mapping[int, Any] | None = None,
+) -> _Done:
     if mode not in MODES:
         raise errors.InvalidArgument(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
-    limits = limits or EngineLimits()
     inputs = batching.build(
         model,
         tokenizer,
@@ -72,7 +196,20 @@ def _run(
         max_invokes=limits.max_invokes,
         max_sequence_length=limits.max_sequence_length,
     )
-    the_plan = plan.build(request.graph, model, len(request.invokes), limits.max_constant_bytes)
+    the_plan = plan.build(
+        request.graph,
+        model,
+        len(request.invokes),
+        limits.max_constant_bytes,
+        edits=_edit_graphs(request, edits),
+        external=external,
+    )
+    if the_plan.needs_grad and mode == "generate":
+        raise errors.InvalidArgument(
+            "gradients need a trace: generation runs without autograd (as in transformers' generate); "
+            "run the backward pass in `model.trace(...)`",
+            exc_type="NotImplementedError",
+        )
     opts = generation.options(request.generate, limits) if mode == "generate" else None
     total_steps = opts.max_new_tokens if opts else 1
 
@@ -91,7 +228,7 @@ def _run(
             scan=mode == "scan",
             constant=constant,
         )
-        stack.enter_context(torch.no_grad())
+        _grad_scope(model, stack, the_plan.needs_grad and mode != "scan")
         stack.enter_context(executor.hooks.installed())
         try:
             executor.poll()
@@ -112,25 +249,34 @@ def _run(
         executor.check_complete()
         saved = executor.saved()
     compute_s = time.perf_counter() - started
-    _emit_saved(the_plan, saved, emit, limits.max_saved_bytes)
-    emit(nnd_pb2.TraceResponse(done=nnd_pb2.TraceDone(compute_s=compute_s)))
+    return _Done(the_plan, saved, executor.root.values, compute_s)
 
 
 def _emit_saved(
     the_plan: plan.Plan, saved: dict[int, Any], emit: Callable[[nnd_pb2.TraceResponse], None], max_bytes: int
+) -> None:
+    _emit_saved_many(dict.fromkeys(saved, the_plan), saved, emit, max_bytes)
+
+
+def _emit_saved_many(
+    plans: Mapping[int, plan.Plan],
+    saved: dict[int, Any],
+    emit: Callable[[nnd_pb2.TraceResponse], None],
+    max_bytes: int,
 ) -> None:
     # Encode everything first, so a limit violation emits nothing half-way.
     encoder = wire.Encoder()
     encoded: list[tuple[int, Any, list[tuple[int, bytes]]]] = []
     for node_id, value in saved.items():
         first_blob = len(encoder.blobs)
+        proto = plans[node_id].nodes[node_id].proto
         try:
             msg = encoder.value(value)
         except errors.NndError as e:
-            raise wrap(e, the_plan.nodes[node_id].proto) from None
+            raise wrap(e, proto) from None
         if max_bytes and encoder.total_bytes > max_bytes:
             raise errors.ResourceExhausted(
-                f"{where(the_plan.nodes[node_id].proto)}\nsaved values exceed the limit "
+                f"{where(proto)}\nsaved values exceed the limit "
                 f"max_saved_bytes={max_bytes} ({encoder.total_bytes} bytes so far); save less or slice first"
             )
         encoded.append((node_id, msg, encoder.blobs[first_blob:]))

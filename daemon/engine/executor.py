@@ -4,6 +4,11 @@ Dataflow time: a module value is bound at its module's hook; every node runs
 as soon as all its inputs exist, in id order, until nothing more can run.
 Top-level nodes live in the root frame; a loop scope gets one frame per
 selected step.
+
+Gradients (grads.py) run inside this same loop: a Backward node is an op whose
+execution drives autograd, and autograd's tensor hooks bind Grad nodes and
+apply SetGrad nodes as gradients arrive. Caches record module values at the
+end of each hook, after the graph's writes there.
 """
 
 from __future__ import annotations
@@ -16,12 +21,13 @@ import torch
 from nnd.v1 import graph_pb2
 
 from .. import errors
-from . import values
+from . import grads, values
 from .failures import where, wrap
 from .hooks import HookSet
 from .plan import POST, PRE, RESULT, Const, Plan, PlanNode, Ref, Seq
 
 HookKey = tuple[str, str, int]
+RUNNABLE = ("constant", "op", "save", "backward")
 
 
 class StopForward(BaseException):
@@ -36,8 +42,11 @@ class Frame:
         self.step = step
         self.values: dict[int, Any] = {}
         self.bound: dict[int, HookKey] = {}  # module node -> the hook that bound it
-        self.pending: set[int] = {i for i in ids if plan.nodes[i].kind != "stop"}
-        self.runnable: list[int] = sorted(i for i in self.pending if plan.nodes[i].kind in ("constant", "op", "save"))
+        self.pending: set[int] = {i for i in ids if plan.nodes[i].kind not in ("stop", "cache", "external")}
+        # In id order; a dict, so a node run by a nested run_ready (inside a backward pass) leaves at once.
+        self.runnable: dict[int, None] = dict.fromkeys(
+            sorted(i for i in self.pending if plan.nodes[i].kind in RUNNABLE)
+        )
 
     def done(self) -> bool:
         return not self.pending
@@ -81,6 +90,11 @@ class Executor:
         self.writes: list[PlanNode] = []  # writes applied, for errors raised later by the model
         skip_paths = {n.target.path for n in plan.nodes.values() if n.kind == "skip" and n.hook == PRE and n.target}
         self.hooks = HookSet(model, plan.paths, skip_paths, self.at_pre, self.at_post, self.take_skip)
+        for node in plan.nodes.values():  # values of earlier traces of a session
+            if node.kind == "external":
+                self.root.values[node.id] = node.value
+        self.grad_sources = set() if scan else plan.grad_sources
+        self.caches = grads.Caches(plan, list(self.modules))
 
     # ------------------------------------------------------------ frames and steps
 
@@ -135,7 +149,7 @@ class Executor:
         if path == "":
             self.begin_step(call)
         events = self.collect(path, PRE, call)
-        if not events:
+        if not events and not self.caches.wants(path):
             return None
         key = (path, PRE, call)
         self.current = key
@@ -143,6 +157,8 @@ class Executor:
         changed = False
         for frame, node in events:
             if node.kind == "module":
+                if node.id in self.grad_sources:
+                    changed = grads.require_grad_pre(node.target.point, state) or changed
                 self.bind(frame, node, key, self.read_pre(node, state))
             elif node.kind == "set":
                 self.write_pre(node, state, self.write_value(frame, node, self.pre_like(node, state)))
@@ -150,13 +166,13 @@ class Executor:
             elif node.kind == "skip":
                 like = values.first_tensor(state)
                 self.skips[path] = self.write_value(frame, node, like)
-        self.finish_hook(key)
+        self.finish_hook(key, record=lambda: self.caches.record(path, PRE, call, state))
         return (tuple(state[0]), state[1]) if changed else None
 
     def at_post(self, path: str, call: int, output: Any) -> Any:
         self.poll()
         events = self.collect(path, POST, call)
-        if not events:
+        if not events and not self.caches.wants(path):
             return None
         key = (path, POST, call)
         self.current = key
@@ -164,6 +180,8 @@ class Executor:
         changed = False
         for frame, node in events:
             if node.kind == "module":
+                if node.id in self.grad_sources:
+                    changed = grads.require_grad(state) or changed
                 self.bind(frame, node, key, self.view(state[0], node))
             else:  # set, or skip of one invoke's rows
                 value = self.write_value(frame, node, values.first_tensor(state[0]))
@@ -175,15 +193,18 @@ class Executor:
                     self.guard(
                         node, lambda v=value, a=start, b=stop: values.write_rows(state[0], v, a, b, self.batch_size)
                     )
-        self.finish_hook(key)
+        self.finish_hook(key, record=lambda: self.caches.record(path, POST, call, state[0]))
         return state[0] if changed else None
 
     def at_result(self, result: Any) -> None:
         events = self.collect("", RESULT, 0)
         key = ("", RESULT, 0)
         self.current = key
+        state = [result]
         for frame, node in events:
-            self.bind(frame, node, key, self.view(result, node))
+            if node.id in self.grad_sources:
+                grads.require_grad(state)
+            self.bind(frame, node, key, self.view(state[0], node))
         self.finish_hook(key, stop=False)
 
     def take_skip(self, path: str) -> tuple[bool, Any]:
@@ -191,8 +212,10 @@ class Executor:
             return True, self.skips.pop(path)
         return False, None
 
-    def finish_hook(self, key: HookKey, *, stop: bool = True) -> None:
+    def finish_hook(self, key: HookKey, *, stop: bool = True, record: Callable[[], None] | None = None) -> None:
         self.run_ready()
+        if record is not None:
+            record()
         self.completed.add(key)
         self.current = None
         if stop and self.plan.has_stop and all(f.done() for f in self.frames()):
@@ -302,11 +325,13 @@ class Executor:
             progress = False
             for frame in self.frames():
                 for nid in list(frame.runnable):
+                    if nid not in frame.runnable:  # run meanwhile, by a run_ready nested in a backward pass
+                        continue
                     node = self.plan.nodes[nid]
                     if not self.ready(frame, node):
                         continue
+                    del frame.runnable[nid]
                     frame.values[nid] = self.execute(frame, node)
-                    frame.runnable.remove(nid)
                     frame.pending.discard(nid)
                     progress = True
 
@@ -315,6 +340,9 @@ class Executor:
             return self.constant(node.value)
         if node.kind == "save":
             return self.resolve(frame, node.args[0])
+        if node.kind == "backward":
+            grads.Backward(self, frame, node).run()
+            return None
         assert node.op is not None
         self.check_mutation(frame, node)
         args = [self.resolve(frame, a) for a in node.args]
@@ -346,9 +374,14 @@ class Executor:
         # Name the input that arrived late: one bound at the current hook, else any other source.
         others = [self.plan.nodes[i] for i in sorted(node.sources) if i != root.id]
         late = next((n for n in others if self.bound_at(frame, n) == self.current), others[0] if others else root)
+        what = (
+            f"the gradient {where(root.proto)} after autograd has passed it on"
+            if root.kind == "grad"
+            else f"the output of {key[0]!r} ({where(root.proto)}) after that module has already run"
+        )
         raise errors.InvalidArgument(
-            f"causality error: {where(node.proto)}\nwrites in place into the output of {key[0]!r} "
-            f"({where(root.proto)}) after that module has already run; the write waited for {where(late.proto)}.",
+            f"causality error: {where(node.proto)}\nwrites in place into {what}; the write waited for "
+            f"{where(late.proto)}.",
             exc_type="RuntimeError",
         )
 
@@ -417,6 +450,8 @@ class Executor:
                 raise errors.InvalidArgument(f"{where(node.proto)}\nnever ran: {self.never_ran(late, frame)}")
 
     def never_ran(self, node: PlanNode, frame: Frame) -> str:
+        if node.kind in ("grad", "set_grad"):
+            return "its gradient was never computed: the backward pass it belongs to did not run"
         if node.target is None:
             return "its inputs were never computed"
         path, call = node.target.path, node.target.call + (frame.step if frame.scope else 0)
@@ -429,6 +464,9 @@ class Executor:
     def saved(self) -> dict[int, Any]:
         out: dict[int, Any] = {}
         for node in self.plan.nodes.values():
+            if node.kind == "cache":
+                out[node.id] = self.caches.result(node.id)
+                continue
             if node.kind != "save":
                 continue
             if node.scope == 0:

@@ -48,7 +48,9 @@ OUTPUT_ATTRIBUTES = (
     "sequences",
     "scores",
 )
-ATTRIBUTES: tuple[str, ...] = TENSOR_ATTRIBUTES + OUTPUT_ATTRIBUTES
+# Fields of the named tuples reductions return (topk, max/min with dim, sort, kthvalue, median...).
+RESULT_ATTRIBUTES = ("values", "indices")
+ATTRIBUTES: tuple[str, ...] = TENSOR_ATTRIBUTES + OUTPUT_ATTRIBUTES + RESULT_ATTRIBUTES
 
 
 def _getattr(x: Any, name: Any) -> Any:
@@ -58,6 +60,10 @@ def _getattr(x: Any, name: Any) -> Any:
         if name not in x:
             raise errors.InvalidArgument(f"the value has no field {name!r}; it has: {', '.join(map(str, x))}")
         return x[name]
+    if name in RESULT_ATTRIBUTES and not (isinstance(x, tuple) and hasattr(type(x), "n_fields")):
+        raise errors.InvalidArgument(
+            f"{name!r} is a field of what topk/sort/max(dim=...) return, not of a {type(x).__name__}"
+        )
     if not hasattr(x, name):
         raise errors.InvalidArgument(f"a value of type {type(x).__name__} has no attribute {name!r}")
     value = getattr(x, name)
@@ -138,7 +144,9 @@ _METHODS = (
     "expand_as repeat contiguous cpu zeros_like ones_like full_like abs exp log sqrt tanh sigmoid relu gather "
     "index_select sort argsort size item tolist dot outer cumsum var std clamp nonzero narrow select movedim "
     "swapaxes numel dim sign round floor ceil log2 log10 square rsqrt pow isnan isinf all any logsumexp "
-    "masked_fill diff tril triu chunk split flip roll any new_zeros new_ones new_full type_as"
+    "masked_fill diff tril triu chunk split flip roll any new_zeros new_ones new_full type_as "
+    # reductions and projections that bring back only what a client needs
+    "amax amin median nanmean count_nonzero kthvalue mm bmm inner tensordot"
 ).split()
 _FUNCTIONAL = "softmax log_softmax gelu relu silu cosine_similarity layer_norm normalize".split()
 _TORCH_ONLY = {
@@ -153,6 +161,11 @@ _TORCH_ONLY = {
     "tensor": torch.tensor,
     "eye": torch.eye,
     "linspace": torch.linspace,
+    # torch.linalg.* arrive under the names their __name__ gives ("linalg_vector_norm").
+    "linalg_vector_norm": torch.linalg.vector_norm,
+    "linalg_norm": torch.linalg.norm,
+    "linalg_matrix_norm": torch.linalg.matrix_norm,
+    "vector_norm": torch.linalg.vector_norm,
 }
 
 

@@ -5,10 +5,23 @@ decodes its constants once, and rejects causality errors: a write whose value
 is only computed later in the forward than the write's own hook. "Later" uses
 what the module tree says for certain (order.py); whatever it cannot tell
 the executor checks at run time, before the write happens.
+
+Stored edits are planned as a prefix of the graph: their nodes get negative
+ids (in order), so they run before the request's own nodes at every hook and
+the request's ids (and saved values) stay as the client wrote them. In a
+session, nodes of earlier traces the graph refers to are "external" nodes:
+values that exist from the start, placed like constants.
+
+Gradients: a Backward node runs once its loss exists; Grad nodes are bound,
+and SetGrad nodes applied, when autograd reaches their value. Before anything
+runs the plan rejects gradients that cannot exist (of a value computed from
+constants, or after / from the loss) and SetGrads that need a gradient only
+computed later in the backward pass.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +61,7 @@ class PlanNode:
     proto: graph_pb2.Node
     id: int
     scope: int
-    kind: str  # module | constant | op | save | set | skip | stop
+    kind: str  # module | constant | op | save | set | skip | stop | backward | grad | set_grad | cache | external
     refs: tuple[int, ...] = ()
     args: tuple[ArgSpec, ...] = ()
     kwargs: dict[str, ArgSpec] = field(default_factory=dict)
@@ -62,6 +75,10 @@ class PlanNode:
     sources: frozenset[int] = frozenset()
     key: HookKey | None = None
     alias_root: int | None = None  # the module node whose memory this value may share
+    # grad / set_grad: the node whose gradient, and the Backward node; other nodes: the Grad nodes they derive from.
+    grad_of: int | None = None
+    backward: int | None = None
+    grads: frozenset[int] = frozenset()
 
     @property
     def invoke(self) -> int | None:
@@ -75,19 +92,35 @@ class Plan:
     scopes: list[graph_pb2.StepSelector]
     paths: set[str]  # modules that need hooks ("" always)
     has_stop: bool
+    # Backward node -> {node whose gradient: [Grad and SetGrad node ids, in id order]}.
+    grads: dict[int, dict[int, list[int]]] = field(default_factory=dict)
+    # Module nodes whose tensors must require grad (the sources of every gradient asked for).
+    grad_sources: set[int] = field(default_factory=set)
+
+    @property
+    def needs_grad(self) -> bool:
+        return bool(self.grads)
 
     def scope_nodes(self, scope: int) -> list[int]:
         return [i for i, n in self.nodes.items() if n.scope == scope]
 
 
-def _arg(arg: graph_pb2.Arg, node: graph_pb2.Node) -> ArgSpec:
+IdMap = Callable[[int], int]
+_NOWHERE = -(2**62)  # where an edit's reference to a node it does not hold points: no node
+
+
+def _same(i: int) -> int:
+    return i
+
+
+def _arg(arg: graph_pb2.Arg, node: graph_pb2.Node, ids: IdMap = _same) -> ArgSpec:
     kind = arg.WhichOneof("kind")
     if kind == "ref":
-        return Ref(arg.ref)
+        return Ref(ids(arg.ref))
     if kind == "value":
         return Const(wire.decode_value(arg.value))
     if kind in ("tuple", "list"):
-        return Seq(tuple(_arg(a, node) for a in getattr(arg, kind).items), kind == "list")
+        return Seq(tuple(_arg(a, node, ids) for a in getattr(arg, kind).items), kind == "list")
     raise errors.InvalidArgument(f"{where(node)}\nan argument has no kind set (ref, value, tuple or list)")
 
 
@@ -122,68 +155,160 @@ def _constant_bytes(graph: graph_pb2.Graph) -> int:
 
 
 class _Builder:
-    def __init__(self, graph: graph_pb2.Graph, model: torch.nn.Module, n_invokes: int) -> None:
+    def __init__(
+        self,
+        graph: graph_pb2.Graph,
+        model: torch.nn.Module,
+        n_invokes: int,
+        edits: Sequence[graph_pb2.Graph] = (),
+        external: Mapping[int, Any] | None = None,
+    ) -> None:
         self.graph = graph
+        self.edits = list(edits)
+        self.external = dict(external or {})
         self.modules = dict(model.named_modules())
         self.containers = order.ordered_containers(model)
         self.n_invokes = n_invokes
         self.nodes: dict[int, PlanNode] = {}
         self.paths: set[str] = {""}
+        # Every part's loop scopes, edits' first; a part's scope k is scopes[offset + k - 1].
+        self.scopes: list[graph_pb2.StepSelector] = []
+        self.grads: dict[int, dict[int, list[int]]] = {}
+        self.grad_sources: set[int] = set()
+        self._depends: dict[int, frozenset[int]] = {}
 
     def build(self) -> Plan:
-        for s, scope in enumerate(self.graph.scopes):
-            if scope.steps.WhichOneof("kind") is None:
-                raise errors.InvalidArgument(f"scope {s + 1} has no step selector (all, range or steps)")
-        last = -1
-        for proto in self.graph.nodes:
-            if proto.id <= last:
-                raise errors.InvalidArgument(
-                    f"{where(proto)}\nnode ids must be unique and strictly increasing: {proto.id} follows {last}"
-                )
-            last = proto.id
-            self.nodes[proto.id] = self.node(proto)
+        for ext_id, value in sorted(self.external.items()):
+            proto = graph_pb2.Node(id=ext_id)
+            self.nodes[ext_id] = PlanNode(
+                proto=proto, id=ext_id, scope=0, kind="external", value=value, const=True, alias_root=None
+            )
+        next_edit_id = -sum(len(g.nodes) for g in self.edits)
+        for graph in self.edits:
+            ids: dict[int, int] = {}
+            for proto in graph.nodes:
+                ids[proto.id] = next_edit_id
+                next_edit_id += 1
+            self.add_part(graph, lambda i, m=ids: m.get(i, _NOWHERE), edit=True)  # type: ignore[misc]
+        self.add_part(self.graph, _same, edit=False)
         for node in self.nodes.values():
             self.check_causality(node)
         has_stop = any(n.kind == "stop" for n in self.nodes.values())
-        return Plan(self.nodes, list(s.steps for s in self.graph.scopes), self.paths, has_stop)
+        return Plan(self.nodes, self.scopes, self.paths, has_stop, self.grads, self.grad_sources)
+
+    def add_part(self, graph: graph_pb2.Graph, ids: IdMap, *, edit: bool) -> None:
+        offset = len(self.scopes)
+        for s, scope in enumerate(graph.scopes):
+            if scope.steps.WhichOneof("kind") is None:
+                raise errors.InvalidArgument(f"scope {s + 1} has no step selector (all, range or steps)")
+            self.scopes.append(scope.steps)
+        last: int | None = None
+        for proto in graph.nodes:
+            if last is not None and proto.id <= last:
+                raise errors.InvalidArgument(
+                    f"{where(proto)}\nnode ids must be unique and strictly increasing: {proto.id} follows {last}"
+                )
+            if not edit and proto.id in self.external:
+                raise errors.InvalidArgument(
+                    f"{where(proto)}\nnode id {proto.id} is already used by an earlier trace of the session"
+                )
+            last = proto.id
+            if proto.scope > len(graph.scopes):
+                raise errors.InvalidArgument(
+                    f"{where(proto)}\nnode {proto.id} is in scope {proto.scope} but the graph has "
+                    f"{len(graph.scopes)} loop scope(s)"
+                )
+            scope = proto.scope + offset if proto.scope else 0
+            node = self.node(proto, ids(proto.id), scope, ids)
+            self.nodes[node.id] = node
 
     # -- one node
 
-    def node(self, proto: graph_pb2.Node) -> PlanNode:
+    def node(self, proto: graph_pb2.Node, node_id: int, scope: int, ids: IdMap = _same) -> PlanNode:
         kind = proto.WhichOneof("kind")
         if kind is None:
             raise errors.InvalidArgument(f"{where(proto)}\nnode {proto.id} has no kind set")
-        if proto.scope > len(self.graph.scopes):
-            raise errors.InvalidArgument(
-                f"{where(proto)}\nnode {proto.id} is in scope {proto.scope} but the graph has "
-                f"{len(self.graph.scopes)} loop scope(s)"
-            )
-        node = PlanNode(proto=proto, id=proto.id, scope=proto.scope, kind=kind)
+        node = PlanNode(proto=proto, id=node_id, scope=scope, kind=kind)
         if kind == "module":
             self.module_value(node, proto.module, write=False)
         elif kind == "constant":
             node.value = wire.decode_value(proto.constant)
         elif kind == "op":
             node.op = ops.lookup(proto.op.name)
-            node.args = tuple(_arg(a, proto) for a in proto.op.args)
-            node.kwargs = {k: _arg(a, proto) for k, a in sorted(proto.op.kwargs.items())}
+            node.args = tuple(_arg(a, proto, ids) for a in proto.op.args)
+            node.kwargs = {k: _arg(a, proto, ids) for k, a in sorted(proto.op.kwargs.items())}
             if proto.op.name == "call_module":
                 self.check_call_module(node)
         elif kind in ("save", "set", "skip"):
             effect = getattr(proto, kind)
             if not effect.HasField("value"):
                 raise errors.InvalidArgument(f"{where(proto)}\n{kind} has no value")
-            node.args = (_arg(effect.value, proto),)
+            node.args = (_arg(effect.value, proto, ids),)
             if kind != "save":
                 if not effect.HasField("target"):
                     raise errors.InvalidArgument(f"{where(proto)}\n{kind} has no target module value")
                 self.module_value(node, effect.target, write=True)
+        elif kind == "backward":
+            if not proto.backward.HasField("loss"):
+                raise errors.InvalidArgument(f"{where(proto)}\nbackward has no loss")
+            node.args = (_arg(proto.backward.loss, proto, ids),)
+            if proto.backward.HasField("gradient"):
+                node.args += (_arg(proto.backward.gradient, proto, ids),)
+        elif kind in ("grad", "set_grad"):
+            msg = getattr(proto, kind)
+            node.grad_of, node.backward = ids(msg.value), ids(msg.backward)
+            if kind == "set_grad":
+                if not msg.HasField("grad"):
+                    raise errors.InvalidArgument(f"{where(proto)}\nsetting a gradient needs a value")
+                node.args = (_arg(msg.grad, proto, ids),)
+        elif kind == "cache":
+            self.cache(node)
         refs = [r for spec in (*node.args, *node.kwargs.values()) for r in _refs(spec)]
+        if node.grad_of is not None and node.backward is not None:
+            refs = [node.grad_of, node.backward, *refs]
         for r in refs:
             self.check_ref(node, r)
         node.refs = tuple(dict.fromkeys(refs))
+        if kind in ("backward", "grad", "set_grad") and scope != 0:
+            raise errors.InvalidArgument(
+                f"{where(proto)}\ngradients exist only in a trace: a backward pass cannot run inside a loop "
+                "over generation steps"
+            )
+        if kind in ("grad", "set_grad"):
+            self.grad_node(node)
         self.static_facts(node)
         return node
+
+    def cache(self, node: PlanNode) -> None:
+        spec = node.proto.cache
+        if node.scope != 0:
+            raise errors.InvalidArgument(
+                f"{where(node.proto)}\na cache records the whole request; open it at top level"
+            )
+        for path in spec.modules:
+            if path not in self.modules:
+                raise errors.NotFound(f"{where(node.proto)}\nthe model has no module {path!r} to cache")
+        if not spec.outputs and not spec.inputs:
+            raise errors.InvalidArgument(f"{where(node.proto)}\na cache needs outputs, inputs or both")
+        if spec.dtype:
+            wire.to_torch_dtype(spec.dtype)
+        if spec.device:
+            try:
+                torch.device(spec.device)
+            except (RuntimeError, ValueError):
+                raise errors.InvalidArgument(f"{where(node.proto)}\nunknown device {spec.device!r}") from None
+        self.paths.update(spec.modules or self.modules)
+
+    def grad_node(self, node: PlanNode) -> None:
+        assert node.grad_of is not None and node.backward is not None
+        backward = self.nodes[node.backward]
+        if backward.kind != "backward":
+            raise errors.InvalidArgument(
+                f"{where(node.proto)}\nnode {node.backward} is not a backward pass ({where(backward.proto)})"
+            )
+        target = self.nodes[node.grad_of]
+        self.grads.setdefault(backward.id, {}).setdefault(target.id, []).append(node.id)
+        self.grad_sources.update(target.sources)
 
     def check_ref(self, node: PlanNode, ref: int) -> None:
         if ref >= node.id or ref not in self.nodes:
@@ -262,10 +387,86 @@ class _Builder:
             return
         node.const = all(n.const for n in inputs) and node.kind in ("constant", "op")
         node.sources = frozenset().union(*(n.sources for n in inputs))
+        node.grads = frozenset().union(*(n.grads for n in inputs))
+        if node.kind == "grad":
+            node.grads = frozenset((node.id,))
+            node.alias_root = node.id
+            return
         if node.kind == "save" or (node.op is not None and node.op.aliases):
             first = node.args[0] if node.args else None
             if isinstance(first, Ref):
                 node.alias_root = self.nodes[first.id].alias_root
+
+    # -- gradients
+
+    def depends(self, node_id: int) -> frozenset[int]:
+        """Every node `node_id` derives from (not itself)."""
+        found = self._depends.get(node_id)
+        if found is None:
+            node = self.nodes[node_id]
+            out: set[int] = set()
+            for r in node.refs:
+                out.add(r)
+                out |= self.depends(r)
+            found = self._depends[node_id] = frozenset(out)
+        return found
+
+    def certainly_before(self, a: PlanNode, b: PlanNode) -> bool:
+        """Value `a` is complete in the forward before any part of `b` exists."""
+        ka = [self.nodes[s].key for s in a.sources]
+        kb = [self.nodes[s].key for s in b.sources]
+        if not ka or not kb or any(k is None for k in ka + kb):
+            return False
+        return all(order.after(y, x, self.containers) for x in ka for y in kb)  # type: ignore[arg-type]
+
+    def check_gradient(self, node: PlanNode) -> None:
+        assert node.grad_of is not None and node.backward is not None
+        target = self.nodes[node.grad_of]
+        backward = self.nodes[node.backward]
+        loss = backward.args[0]
+        loss_node = self.nodes[loss.id] if isinstance(loss, Ref) else None
+        what = f"the gradient of {where(target.proto)}"
+        if target.const or not target.sources:
+            raise errors.InvalidArgument(
+                f"{where(node.proto)}\n{what} does not exist: that value is computed from constants only, "
+                "so the loss cannot depend on it"
+            )
+        if loss_node is None or loss_node.const:
+            raise errors.InvalidArgument(
+                f"{where(node.proto)}\nthe loss of {where(backward.proto)} is a constant: it has no gradients"
+            )
+        if target.id == loss_node.id or target.id in self.depends(loss_node.id):
+            return
+        if loss_node.id in self.depends(target.id):
+            raise errors.InvalidArgument(
+                f"{where(node.proto)}\n{what} does not exist: that value is computed from the loss, "
+                "so the loss cannot depend on it"
+            )
+        if self.certainly_before(loss_node, target):
+            raise errors.InvalidArgument(
+                f"{where(node.proto)}\n{what} does not exist: the loss ({where(loss_node.proto)}) is computed "
+                "before that value in the forward pass, so it cannot depend on it"
+            )
+
+    def check_set_grad(self, node: PlanNode) -> None:
+        """A SetGrad's value must exist when autograd reaches its value: no gradient of an earlier value."""
+        assert node.grad_of is not None
+        target = self.nodes[node.grad_of]
+        for g in sorted(node.grads):
+            other = self.nodes[g]
+            assert other.grad_of is not None
+            if other.grad_of == target.id:
+                continue
+            source = self.nodes[other.grad_of]
+            if source.id in self.depends(target.id) or self.certainly_before(source, target):
+                raise causality(
+                    node,
+                    other,
+                    "sets a gradient from a gradient that is only computed later in the backward pass "
+                    f"(gradients arrive in reverse forward order, and {where(source.proto)} comes before "
+                    f"{where(target.proto)})",
+                    backward=True,
+                )
 
     def later_source(self, node: PlanNode, than: HookKey) -> PlanNode | None:
         """A module value `node` needs that certainly exists only after hook `than`."""
@@ -276,6 +477,11 @@ class _Builder:
         return None
 
     def check_causality(self, node: PlanNode) -> None:
+        if node.kind in ("grad", "set_grad"):
+            self.check_gradient(node)
+            if node.kind == "set_grad":
+                self.check_set_grad(node)
+            return
         if node.kind in ("set", "skip"):
             assert node.key is not None
             late = self.later_source(node, node.key)
@@ -295,19 +501,82 @@ class _Builder:
                 )
 
 
-def causality(node: PlanNode, late: PlanNode, what: str) -> errors.InvalidArgument:
+def causality(node: PlanNode, late: PlanNode, what: str, *, backward: bool = False) -> errors.InvalidArgument:
+    when = "backward" if backward else "forward"
     return errors.InvalidArgument(
         f"causality error: {where(node.proto)}\n{what}: it needs {where(late.proto)}, which is only "
-        "available later in the forward pass. Compute the value from modules that run before the write.",
+        f"available later in the {when} pass. Compute the value from modules that run before the write.",
         exc_type="RuntimeError",
     )
 
 
-def build(graph: graph_pb2.Graph, model: torch.nn.Module, n_invokes: int, max_constant_bytes: int = 0) -> Plan:
+def build(
+    graph: graph_pb2.Graph,
+    model: torch.nn.Module,
+    n_invokes: int,
+    max_constant_bytes: int = 0,
+    *,
+    edits: Sequence[graph_pb2.Graph] = (),
+    external: Mapping[int, Any] | None = None,
+) -> Plan:
+    """Validate `graph` (after the `edits` graphs, which run first) and plan it.
+
+    `external` holds values of earlier traces of a session the graph may refer to, by node id."""
     if max_constant_bytes:
         size = _constant_bytes(graph)
         if size > max_constant_bytes:
             raise errors.ResourceExhausted(
                 f"the graph's constants hold {size} bytes, over the limit max_constant_bytes={max_constant_bytes}"
             )
-    return _Builder(graph, model, n_invokes).build()
+    return _Builder(graph, model, n_invokes, edits, external).build()
+
+
+def check_edit(graph: graph_pb2.Graph, model: torch.nn.Module) -> None:
+    """Refuse what a stored edit cannot hold: saves, caches, invokes; then plan it like a request."""
+    for node in graph.nodes:
+        kind = node.WhichOneof("kind")
+        if kind in ("save", "cache"):
+            raise errors.InvalidArgument(
+                f"{where(node)}\nan edit cannot {'save' if kind == 'save' else 'cache'}: it applies to later "
+                "requests, which save what they need themselves"
+            )
+        target = node.module if kind == "module" else getattr(node, kind).target if kind in ("set", "skip") else None
+        if target is not None and target.HasField("invoke"):
+            raise errors.InvalidArgument(
+                f"{where(node)}\nan edit applies to every invoke of later requests; it cannot name invoke "
+                f"{target.invoke}"
+            )
+    _Builder(graph, model, 1).build()
+
+
+def referenced(graph: graph_pb2.Graph) -> set[int]:
+    """Every node id `graph` refers to (arguments, gradients)."""
+    out: set[int] = set()
+
+    def visit(arg: graph_pb2.Arg) -> None:
+        kind = arg.WhichOneof("kind")
+        if kind == "ref":
+            out.add(arg.ref)
+        elif kind in ("tuple", "list"):
+            for item in getattr(arg, kind).items:
+                visit(item)
+
+    for node in graph.nodes:
+        kind = node.WhichOneof("kind")
+        if kind == "op":
+            for a in node.op.args:
+                visit(a)
+            for a in node.op.kwargs.values():
+                visit(a)
+        elif kind in ("save", "set", "skip"):
+            visit(getattr(node, kind).value)
+        elif kind == "backward":
+            visit(node.backward.loss)
+            if node.backward.HasField("gradient"):
+                visit(node.backward.gradient)
+        elif kind in ("grad", "set_grad"):
+            msg = getattr(node, kind)
+            out.update((msg.value, msg.backward))
+            if kind == "set_grad":
+                visit(msg.grad)
+    return out

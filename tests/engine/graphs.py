@@ -120,6 +120,40 @@ class Graph:
         node.stop.SetInParent()
         return N(node.id)
 
+    def backward(self, loss: Any, gradient: Any = None, *, line: int | None = None, text: str = "") -> N:
+        node = self._node(0, line, text or "with loss.backward():")
+        node.backward.loss.CopyFrom(arg(loss))
+        if gradient is not None:
+            node.backward.gradient.CopyFrom(arg(gradient))
+        return N(node.id)
+
+    def grad(self, x: N, backward: N, *, line: int | None = None, text: str = "") -> N:
+        node = self._node(0, line, text or "x.grad")
+        node.grad.value, node.grad.backward = x.id, backward.id
+        return N(node.id)
+
+    def set_grad(self, x: N, backward: N, value: Any, *, line: int | None = None, text: str = "") -> N:
+        node = self._node(0, line, text or "x.grad = ...")
+        node.set_grad.value, node.set_grad.backward = x.id, backward.id
+        node.set_grad.grad.CopyFrom(arg(value))
+        return N(node.id)
+
+    def cache(
+        self,
+        modules: Any = (),
+        *,
+        outputs: bool = True,
+        inputs: bool = False,
+        dtype: torch.dtype | None = None,
+        device: str = "",
+    ) -> N:
+        node = self._node(0, None, "tracer.cache()")
+        node.cache.modules.extend(modules)
+        node.cache.outputs, node.cache.inputs, node.cache.device = outputs, inputs, device
+        if dtype is not None:
+            node.cache.dtype = wire.from_torch_dtype(dtype)  # type: ignore[assignment]
+        return N(node.id)
+
     def loop(self, steps: Any = None) -> int:
         """A loop scope: steps None = all, a slice = range, a list = explicit steps. Returns its scope number."""
         scope = self.g.scopes.add()

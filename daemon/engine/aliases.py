@@ -1,0 +1,251 @@
+"""Module aliases: extra names for modules (nnsight's `rename=`), and a standard set.
+
+An alias is a name on a *host* module that points at another module of the
+tree (usually a descendant): "layers" on the root of GPT-2 points at
+"transformer.h". Paths resolve one component at a time, a real child first,
+then an alias of the module reached so far, so aliases compose:
+"layers.0.attention" is "transformer.h.0.attn".
+
+The standard set gives GPT-2, Llama and BERT-like models the same names
+(layers, attention, mlp, final_norm, lm_head, embed), so one graph runs on
+all three. User renames follow nnsight's rules (a dotted key matched from
+every module, `*` components, class keys, dotted aliases); an alias that would
+hide a child or another alias is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from nnd.v1 import graph_pb2
+
+from .. import errors
+
+# alias -> candidate paths relative to the root, first match wins.
+_ROOT_STANDARD: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("layers", ("*.h", "*.layers", "*.encoder.layer", "*.decoder.layers", "*.blocks", "*.layer")),
+    ("final_norm", ("*.ln_f", "*.norm", "*.final_layer_norm", "*.final_layernorm")),
+    ("lm_head", ("lm_head", "cls", "embed_out")),
+    ("embed", ("*.wte", "*.embed_tokens", "*.embeddings.word_embeddings", "*.word_embeddings", "*.embed_in")),
+)
+# alias -> candidate child names of every layer (the entries of the `layers` container).
+_LAYER_STANDARD: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("attn", "self_attn", "attention", "self_attention")),
+    ("mlp", ("mlp", "feed_forward", "intermediate", "ffn")),
+)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rename entry: a dotted path key (or a class name) and its aliases."""
+
+    aliases: tuple[str, ...]
+    path: str = ""
+    type: str = ""
+
+
+def _join(host: str, name: str) -> str:
+    return f"{host}.{name}" if host else name
+
+
+@dataclass
+class AliasTable:
+    """host module path -> {alias: target module path}, over one module tree."""
+
+    children: dict[str, list[str]]  # module path -> its child names, in order
+    types: dict[str, str]  # module path -> class name
+    hosts: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, *, standard: bool = True) -> AliasTable:
+        children: dict[str, list[str]] = {}
+        types: dict[str, str] = {}
+        for path, module in model.named_modules():
+            types[path] = type(module).__name__
+            children[path] = [name for name, _ in module.named_children()]
+        table = cls(children, types)
+        if standard:
+            table.add_standard()
+        return table
+
+    # ------------------------------------------------------------ resolution
+
+    def step(self, host: str, name: str) -> str | None:
+        """The module `name` names from `host`: a real child, else an alias."""
+        if name in self.children.get(host, ()):
+            return _join(host, name)
+        return self.hosts.get(host, {}).get(name)
+
+    def resolve(self, path: str) -> str | None:
+        """The real path of a dotted path that may use aliases; None if it names no module."""
+        if path in self.types:
+            return path
+        current = ""
+        for name in path.split("."):
+            found = self.step(current, name)
+            if found is None:
+                return None
+            current = found
+        return current
+
+    def aliases_of(self) -> dict[str, list[str]]:
+        """target path -> ["<host>.<alias>", ...] for ModuleInfo.aliases."""
+        out: dict[str, list[str]] = {}
+        for host, names in self.hosts.items():
+            for alias, target in names.items():
+                out.setdefault(target, []).append(_join(host, alias))
+        return out
+
+    # ------------------------------------------------------------ adding aliases
+
+    def bind(self, host: str, alias: str, target: str, *, strict: bool) -> bool:
+        """Name `target` `alias` on `host`. Refused (an error when strict) if that would hide something."""
+        current = self.step(host, alias)
+        if current == target:
+            return True
+        if current is not None or not alias.isidentifier():
+            if not strict:
+                return False
+            what = (
+                f"the module {current!r}"
+                if current is not None
+                else "nothing: it is not a valid name (letters, digits, underscores)"
+            )
+            raise errors.InvalidArgument(
+                f"rename: alias {alias!r} for {target!r} on {host or 'the root'!r} would hide {what}; "
+                "pick another alias"
+            )
+        self.hosts.setdefault(host, {})[alias] = target
+        return True
+
+    def matches(self, host: str, key: str) -> list[str]:
+        """The modules a dotted key (with `*` components) names from `host`."""
+        found = [host]
+        for part in key.lstrip(".").split("."):
+            step: list[str] = []
+            for path in found:
+                if part == "*":
+                    step += [_join(path, child) for child in self.children.get(path, ())]
+                    continue
+                target = self.step(path, part)
+                if target is not None:
+                    step.append(target)
+            found = step
+        return list(dict.fromkeys(found))
+
+    def add_rule(self, rule: Rule) -> int:
+        """Apply one rename rule at every module of the tree; returns how many aliases it bound."""
+        bound = 0
+        for host in list(self.types):
+            if rule.type:
+                targets = [
+                    _join(host, c) for c in self.children.get(host, ()) if self.types[_join(host, c)] == rule.type
+                ]
+                relatives = [t.rpartition(".")[2] for t in targets]
+            else:
+                targets = self.matches(host, rule.path)
+                relatives = [t[len(host) + 1 :] if host and t.startswith(host + ".") else t for t in targets]
+            if not targets:
+                continue
+            if len(targets) > 1:
+                key = rule.type or rule.path
+                raise errors.InvalidArgument(
+                    f"rename key {key!r} names {len(targets)} modules under {host or 'the root'!r} "
+                    f"({', '.join(targets)}); an alias names one module"
+                )
+            target, relative = targets[0], relatives[0]
+            for alias in rule.aliases:
+                where = host
+                if "." in alias:
+                    prefix, _, alias = alias.rpartition(".")
+                    if not relative.startswith(prefix + "."):
+                        raise errors.InvalidArgument(
+                            f"rename alias {prefix + '.' + alias!r} for {target!r}: a dotted alias binds on the "
+                            "module its prefix names, so the prefix must start the key's path"
+                        )
+                    resolved = self.resolve(_join(host, prefix)) if host else self.resolve(prefix)
+                    if resolved is None:
+                        continue
+                    where = resolved
+                if self.bind(where, alias, target, strict=True):
+                    bound += 1
+        return bound
+
+    def add_rules(self, rules: Iterable[Rule]) -> int:
+        return sum(self.add_rule(rule) for rule in rules)
+
+    def add_standard(self) -> None:
+        for alias, candidates in _ROOT_STANDARD:
+            for key in candidates:
+                targets = [t for t in self.matches("", key) if t]
+                if len(targets) == 1 and self.bind("", alias, targets[0], strict=False):
+                    break
+        layers = self.step("", "layers")
+        if layers is None:
+            return
+        for index in self.children.get(layers, ()):
+            block = _join(layers, index)
+            for alias, names in _LAYER_STANDARD:
+                for name in names:
+                    if name in self.children.get(block, ()):
+                        self.bind(block, alias, _join(block, name), strict=False)
+                        break
+
+
+def rules(renames: Sequence[object]) -> list[Rule]:
+    """Rules from `nnd.v1.Rename` messages."""
+    out = []
+    for r in renames:
+        kind = r.WhichOneof("key")  # type: ignore[attr-defined]
+        aliases = tuple(a for a in r.aliases if a)  # type: ignore[attr-defined]
+        if kind is None or not aliases:
+            raise errors.InvalidArgument("a rename entry needs a path or type and at least one alias")
+        if kind == "path":
+            out.append(Rule(aliases, path=r.path))  # type: ignore[attr-defined]
+        else:
+            out.append(Rule(aliases, type=r.type))  # type: ignore[attr-defined]
+    return out
+
+
+# ------------------------------------------------------------ rewriting graphs
+
+
+def rewrite_graph(graph: graph_pb2.Graph, table: AliasTable) -> None:
+    """Replace alias paths by real paths, in place (module values, call_module, caches).
+
+    Paths that resolve to nothing are left alone, so the engine reports them
+    as NOT_FOUND naming the client's line."""
+
+    def fix(path: str) -> str:
+        real = table.resolve(path) if path else path
+        return real if real is not None else path
+
+    for node in graph.nodes:
+        kind = node.WhichOneof("kind")
+        if kind == "module":
+            node.module.path = fix(node.module.path)
+        elif kind in ("set", "skip"):
+            target = getattr(node, kind).target
+            target.path = fix(target.path)
+        elif kind == "op" and node.op.name == "call_module" and node.op.args:
+            first = node.op.args[0]
+            if first.WhichOneof("kind") == "value" and first.value.WhichOneof("kind") == "str":
+                first.value.str = fix(first.value.str)
+        elif kind == "cache":
+            paths = [fix(p) for p in node.cache.modules]
+            del node.cache.modules[:]
+            node.cache.modules.extend(paths)
+
+
+def rewrite_graphs(graphs: Iterable[graph_pb2.Graph], table: AliasTable | None) -> None:
+    if table is None:
+        return
+    for graph in graphs:
+        rewrite_graph(graph, table)
+
+
+def module_aliases(table: AliasTable | None) -> Mapping[str, list[str]]:
+    return table.aliases_of() if table is not None else {}

@@ -1,0 +1,328 @@
+"""Gradients and caches, run inside the executor's dataflow loop.
+
+Gradients. A Backward node runs as soon as its loss exists. Before calling
+autograd it finds, for every value whose gradient the graph reads or
+replaces, the tensor autograd will reach: the value itself when the loss
+depends on it, else (an invoke's rows, a slice) the storage-owning base the
+model computed with, whose gradient is sliced by the view's own geometry. A
+value the loss does not depend on is INVALID_ARGUMENT before the backward
+pass runs. Autograd then runs single-threaded, so every tensor hook fires on
+this thread; a hook binds the Grad nodes of its value, runs whatever became
+ready, and applies the SetGrad nodes (a SetGrad whose value does not exist yet
+is a causality error: gradients arrive in reverse forward order). Gradients
+are served as copies, so editing one never touches another value's gradient.
+
+Module values whose gradient is needed are made to require grad at their hook
+(a copy of a fresh leaf: the model's weights never require grad, so nothing
+else would), and only in requests that run a backward pass.
+
+Caches record module values at the end of each hook, after the graph's
+writes there, one entry per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nnd.v1 import graph_pb2
+
+from .. import errors
+from . import wire
+from .failures import where, wrap
+from .order import POST, PRE
+
+if TYPE_CHECKING:
+    from .executor import Executor, Frame
+    from .plan import Plan, PlanNode
+
+# ------------------------------------------------------------------ requiring grad
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    # A copy of a fresh leaf: it requires grad, and in-place edits of it are allowed.
+    return t.detach().requires_grad_(True).clone()
+
+
+def _require(value: Any, changed: list[bool]) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() and not value.requires_grad:
+            changed[0] = True
+            return _leaf(value)
+        return value
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            value[i] = _require(item, changed)
+        return value
+    if isinstance(value, tuple):
+        items = [_require(item, changed) for item in value]
+        if all(a is b for a, b in zip(items, value, strict=True)):
+            return value
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, MutableMapping):  # dicts and model outputs, changed in place
+        for key in list(value.keys()):
+            value[key] = _require(value[key], changed)
+        return value
+    return value
+
+
+def require_grad(state: list[Any]) -> bool:
+    """Make the floating tensors of state[0] require grad; True if any changed."""
+    changed = [False]
+    state[0] = _require(state[0], changed)
+    return changed[0]
+
+
+def require_grad_pre(point: int, state: list[Any]) -> bool:
+    """Same for a pre-hook's [args, kwargs]: the first argument (INPUT) or all of them (INPUTS)."""
+    args, kwargs = state
+    changed = [False]
+    if point == graph_pb2.INPUTS:
+        _require(args, changed)
+        _require(kwargs, changed)
+    elif args:
+        args[0] = _require(args[0], changed)
+    elif kwargs:
+        first = next(iter(kwargs))
+        kwargs[first] = _require(kwargs[first], changed)
+    return changed[0]
+
+
+# ------------------------------------------------------------------ backward
+
+
+def _reachable(fn: Any) -> set[Any]:
+    seen: set[Any] = set()
+    stack = [fn]
+    while stack:
+        f = stack.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        stack.extend(n for n, _ in f.next_functions)
+    return seen
+
+
+class Backward:
+    """One Backward node's run: hooks on every value whose gradient the graph uses, then autograd."""
+
+    def __init__(self, executor: Executor, frame: Frame, node: PlanNode) -> None:
+        self.ex = executor
+        self.frame = frame
+        self.node = node
+        self.targets = executor.plan.grads.get(node.id, {})
+
+    def run(self) -> None:
+        ex, frame, node = self.ex, self.frame, self.node
+        frame.values[node.id] = None  # Grad/SetGrad nodes refer to it: it "exists" from now on
+        if not self.targets:
+            return  # nothing reads a gradient of this pass
+        loss = ex.resolve(frame, node.args[0])
+        gradient = ex.resolve(frame, node.args[1]) if len(node.args) > 1 else None
+        if not isinstance(loss, torch.Tensor):
+            raise errors.InvalidArgument(f"{where(node.proto)}\nthe loss is a {type(loss).__name__}, not a tensor")
+        if gradient is None and loss.numel() != 1:
+            raise errors.InvalidArgument(
+                f"{where(node.proto)}\nbackward needs a scalar loss, and this one has shape {list(loss.shape)}; "
+                "reduce it first (e.g. `.sum()`) or pass the loss's gradient",
+                exc_type="RuntimeError",
+            )
+        if ex.scan:
+            self.fake()
+            return
+        if not loss.requires_grad:
+            target = ex.plan.nodes[min(self.targets)]
+            raise errors.InvalidArgument(
+                f"{where(node.proto)}\nthe loss does not depend on any value whose gradient is asked for "
+                f"(e.g. {where(target.proto)})"
+            )
+        reach = _reachable(loss.grad_fn)
+        handles: list[Any] = []
+        try:
+            for target_id, ids in sorted(self.targets.items()):
+                handles.append(self.hook(target_id, ids, reach, loss))
+            with torch.autograd.set_multithreading_enabled(False):
+                if isinstance(gradient, torch.Tensor):
+                    gradient = gradient.to(device=loss.device, dtype=loss.dtype)
+                torch.autograd.backward(loss, gradient, retain_graph=len(ex.plan.grads) > 1)
+        except errors.NndError:
+            raise
+        except Exception as e:
+            raise wrap(e, node.proto) from None
+        finally:
+            for handle in handles:
+                handle.remove()
+        for ids in self.targets.values():
+            for i in ids:
+                if i in frame.pending:
+                    grad_node = ex.plan.nodes[i]
+                    raise errors.InvalidArgument(
+                        f"{where(grad_node.proto)}\nautograd never computed this gradient: the loss of "
+                        f"{where(node.proto)} does not depend on that value"
+                    )
+
+    def hook(self, target_id: int, ids: list[int], reach: set[Any], loss: torch.Tensor) -> Any:
+        ex = self.ex
+        target = ex.plan.nodes[target_id]
+        tensor = ex.get(self.frame, target_id)
+        first = ex.plan.nodes[ids[0]]
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            kind = type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else f"{tensor.dtype} tensor"
+            raise errors.InvalidArgument(
+                f"{where(first.proto)}\nonly floating tensors have gradients; {where(target.proto)} is a {kind}"
+                + ("; index the tensor you mean (e.g. `.output[0]`)" if isinstance(tensor, (tuple, list)) else "")
+            )
+        if tensor.grad_fn is not None and tensor.grad_fn in reach:
+            return tensor.register_hook(lambda grad: self.serve(ids, grad, None))
+        base = tensor._base
+        if base is not None and base.grad_fn is not None and base.grad_fn in reach:
+            if not base.is_contiguous():
+                raise errors.InvalidArgument(
+                    f"{where(first.proto)}\nthe gradient of {where(target.proto)} cannot be taken: it is a view of "
+                    "a non-contiguous tensor; take it of a value the model computes with"
+                )
+            geometry = (tensor.size(), tensor.stride(), tensor.storage_offset() - base.storage_offset())
+            return base.register_hook(lambda grad: self.serve(ids, grad, geometry))
+        raise errors.InvalidArgument(
+            f"{where(first.proto)}\nthe gradient of {where(target.proto)} does not exist: the loss of "
+            f"{where(self.node.proto)} does not depend on that value"
+        )
+
+    def serve(self, ids: list[int], grad: torch.Tensor, geometry: tuple[Any, ...] | None) -> torch.Tensor:
+        """Inside autograd: bind Grad nodes, run what became ready, apply SetGrads; the gradient to pass on."""
+        ex, frame = self.ex, self.frame
+        ex.poll()
+        full = grad.contiguous().clone() if geometry is not None else None
+        g = full.as_strided(*geometry) if full is not None and geometry is not None else grad.clone()
+        key = (f"<grad {ids[0]}>", POST, 0)
+        previous, ex.current = ex.current, key
+        for i in ids:
+            node = ex.plan.nodes[i]
+            if node.kind == "grad":
+                ex.bind(frame, node, key, g)
+                continue
+            value = self.set_value(node)
+            if full is not None:
+                ex.guard(node, lambda v=value, t=g: t.copy_(v))
+            else:
+                fresh = torch.empty_like(g)
+                ex.guard(node, lambda v=value, f=fresh: f.copy_(v))
+                g = fresh
+        ex.run_ready()
+        ex.completed.add(key)
+        ex.current = previous
+        return full if full is not None else g
+
+    def set_value(self, node: PlanNode) -> Any:
+        ex, frame = self.ex, self.frame
+        ex.run_ready()
+        if not ex.ready(frame, node):
+            late = ex.missing_input(frame, node)
+            assert node.grad_of is not None
+            raise errors.InvalidArgument(
+                f"causality error: {where(node.proto)}\nsets the gradient of {where(ex.plan.nodes[node.grad_of].proto)} "
+                f"from a value that does not exist yet when autograd reaches it: it needs {where(late.proto)}, "
+                "which is only computed later (gradients arrive in reverse forward order).",
+                exc_type="RuntimeError",
+            )
+        value = ex.resolve(frame, node.args[0])
+        ex.writes.append(node)
+        frame.pending.discard(node.id)
+        return value
+
+    def fake(self) -> None:
+        """A Scan: gradients are zeros shaped like their values; no autograd."""
+        ex, frame = self.ex, self.frame
+        sets: list[tuple[PlanNode, torch.Tensor]] = []
+        for target_id, ids in sorted(self.targets.items()):
+            tensor = ex.get(frame, target_id)
+            if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+                self.hook(target_id, ids, set(), tensor)  # raises the same error as a Trace
+            g = torch.zeros_like(tensor)
+            for i in ids:
+                node = ex.plan.nodes[i]
+                if node.kind == "grad":
+                    ex.bind(frame, node, (f"<grad {i}>", POST, 0), g)
+                else:
+                    sets.append((node, g))
+        for node, g in sets:
+            value = self.set_value(node)
+            ex.guard(node, lambda v=value, t=g: torch.empty_like(t).copy_(v))
+
+
+# ------------------------------------------------------------------ caches
+
+
+def _sanitize(value: Any) -> Any:
+    """What the wire can carry: tensors, plain values and containers of them; anything else is None."""
+    if isinstance(value, torch.Tensor) or value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (torch.Size, torch.dtype)):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _sanitize(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_sanitize(v) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    return None
+
+
+class Caches:
+    """The Cache nodes of a plan and what they have recorded so far."""
+
+    def __init__(self, plan: Plan, modules: list[str]) -> None:
+        self.by_path: dict[str, list[tuple[int, graph_pb2.Cache]]] = {}
+        # cache node -> path -> call -> {"output": ..., "inputs": ...}
+        self.entries: dict[int, dict[str, dict[int, dict[str, Any]]]] = {}
+        for node in plan.nodes.values():
+            if node.kind != "cache":
+                continue
+            spec = node.proto.cache
+            self.entries[node.id] = {}
+            for path in spec.modules or modules:
+                self.by_path.setdefault(path, []).append((node.id, spec))
+
+    def wants(self, path: str) -> bool:
+        return path in self.by_path
+
+    def record(self, path: str, hook: str, call: int, value: Any) -> None:
+        for cache_id, spec in self.by_path.get(path, ()):
+            if hook == PRE and spec.inputs:
+                args, kwargs = value
+                item, slot = (tuple(args), dict(kwargs)), "inputs"
+            elif hook == POST and spec.outputs:
+                item, slot = value, "output"
+            else:
+                continue
+            entry = self.entries[cache_id].setdefault(path, {}).setdefault(call, {})
+            entry[slot] = _sanitize(_transform(item, spec))
+
+    def result(self, cache_id: int) -> dict[str, list[dict[str, Any]]]:
+        return {path: [calls[c] for c in sorted(calls)] for path, calls in self.entries.get(cache_id, {}).items()}
+
+
+def _transform(value: Any, spec: graph_pb2.Cache) -> Any:
+    dtype = wire.to_torch_dtype(spec.dtype) if spec.dtype else None
+    device = spec.device or None
+
+    def fix(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        return t.to(device) if device is not None else t
+
+    return _map(value, fix)
+
+
+def _map(value: Any, fn: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return {k: _map(v, fn) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map(v, fn) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_map(v, fn) for v in value)
+    return value
