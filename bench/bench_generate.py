@@ -1,0 +1,93 @@
+"""generate: 32 new tokens, greedy, with one `.save()` of a layer output per step.
+
+Plain HF `generate` in-process (no saves; `min_new_tokens=32` so all 32 come) vs
+nnd `model.generate(..., max_new_tokens=32)` with `for step in tracer.iter[:]:
+h = layer.output.save()`, and nnsight 0.8.1's generate with the same per-step
+save as a second alternative. nnd cannot ask for min_new_tokens, so the run
+checks that nnd produced all 32 steps too.
+"""
+
+from __future__ import annotations
+
+import harness
+from harness import PROMPT, Row, ms
+
+NAME = "generate"
+NEW = 32
+
+
+def run(quick: bool) -> list[Row]:
+    harness.one_thread()
+    import nnsight
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import nnd
+
+    layers, width = (4, 256) if quick else (12, 768)
+    warmup, repeats = (1, 3) if quick else (1, 7)
+    path = harness.model("gpt2", layers=layers, width=width)
+    mid = layers // 2
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    lm = nnsight.LanguageModel(path, tokenizer=tok, device_map="cpu", dispatch=True)
+
+    def plain() -> torch.Tensor:
+        with torch.no_grad():
+            enc = tok(PROMPT, return_tensors="pt")
+            return hf.generate(**enc, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+
+    def with_nnsight() -> list:
+        with lm.generate(PROMPT, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False) as tracer:
+            hs = list().save()
+            for _ in tracer.iter[0:NEW]:  # bounded: an open iter[:] stops the statements after it
+                hs.append(lm.transformer.h[mid].output)
+        return hs
+
+    with harness.daemon(NAME) as d:
+        ours = nnd.TransformersModel(path, address=d.address, device="cpu", dispatch=True)
+
+        def with_nnd() -> list:
+            with ours.generate(PROMPT, max_new_tokens=NEW) as tracer:
+                for _ in tracer.iter[:]:
+                    h = ours.transformer.h[mid].output.save()
+            return h
+
+        got, ref, theirs = with_nnd(), plain(), with_nnsight()
+        if (
+            len(got) != NEW
+            or len(theirs) != NEW
+            or ref.shape[1] - tok(PROMPT, return_tensors="pt")["input_ids"].shape[1] != NEW
+        ):
+            raise RuntimeError(f"not {NEW} steps everywhere: nnd {len(got)}, nnsight {len(theirs)}, HF {ref.shape}")
+        t = harness.interleaved(
+            {"plain": plain, "nnsight": with_nnsight, "nnd": with_nnd}, warmup=warmup, repeats=repeats
+        )
+        ours.release()
+
+    shape = f"GPT-2 {layers}×{width}"
+    raw = {k + "_s": v for k, v in t.items()} | {
+        "layers": layers,
+        "width": width,
+        "new_tokens": NEW,
+        "repeats": repeats,
+    }
+    r = t["nnd"] / t["plain"]
+    return [
+        Row(
+            f"generate {NEW} tokens, 1 save/step ({shape})",
+            "HF generate in-process, no saves",
+            ms(t["plain"]),
+            ms(t["nnd"]),
+            r,
+            target=harness.target("≤ 1.25", r <= 1.25),
+            raw=raw,
+        ),
+        Row(
+            f"generate {NEW} tokens, 1 save/step ({shape})",
+            "nnsight generate in-process, 1 save/step",
+            ms(t["nnsight"]),
+            ms(t["nnd"]),
+            t["nnd"] / t["nnsight"],
+        ),
+    ]

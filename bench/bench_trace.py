@@ -1,0 +1,83 @@
+"""trace: one forward with one `.save()` of a layer output, GPT-2-small shape on CPU.
+
+Plain HF forward in-process vs nnsight 0.8.1 trace in-process (same weights) vs
+the nnd client against a real daemon with the model dispatched. All three
+tokenize the same prompt; all three run torch with one thread.
+"""
+
+from __future__ import annotations
+
+import harness
+from harness import PROMPT, Row, ms
+
+NAME = "trace"
+
+
+def run(quick: bool) -> list[Row]:
+    harness.one_thread()
+    import nnsight
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import nnd
+
+    layers, width = (4, 256) if quick else (12, 768)
+    warmup, repeats = (2, 5) if quick else (3, 30)
+    path = harness.model("gpt2", layers=layers, width=width)
+    mid = layers // 2
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    lm = nnsight.LanguageModel(path, tokenizer=tok, device_map="cpu", dispatch=True)
+
+    def plain() -> torch.Tensor:
+        with torch.no_grad():
+            return hf(**tok(PROMPT, return_tensors="pt")).logits
+
+    def with_nnsight() -> torch.Tensor:
+        with lm.trace(PROMPT):
+            h = lm.transformer.h[mid].output.save()
+        return h
+
+    with harness.daemon(NAME) as d:
+        ours = nnd.TransformersModel(path, address=d.address, device="cpu", dispatch=True)
+
+        def with_nnd() -> torch.Tensor:
+            with ours.trace(PROMPT):
+                h = ours.transformer.h[mid].output.save()
+            return h
+
+        torch.testing.assert_close(with_nnd(), with_nnsight(), atol=1e-4, rtol=0)  # same work on both sides
+        t = harness.interleaved(
+            {"plain": plain, "nnsight": with_nnsight, "nnd": with_nnd}, warmup=warmup, repeats=repeats
+        )
+        ours.release()
+
+    shape = f"GPT-2 {layers}×{width}"
+    over_ns, over_nnd = t["nnsight"] - t["plain"], t["nnd"] - t["plain"]
+    raw = {k + "_s": v for k, v in t.items()} | {"layers": layers, "width": width, "repeats": repeats}
+    ratio_over = over_nnd / over_ns if over_ns > 0 else None
+    return [
+        Row(
+            f"trace ({shape}), vs plain forward",
+            "HF forward in-process",
+            ms(t["plain"]),
+            ms(t["nnd"]),
+            t["nnd"] / t["plain"],
+            raw=raw,
+        ),
+        Row(
+            f"trace ({shape}), vs nnsight",
+            "nnsight trace in-process",
+            ms(t["nnsight"]),
+            ms(t["nnd"]),
+            t["nnd"] / t["nnsight"],
+        ),
+        Row(
+            "trace overhead over plain forward",
+            "nnsight overhead",
+            f"+{ms(over_ns)}",
+            f"+{ms(over_nnd)}",
+            ratio_over,
+            target=harness.target("≤ 1", None if ratio_over is None else ratio_over <= 1),
+        ),
+    ]

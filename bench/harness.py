@@ -1,0 +1,333 @@
+"""What every benchmark shares: environment, timing, tiny models, daemons, RSS sampling, rows.
+
+Fairness rules, applied here once:
+- one torch thread in-process (`torch.set_num_threads(1)`) and OMP_NUM_THREADS=1 in
+  every process we start (the daemon passes it on to its workers);
+- a warm-up, then the median of N; alternatives are timed interleaved with nnd
+  (round-robin), so a noisy neighbour hurts both sides alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import pathlib
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Before torch is imported anywhere in this process or its children.
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["MKL_NUM_THREADS"] = "1"
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+BENCH = pathlib.Path(__file__).resolve().parent
+ROOT = BENCH.parent
+TESTS = ROOT / "tests"
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+PROMPT = "The Eiffel Tower is in the city of"
+MB = 1e6
+
+
+def one_thread() -> None:
+    """One torch thread in this process, and no progress bars or deprecation chatter."""
+    import warnings
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    torch.set_num_threads(1)
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", message=".*deprecated.*")
+
+
+# ---------------------------------------------------------------- rows
+
+
+@dataclass
+class Row:
+    """One line of the table. `ratio` is nnd ÷ alternative unless `ratio_note` says otherwise."""
+
+    benchmark: str
+    alternative: str
+    alt: str
+    nnd: str
+    ratio: float | None = None
+    target: str = ""
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    def cells(self) -> list[str]:
+        if self.ratio is None:
+            ratio = "n/a"
+        else:
+            ratio = f"{self.ratio:.2f}×"
+        if self.target:
+            ratio += f" ({self.target})"
+        return [self.benchmark, self.alternative, self.alt, self.nnd, ratio]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def secs(seconds: float) -> str:
+    return f"{seconds:.2f} s"
+
+
+def mbytes(n: float) -> str:
+    return f"{n / MB:.0f} MB"
+
+
+def target(text: str, ok: bool | None) -> str:
+    """'target ≤ 1.25 ✓' (None: not measured)."""
+    return f"target {text}" + ("" if ok is None else (" ✓" if ok else " ✗"))
+
+
+# ---------------------------------------------------------------- timing
+
+
+def median_time(fn: Callable[[], Any], *, warmup: int, repeats: int) -> float:
+    """Median seconds of `repeats` calls after `warmup` calls."""
+    return interleaved({"x": fn}, warmup=warmup, repeats=repeats)["x"]
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int, repeats: int) -> dict[str, float]:
+    """Median seconds per function, the functions called round-robin."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def subprocess_seconds(cmd: list[str], *, repeats: int, env: dict[str, str] | None = None) -> float:
+    """Median wall seconds of running `cmd` to completion (it must succeed)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        times.append(time.perf_counter() - t0)
+        if res.returncode != 0:
+            raise RuntimeError(f"{cmd} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------- models and daemons
+
+_ROOT: pathlib.Path | None = None
+_MODELS: dict[tuple[str, int, int], pathlib.Path] = {}
+
+
+def workdir() -> pathlib.Path:
+    """This run's temp folder; models built here are reused by the later benchmarks
+    of the run (run.py passes it to each benchmark's process as $NND_BENCH_WORKDIR)."""
+    global _ROOT
+    if _ROOT is None:
+        given = os.environ.get("NND_BENCH_WORKDIR")
+        _ROOT = pathlib.Path(given) if given else pathlib.Path(tempfile.mkdtemp(prefix="nnd-bench-"))
+    return _ROOT
+
+
+def cleanup() -> None:
+    global _ROOT
+    if _ROOT is not None:
+        shutil.rmtree(_ROOT, ignore_errors=True)
+        _ROOT = None
+        _MODELS.clear()
+
+
+def model(kind: str = "gpt2", *, layers: int = 2, width: int = 64) -> str:
+    """Path of a tiny-vocab model (tests/tinymodels.py), built once per run."""
+    key = (kind, layers, width)
+    if key not in _MODELS:
+        import tinymodels
+
+        folder = workdir() / "models" / f"{kind}-{layers}x{width}"
+        if not (folder / "config.json").exists() or not list(folder.glob("*.safetensors")):
+            with quiet():
+                tinymodels.build(kind, folder, layers=layers, width=width)
+        _MODELS[key] = folder
+    return str(_MODELS[key])
+
+
+def config_only(name: str, config: dict[str, Any]) -> str:
+    """A folder with config.json and a tiny tokenizer, no weights."""
+    import tinymodels
+
+    with quiet():
+        return str(tinymodels.write_config_only(workdir() / "models" / name, config))
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Silence stdout/stderr at the file-descriptor level (tokenizers' trainer and
+    transformers' progress bars write there directly)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(null)
+        os.close(saved[0])
+        os.close(saved[1])
+
+
+def weights_bytes(path: str) -> int:
+    """Bytes of the weight files in a model folder."""
+    return sum(p.stat().st_size for p in pathlib.Path(path).glob("*.safetensors"))
+
+
+@contextlib.contextmanager
+def daemon(name: str, *extra: str) -> Iterator[Any]:
+    """A real `nnd serve` in its own temp folder; stopped (with its workers) on exit."""
+    import psutil
+    from daemonproc import start_daemon
+
+    folder = pathlib.Path(tempfile.mkdtemp(prefix=f"d-{name}-", dir=workdir()))
+    d = start_daemon(folder, *extra)
+    try:
+        yield d
+    finally:
+        try:
+            children = psutil.Process(d.proc.pid).children(recursive=True)
+        except psutil.Error:
+            children = []
+        d.stop()
+        _, alive = psutil.wait_procs(children, timeout=10)
+        for p in alive:  # workers we started through this daemon
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def worker_pid(d: Any) -> int:
+    """The pid of the daemon's (only) worker."""
+    import psutil
+
+    kids = [
+        p for p in psutil.Process(d.proc.pid).children(recursive=True) if "nnd_daemon.worker" in " ".join(p.cmdline())
+    ]
+    if len(kids) != 1:
+        raise RuntimeError(f"expected one worker, found {len(kids)}")
+    return kids[0].pid
+
+
+# ---------------------------------------------------------------- memory
+
+
+def rss(pid: int) -> int:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss
+
+
+def hwm(pid: int) -> int:
+    """The kernel's peak RSS of a live process (VmHWM), bytes; 0 where unknown."""
+    try:
+        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class RssSampler:
+    """Samples the RSS of a process (or of whatever `find()` returns) every `interval` s in a thread."""
+
+    def __init__(self, pid: int | None = None, *, find: Callable[[], int | None] | None = None, interval: float = 0.02):
+        self._pid = pid
+        self._find = find
+        self.interval = interval
+        self.peak = 0
+        self.samples = 0
+        self.pid: int | None = pid
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        import psutil
+
+        proc = None
+        while not self._stop.is_set():
+            try:
+                if proc is None:
+                    pid = self._pid if self._pid is not None else (self._find() if self._find else None)
+                    if pid:
+                        self.pid = pid
+                        proc = psutil.Process(pid)
+                if proc is not None:
+                    self.peak = max(self.peak, proc.memory_info().rss)
+                    self.samples += 1
+            except psutil.Error:
+                pass
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# ---------------------------------------------------------------- machine
+
+
+def machine() -> dict[str, str]:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or ""
+    with contextlib.suppress(OSError):
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    info = {
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+    }
+    with contextlib.suppress(ImportError):
+        import nnsight
+
+        info["nnsight"] = nnsight.__version__
+    with contextlib.suppress(OSError):
+        info["load"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    return info
