@@ -194,7 +194,7 @@ def run(quick: bool) -> list[Row]:
             f"{r_alt:.2f} ({mbytes(alt_peak - base)})",
             f"{r_ours:.2f} ({mbytes(peak - base)})",
             r_ours / r_alt,
-            target=harness.target("nnd < 1.3", r_ours < 1.3),
+            target=harness.target("nnd < 1.3", None if quick else r_ours < 1.3),  # meaningless on --quick's tiny model
             raw=raw,
         ),
         Row(

@@ -85,6 +85,25 @@ def _shim(src: str) -> str:
     return str(shim)
 
 
+def _nnd_source(env: dict[str, str]) -> str:
+    """Where the benchmarked nnd came from, and its git commit when that is a checkout."""
+    code = (
+        "import nnd, nnd_daemon, os; print(os.path.realpath(os.path.join(os.path.dirname(nnd.__file__), '..', '..')))"
+    )
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    where = res.stdout.strip() or "?"
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", where, *args], capture_output=True, text=True).stdout.strip()
+
+    top = git("rev-parse", "--show-toplevel")
+    if not top:
+        return where
+    commit = git("log", "-1", "--format=%h")
+    dirty = git("status", "--porcelain", "--", "pyclient", "daemon", "protos")
+    return f"{top} at {commit}" + (" with uncommitted changes to pyclient/daemon/protos" if dirty else "")
+
+
 def table(rows: list[harness.Row]) -> str:
     header = ["benchmark", "alternative", "alternative figure", "nnd figure", "ratio"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -119,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "NND_BENCH_WORKDIR": str(harness.workdir())}
     if ns.src:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_shim(ns.src), env.get("PYTHONPATH")]))
+    source = _nnd_source(env)
     rows: list[harness.Row] = []
     walls: dict[str, float] = {}
     failed = False
@@ -133,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         harness.cleanup()
 
     info = harness.machine()
+    info["nnd_source"] = source
     print(table(rows))
     print()
     print(
@@ -140,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         f"transformers {info['transformers']}, nnsight {info.get('nnsight', '-')}; {info['date']}; "
         f"load average at the end {info.get('load', '?')}{'; --quick' if ns.quick else ''}."
     )
+    print(f"nnd from {info['nnd_source']}.")
     for note in NOTES:
         print(f"- {note}")
     if ns.json:
