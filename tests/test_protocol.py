@@ -247,12 +247,12 @@ def _last_position() -> graph_pb2.Arg:
     return graph_pb2.Arg(tuple=graph_pb2.ArgList(items=[whole, last, whole]))
 
 
-def worked_example(vector: np.ndarray) -> graph_pb2.Graph:
-    """`model.transformer.h[0].output[:, -1, :] += v; model.lm_head.output.save()`, built with the stubs."""
+def worked_example(vector: np.ndarray, path: str = "transformer.h.0") -> graph_pb2.Graph:
+    """`model.<path>.output[:, -1, :] += v; model.lm_head.output.save()`, built with the stubs."""
     ref = lambda i: graph_pb2.Arg(ref=i)  # noqa: E731
     tensor = values_pb2.Tensor(dtype=values_pb2.FLOAT32, shape=[vector.size], data=vector.astype("<f4").tobytes())
     g = graph_pb2.Graph()
-    g.nodes.add(id=1, module=graph_pb2.ModuleValue(path="transformer.h.0", point=graph_pb2.OUTPUT, invoke=0))
+    g.nodes.add(id=1, module=graph_pb2.ModuleValue(path=path, point=graph_pb2.OUTPUT, invoke=0))
     g.nodes.add(id=2, op=graph_pb2.Op(name="getitem", args=[ref(1), _last_position()]))
     g.nodes.add(id=3, constant=values_pb2.Value(tensor=tensor))
     g.nodes.add(id=4, op=graph_pb2.Op(name="iadd", args=[ref(2), ref(3)]))
@@ -271,8 +271,8 @@ def test_worked_example_file_is_the_documented_graph():
     assert parsed.graph == worked_example(vector)
 
 
-def test_worked_example_file_runs_through_the_cli(daemon, tiny_models):
-    model = tiny_models["gpt2"]
+def test_worked_example_file_runs_through_the_cli(daemon, gpt2):
+    model = gpt2  # loaded: `nnd trace` runs on a loaded model
     out = json.loads(daemon.cli("trace", model, "--graph", str(GRAPH_FILE), "--json").stdout)
     assert list(out) == ["7"]
     from_cli = np.array(out["7"], dtype=np.float32)
@@ -289,3 +289,25 @@ def test_worked_example_file_runs_through_the_cli(daemon, tiny_models):
     assert from_cli.shape == from_python.shape == (1, 14, 320)
     np.testing.assert_allclose(from_cli, from_python, atol=1e-5, rtol=0)
     assert np.abs(plain[0, -1] - from_python[0, -1]).max() > 1e-2
+
+
+def test_the_documented_worked_example_is_that_graph_for_gpt2_small():
+    """docs/protocol.md's example parses as a TraceRequest and is the same graph for
+    transformer.h.5 (width 768), once its abbreviated constant is filled in."""
+    import re
+
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()
+    section = doc[doc.index("## 12. Worked example") :]
+    text = section[
+        section.index("```textproto") + len("```textproto") : section.index("```\n", section.index("```textproto") + 3)
+    ]
+    vector = ((2 * np.arange(768) - 767) / 768).astype("<f4")
+    escaped = "".join(f"\\x{b:02x}" for b in vector.tobytes())
+    text, n = re.subn(r'data: "[^"]*\.\.\."', lambda _: f'data: "{escaped}"', text)
+    assert n == 1, "the example's abbreviated constant was not found"
+    parsed = text_format.Parse(text, nnd_pb2.TraceRequest())
+    assert parsed.model == "openai-community/gpt2"
+    assert [i.text for i in parsed.invokes] == ["The Eiffel Tower is in the city of"]
+    for node in parsed.graph.nodes:
+        node.ClearField("loc")
+    assert parsed.graph == worked_example(vector, path="transformer.h.5")
