@@ -123,6 +123,27 @@ def interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int, repeats: int)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def cpu_split(fn: Callable[[], Any], repeats: int, pids: dict[str, int] | None = None) -> dict[str, float]:
+    """CPU seconds (user + system) per call of `fn`, in this process ("self") and in
+    each named pid: unlike wall time, this barely moves when other work shares the cores."""
+    import psutil
+
+    procs = {name: psutil.Process(pid) for name, pid in (pids or {}).items()}
+
+    def now() -> dict[str, float]:
+        out = {"self": time.process_time()}
+        for name, proc in procs.items():
+            t = proc.cpu_times()
+            out[name] = t.user + t.system
+        return out
+
+    before = now()
+    for _ in range(repeats):
+        fn()
+    after = now()
+    return {k: (after[k] - before[k]) / repeats for k in before}
+
+
 def subprocess_seconds(cmd: list[str], *, repeats: int, env: dict[str, str] | None = None) -> float:
     """Median wall seconds of running `cmd` to completion (it must succeed)."""
     times = []
