@@ -50,7 +50,7 @@ class ServerInfo(_message.Message):
     def __init__(self, version: _Optional[str] = ..., protocol: _Optional[str] = ..., ops: _Optional[_Iterable[str]] = ..., attributes: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., libraries: _Optional[_Mapping[str, str]] = ..., devices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_request_bytes", "max_constant_bytes", "max_saved_bytes", "max_invokes", "max_sequence_length", "max_new_tokens", "default_deadline_s", "max_queue_depth", "max_dispatched_models")
+    __slots__ = ("max_request_bytes", "max_constant_bytes", "max_saved_bytes", "max_invokes", "max_sequence_length", "max_new_tokens", "default_deadline_s", "max_queue_depth", "max_dispatched_models", "max_upload_bytes")
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_CONSTANT_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_SAVED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class Limits(_message.Message):
     DEFAULT_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     MAX_DISPATCHED_MODELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_UPLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     max_request_bytes: int
     max_constant_bytes: int
     max_saved_bytes: int
@@ -69,7 +70,8 @@ class Limits(_message.Message):
     default_deadline_s: float
     max_queue_depth: int
     max_dispatched_models: int
-    def __init__(self, max_request_bytes: _Optional[int] = ..., max_constant_bytes: _Optional[int] = ..., max_saved_bytes: _Optional[int] = ..., max_invokes: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., default_deadline_s: _Optional[float] = ..., max_queue_depth: _Optional[int] = ..., max_dispatched_models: _Optional[int] = ...) -> None: ...
+    max_upload_bytes: int
+    def __init__(self, max_request_bytes: _Optional[int] = ..., max_constant_bytes: _Optional[int] = ..., max_saved_bytes: _Optional[int] = ..., max_invokes: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., default_deadline_s: _Optional[float] = ..., max_queue_depth: _Optional[int] = ..., max_dispatched_models: _Optional[int] = ..., max_upload_bytes: _Optional[int] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("device", "device_map", "dtype", "compute_dtype", "max_memory", "tp_size")
@@ -95,7 +97,7 @@ class Placement(_message.Message):
     def __init__(self, device: _Optional[str] = ..., device_map: _Optional[str] = ..., dtype: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., max_memory: _Optional[_Mapping[str, str]] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("model", "revision", "task", "trust_remote_code", "placement", "dispatch", "keep_alive", "rename")
+    __slots__ = ("model", "revision", "task", "trust_remote_code", "placement", "dispatch", "keep_alive", "rename", "upload")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +106,7 @@ class LoadModelRequest(_message.Message):
     DISPATCH_FIELD_NUMBER: _ClassVar[int]
     KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
     RENAME_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_FIELD_NUMBER: _ClassVar[int]
     model: str
     revision: str
     task: str
@@ -112,7 +115,8 @@ class LoadModelRequest(_message.Message):
     dispatch: bool
     keep_alive: str
     rename: _containers.RepeatedCompositeFieldContainer[Rename]
-    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., task: _Optional[str] = ..., trust_remote_code: _Optional[bool] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., dispatch: _Optional[bool] = ..., keep_alive: _Optional[str] = ..., rename: _Optional[_Iterable[_Union[Rename, _Mapping]]] = ...) -> None: ...
+    upload: str
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., task: _Optional[str] = ..., trust_remote_code: _Optional[bool] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., dispatch: _Optional[bool] = ..., keep_alive: _Optional[str] = ..., rename: _Optional[_Iterable[_Union[Rename, _Mapping]]] = ..., upload: _Optional[str] = ...) -> None: ...
 
 class Rename(_message.Message):
     __slots__ = ("path", "type", "aliases")
@@ -477,3 +481,63 @@ class TokenizerFiles(_message.Message):
     FILES_FIELD_NUMBER: _ClassVar[int]
     files: _containers.ScalarMap[str, bytes]
     def __init__(self, files: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+
+class UploadFile(_message.Message):
+    __slots__ = ("name", "size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class UploadHeader(_message.Message):
+    __slots__ = ("kind", "sha256", "files")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    sha256: str
+    files: _containers.RepeatedCompositeFieldContainer[UploadFile]
+    def __init__(self, kind: _Optional[str] = ..., sha256: _Optional[str] = ..., files: _Optional[_Iterable[_Union[UploadFile, _Mapping]]] = ...) -> None: ...
+
+class UploadChunk(_message.Message):
+    __slots__ = ("file", "data")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    file: int
+    data: bytes
+    def __init__(self, file: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class UploadRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: UploadHeader
+    chunk: UploadChunk
+    def __init__(self, header: _Optional[_Union[UploadHeader, _Mapping]] = ..., chunk: _Optional[_Union[UploadChunk, _Mapping]] = ...) -> None: ...
+
+class UploadResponse(_message.Message):
+    __slots__ = ("sha256", "received_bytes", "existed")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXISTED_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    received_bytes: int
+    existed: bool
+    def __init__(self, sha256: _Optional[str] = ..., received_bytes: _Optional[int] = ..., existed: _Optional[bool] = ...) -> None: ...
+
+class HasUploadRequest(_message.Message):
+    __slots__ = ("sha256", "total_bytes")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    total_bytes: int
+    def __init__(self, sha256: _Optional[str] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class HasUploadResponse(_message.Message):
+    __slots__ = ("present", "max_upload_bytes")
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    MAX_UPLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    present: bool
+    max_upload_bytes: int
+    def __init__(self, present: _Optional[bool] = ..., max_upload_bytes: _Optional[int] = ...) -> None: ...

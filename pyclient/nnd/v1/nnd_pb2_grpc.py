@@ -69,6 +69,16 @@ class NndStub:
                 request_serializer=nnd_dot_v1_dot_nnd__pb2.UnloadRequest.SerializeToString,
                 response_deserializer=nnd_dot_v1_dot_nnd__pb2.UnloadResponse.FromString,
                 _registered_method=True)
+        self.Upload = channel.stream_unary(
+                '/nnd.v1.Nnd/Upload',
+                request_serializer=nnd_dot_v1_dot_nnd__pb2.UploadRequest.SerializeToString,
+                response_deserializer=nnd_dot_v1_dot_nnd__pb2.UploadResponse.FromString,
+                _registered_method=True)
+        self.HasUpload = channel.unary_unary(
+                '/nnd.v1.Nnd/HasUpload',
+                request_serializer=nnd_dot_v1_dot_nnd__pb2.HasUploadRequest.SerializeToString,
+                response_deserializer=nnd_dot_v1_dot_nnd__pb2.HasUploadResponse.FromString,
+                _registered_method=True)
         self.Scan = channel.unary_stream(
                 '/nnd.v1.Nnd/Scan',
                 request_serializer=nnd_dot_v1_dot_nnd__pb2.TraceRequest.SerializeToString,
@@ -169,7 +179,34 @@ class NndServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Unload(self, request, context):
-        """Release (if dispatched) and forget the model.
+        """Release (if dispatched) and forget the model. An uploaded model's files
+        are deleted too, unless another loaded model uses the same upload.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Upload(self, request_iterator, context):
+        """Bring your own model: store the files of a model the client holds (a
+        transformers checkpoint, or a torch.export program) in the daemon's state
+        directory, addressed by their content hash. The first message is an
+        UploadHeader, the files' bytes follow in UploadChunk messages. Load the
+        stored upload with LoadModel(model=<name>, upload=<sha256>): it then
+        takes part in everything a repo-id model does (dispatch, release,
+        keep-alive, the registry file). Uploading content the daemon already
+        holds stores nothing twice. PERMISSION_DENIED when the daemon was started
+        with --no-uploads; RESOURCE_EXHAUSTED over --max-upload-bytes;
+        INVALID_ARGUMENT for a file that is not allowed (pickles, code), a hash
+        that does not match the bytes, or an exported program nnd will not load.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HasUpload(self, request, context):
+        """Whether the daemon holds an upload with this hash, and whether it would
+        take one of this size; asked before sending, so content it already has
+        is never sent again and a refused upload sends no byte.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -288,6 +325,16 @@ def add_NndServicer_to_server(servicer, server):
                     servicer.Unload,
                     request_deserializer=nnd_dot_v1_dot_nnd__pb2.UnloadRequest.FromString,
                     response_serializer=nnd_dot_v1_dot_nnd__pb2.UnloadResponse.SerializeToString,
+            ),
+            'Upload': grpc.stream_unary_rpc_method_handler(
+                    servicer.Upload,
+                    request_deserializer=nnd_dot_v1_dot_nnd__pb2.UploadRequest.FromString,
+                    response_serializer=nnd_dot_v1_dot_nnd__pb2.UploadResponse.SerializeToString,
+            ),
+            'HasUpload': grpc.unary_unary_rpc_method_handler(
+                    servicer.HasUpload,
+                    request_deserializer=nnd_dot_v1_dot_nnd__pb2.HasUploadRequest.FromString,
+                    response_serializer=nnd_dot_v1_dot_nnd__pb2.HasUploadResponse.SerializeToString,
             ),
             'Scan': grpc.unary_stream_rpc_method_handler(
                     servicer.Scan,
@@ -529,6 +576,60 @@ class Nnd:
             '/nnd.v1.Nnd/Unload',
             nnd_dot_v1_dot_nnd__pb2.UnloadRequest.SerializeToString,
             nnd_dot_v1_dot_nnd__pb2.UnloadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Upload(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/nnd.v1.Nnd/Upload',
+            nnd_dot_v1_dot_nnd__pb2.UploadRequest.SerializeToString,
+            nnd_dot_v1_dot_nnd__pb2.UploadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HasUpload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nnd.v1.Nnd/HasUpload',
+            nnd_dot_v1_dot_nnd__pb2.HasUploadRequest.SerializeToString,
+            nnd_dot_v1_dot_nnd__pb2.HasUploadResponse.FromString,
             options,
             channel_credentials,
             insecure,
