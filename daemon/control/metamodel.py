@@ -10,6 +10,7 @@ from typing import Any
 
 from nnd.v1 import nnd_pb2
 from nnd_daemon import errors
+from nnd_daemon.control.edits import EditStore
 
 # Architecture-name suffix -> pipeline task, checked in order (longest first
 # where one suffix contains another). Inferred offline: nnsight asks the Hub.
@@ -81,6 +82,22 @@ class MetaModel:
     module: Any  # torch.nn.Module on the meta device
     # Scans attach hooks to the shared meta module: one at a time.
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Module aliases (the standard set, then `rename=` entries): an engine.aliases.AliasTable.
+    aliases: Any = None
+    # Graphs stored by CreateEdit, applied to the requests that name them.
+    edits: EditStore = field(default_factory=EditStore)
+
+    def rename(self, renames: Any) -> None:
+        """Add `LoadModelRequest.rename` entries to the model's aliases (all or none)."""
+        import copy
+
+        from nnd_daemon.engine import aliases
+
+        rules = aliases.rules(renames)
+        with self.lock:
+            table = copy.deepcopy(self.aliases) if self.aliases is not None else aliases.AliasTable.of(self.module)
+            table.add_rules(rules)
+            self.aliases = table
 
     @property
     def architecture(self) -> str:
@@ -129,6 +146,7 @@ class MetaModel:
 
     def modules(self, devices: dict[str, str] | None = None) -> list[nnd_pb2.ModuleInfo]:
         devices = devices or {}
+        names = self.aliases.aliases_of() if self.aliases is not None else {}
         out = []
         for path, mod in self.module.named_modules():
             params = [
@@ -140,7 +158,15 @@ class MetaModel:
                 )
                 for name, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False))
             ]
-            out.append(nnd_pb2.ModuleInfo(path=path, type=type(mod).__name__, parameters=params, extra=_extra(mod)))
+            out.append(
+                nnd_pb2.ModuleInfo(
+                    path=path,
+                    type=type(mod).__name__,
+                    parameters=params,
+                    extra=_extra(mod),
+                    aliases=sorted(names.get(path, ())),
+                )
+            )
         return out
 
 
@@ -189,4 +215,14 @@ def build(source: str, *, revision: str = "", task: str = "", trust_remote_code:
             module = cls.from_config(config, trust_remote_code=trust_remote_code)
     module.eval()
     module.requires_grad_(False)
-    return MetaModel(source=source, revision=revision, task=task, config=config, tokenizer=tokenizer, module=module)
+    from nnd_daemon.engine.aliases import AliasTable
+
+    return MetaModel(
+        source=source,
+        revision=revision,
+        task=task,
+        config=config,
+        tokenizer=tokenizer,
+        module=module,
+        aliases=AliasTable.of(module),
+    )

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 
 from nnd import __version__
-from nnd.v1 import nnd_pb2
+from nnd.v1 import graph_pb2, nnd_pb2, worker_pb2
 from nnd_daemon import errors
 from nnd_daemon.control import requests
 from nnd_daemon.control.registry import Registry
@@ -81,6 +81,8 @@ class NndServicer:
     @_guard
     def LoadModel(self, request: nnd_pb2.LoadModelRequest, context: grpc.ServicerContext) -> nnd_pb2.ModelInfo:
         entry = self.registry.load(request)
+        if request.rename:  # nnsight's rename=: extra module names, for every client of the model
+            entry.meta.rename(request.rename)
         if request.dispatch:
             for _ in self.registry.dispatch(entry.name, None, request.keep_alive):
                 pass
@@ -117,6 +119,8 @@ class NndServicer:
 
         requests.check(request, self.settings.limits, generate=False)
         meta = self.registry.get(request.model).meta
+        _resolve_aliases(meta, [request.graph])
+        edits = {i: list(stack.graphs) for i, stack in meta.edits.stacks(request.edits).items()}
         out: list[Any] = []
         with meta.lock:
             engine.run(
@@ -127,6 +131,7 @@ class NndServicer:
                 emit=out.append,
                 cancelled=lambda: not context.is_active(),
                 limits=requests.engine_limits(self.settings.limits),
+                edits=edits,
             )
         for message in out:
             yield message.SerializeToString()
@@ -141,9 +146,20 @@ class NndServicer:
 
     def _run(self, request: nnd_pb2.TraceRequest, context: grpc.ServicerContext, *, generate: bool) -> Iterator[bytes]:
         requests.check(request, self.settings.limits, generate=generate)
-        entry = self.registry.acquire(
-            request.model, auto_dispatch=not request.no_auto_dispatch, keep_alive=request.keep_alive
-        )
+        meta = self.registry.get(request.model).meta
+        _resolve_aliases(meta, [request.graph])
+        run = worker_pb2.WorkerRunRequest(request=request, generate=generate, edits=meta.edits.stacks(request.edits))
+        yield from self._on_worker(request.model, run, context, request.no_auto_dispatch, request.keep_alive)
+
+    def _on_worker(
+        self,
+        model: str,
+        run: worker_pb2.WorkerRunRequest,
+        context: grpc.ServicerContext,
+        no_auto_dispatch: bool,
+        keep_alive: str,
+    ) -> Iterator[bytes]:
+        entry = self.registry.acquire(model, auto_dispatch=not no_auto_dispatch, keep_alive=keep_alive)
         try:
             remaining = context.time_remaining()
             timeout = (
@@ -152,9 +168,78 @@ class NndServicer:
             worker = entry.worker
             if worker is None:
                 raise errors.Unavailable(f"model {entry.name} lost its worker: {entry.last_error}")
-            yield from worker.run(request, generate=generate, timeout=timeout or None)
+            call = worker.run_raw(run, timeout=timeout or None)
+            try:
+                yield from call
+            except grpc.RpcError as err:
+                raise worker.translate(err) from None
+            finally:
+                call.cancel()
         finally:
             self.registry.done(entry)
+
+    # -- sessions -----------------------------------------------------------
+    @_guard
+    def Session(self, request: nnd_pb2.SessionRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        """Several traces in one request, run in order in the model's worker (or as scans here)."""
+        from nnd_daemon import engine
+
+        if not request.traces:
+            raise errors.InvalidArgument("the session has no trace: add at least one")
+        meta = self.registry.get(request.model).meta
+        ids: list[str] = []
+        for trace in request.traces:
+            if not trace.request.model:
+                trace.request.model = request.model
+            requests.check(trace.request, self.settings.limits, generate=trace.generate and not request.scan)
+            ids.extend(trace.request.edits)
+        _resolve_aliases(meta, [t.request.graph for t in request.traces])
+        stacks = meta.edits.stacks(ids)
+        if request.scan:
+            out: list[Any] = []
+            with meta.lock:
+                engine.run_session(
+                    meta.module,
+                    meta.tokenizer,
+                    request,
+                    emit=out.append,
+                    cancelled=lambda: not context.is_active(),
+                    limits=requests.engine_limits(self.settings.limits),
+                    edits={i: list(stack.graphs) for i, stack in stacks.items()},
+                )
+            yield from out
+            return
+        run = worker_pb2.WorkerRunRequest(session=request, edits=stacks)
+        for raw in self._on_worker(request.model, run, context, request.no_auto_dispatch, request.keep_alive):
+            yield nnd_pb2.TraceResponse.FromString(raw)
+
+    # -- edits --------------------------------------------------------------
+    @_guard
+    def CreateEdit(self, request: nnd_pb2.CreateEditRequest, context: grpc.ServicerContext) -> nnd_pb2.EditInfo:
+        from nnd_daemon.engine import plan
+
+        entry = self.registry.get(request.model)
+        graph = graph_pb2.Graph()
+        graph.CopyFrom(request.graph)
+        _resolve_aliases(entry.meta, [graph])
+        if self.settings.limits.max_request_bytes and graph.ByteSize() > self.settings.limits.max_request_bytes:
+            raise errors.ResourceExhausted(
+                f"the edit is {graph.ByteSize()} bytes, over the limit max_request_bytes="
+                f"{self.settings.limits.max_request_bytes}"
+            )
+        plan.check_edit(graph, entry.meta.module)
+        edit = entry.meta.edits.create(graph, name=request.name, base=request.base, replace=request.replace)
+        return edit.info(entry.name)
+
+    @_guard
+    def ListEdits(self, request: nnd_pb2.ListEditsRequest, context: grpc.ServicerContext) -> Any:
+        entry = self.registry.get(request.model)
+        return nnd_pb2.ListEditsResponse(edits=[e.info(entry.name) for e in entry.meta.edits.all()])
+
+    @_guard
+    def DeleteEdit(self, request: nnd_pb2.DeleteEditRequest, context: grpc.ServicerContext) -> Any:
+        self.registry.get(request.model).meta.edits.delete(request.id)
+        return nnd_pb2.DeleteEditResponse()
 
     # -- tokens -------------------------------------------------------------
     def _tokenizer(self, model: str) -> Any:
@@ -187,6 +272,13 @@ class NndServicer:
                 with open(os.path.join(tmp, name), "rb") as f:
                     out.files[name] = f.read()
         return out
+
+
+def _resolve_aliases(meta: Any, graphs: list[Any]) -> None:
+    """Rewrite alias paths ("layers.0.attention") to real ones, so any client can use aliases."""
+    from nnd_daemon.engine import aliases
+
+    aliases.rewrite_graphs(graphs, meta.aliases)
 
 
 def _gpu_count() -> int:

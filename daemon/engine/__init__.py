@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from nnd.v1 import graph_pb2, nnd_pb2
+from nnd.v1 import graph_pb2, nnd_pb2, worker_pb2
 
 from .. import errors
 from . import batch as batching
@@ -32,7 +32,7 @@ from .failures import where, wrap
 from .limits import EngineLimits
 from .ops import ATTRIBUTES, OPS
 
-__all__ = ["ATTRIBUTES", "MODES", "OPS", "EngineLimits", "run", "run_session"]
+__all__ = ["ATTRIBUTES", "MODES", "OPS", "EngineLimits", "run", "run_session", "run_worker"]
 
 MODES = ("trace", "scan", "generate")
 
@@ -83,8 +83,16 @@ def run_session(
         if not session.traces:
             raise errors.InvalidArgument("the session has no trace")
         needed: set[int] = set()
-        for trace in session.traces:
+        seen: set[int] = set()
+        for index, trace in enumerate(session.traces):
             needed |= plan.referenced(trace.request.graph)
+            ids = {n.id for n in trace.request.graph.nodes}
+            if ids & seen:
+                raise errors.InvalidArgument(
+                    f"trace {index} of the session reuses node id(s) {sorted(ids & seen)[:5]} of an earlier trace; "
+                    "node ids must be unique across a session"
+                )
+            seen |= ids
         values: dict[int, Any] = {}
         saved: dict[int, Any] = {}
         plans: dict[int, plan.Plan] = {}
@@ -138,6 +146,24 @@ def run_session(
         raise
     except Exception as e:
         raise wrap(e, None, scan=scan) from e
+
+
+def run_worker(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    request: worker_pb2.WorkerRunRequest,
+    *,
+    emit: Callable[[nnd_pb2.TraceResponse], None],
+    cancelled: Callable[[], bool] = lambda: False,
+    limits: EngineLimits | None = None,
+) -> None:
+    """Run what a worker is sent: a Trace, a Generate or a Session, with the edit graphs it carries."""
+    edits = {edit_id: list(stack.graphs) for edit_id, stack in request.edits.items()}
+    if request.HasField("session"):
+        run_session(model, tokenizer, request.session, emit=emit, cancelled=cancelled, limits=limits, edits=edits)
+        return
+    mode = "generate" if request.generate else "trace"
+    run(model, tokenizer, request.request, mode=mode, emit=emit, cancelled=cancelled, limits=limits, edits=edits)
 
 
 @dataclass

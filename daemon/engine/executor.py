@@ -157,7 +157,7 @@ class Executor:
         changed = False
         for frame, node in events:
             if node.kind == "module":
-                if node.id in self.grad_sources:
+                if node.id in self.grad_sources and node.target is not None:
                     changed = grads.require_grad_pre(node.target.point, state) or changed
                 self.bind(frame, node, key, self.read_pre(node, state))
             elif node.kind == "set":

@@ -204,12 +204,9 @@ class Backward:
                 ex.bind(frame, node, key, g)
                 continue
             value = self.set_value(node)
-            if full is not None:
-                ex.guard(node, lambda v=value, t=g: t.copy_(v))
-            else:
-                fresh = torch.empty_like(g)
-                ex.guard(node, lambda v=value, f=fresh: f.copy_(v))
-                g = fresh
+            if full is None:  # the gradient itself: a fresh tensor (autograd may reuse the one it gave)
+                g = torch.empty_like(g)
+            _copy_into(ex, node, g, value)  # a view of the base's gradient: written through
         ex.run_ready()
         ex.completed.add(key)
         ex.current = previous
@@ -248,8 +245,16 @@ class Backward:
                 else:
                     sets.append((node, g))
         for node, g in sets:
-            value = self.set_value(node)
-            ex.guard(node, lambda v=value, t=g: torch.empty_like(t).copy_(v))
+            _copy_into(ex, node, torch.empty_like(g), self.set_value(node))
+
+
+def _copy_into(ex: Executor, node: PlanNode, target: torch.Tensor, value: Any) -> None:
+    """target[...] = value (broadcast, cast), failing with the node's line."""
+
+    def copy() -> None:
+        target.copy_(value)
+
+    ex.guard(node, copy)
 
 
 # ------------------------------------------------------------------ caches

@@ -64,21 +64,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         out: queue.Queue[Any] = queue.Queue()
         stop = threading.Event()
         context.add_callback(stop.set)
-        mode = "generate" if request.generate else "trace"
 
         def work() -> None:
             try:
                 with self._run_lock:
                     if stop.is_set():
                         raise errors.Cancelled("request cancelled before it ran")
-                    engine.run(
-                        self.model,
-                        self.tokenizer,
-                        request.request,
-                        mode=mode,
-                        emit=out.put,
-                        cancelled=stop.is_set,
-                        limits=self.limits,
+                    # A Trace, a Generate or a Session, with the graphs of the edits it names.
+                    engine.run_worker(
+                        self.model, self.tokenizer, request, emit=out.put, cancelled=stop.is_set, limits=self.limits
                     )
                 out.put(_END)
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status

@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 # name -> (module, attribute): resolved on first access, so `import nnd` stays light.
 _LAZY = {
     "TransformersModel": ("nnd._model", "TransformersModel"),
+    "NNsight": ("nnd._nnsight", "NNsight"),
     "LanguageModel": ("nnd._model", "LanguageModel"),
     "save": ("nnd._save", "save"),
     "connect": ("nnd.connection", "connect"),
@@ -26,6 +27,8 @@ _LAZY = {
     "MetaTensor": ("nnd._meta", "MetaTensor"),
     "Size": ("nnd._meta", "Size"),
     "StepToken": ("nnd._results", "StepToken"),
+    "CacheView": ("nnd._cache", "CacheView"),
+    "Session": ("nnd._session", "Session"),
     "RemoteTokenizer": ("nnd._tokenizer", "RemoteTokenizer"),
     "OutsideTrace": ("nnd._usage", "OutsideTrace"),
     "ValueNotKnown": ("nnd._usage", "ValueNotKnown"),
@@ -39,19 +42,23 @@ _LAZY = {
     "Unsupported": ("nnd.errors", "Unsupported"),
     "Cancelled": ("nnd.errors", "Cancelled"),
     "DeadlineExceeded": ("nnd.errors", "DeadlineExceeded"),
+    "ExportError": ("nnd.errors", "ExportError"),
 }
 
 __all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:  # static types for the lazy names (redundant aliases re-export them)
+    from nnd._cache import CacheView as CacheView
     from nnd._envoy import Envoy as Envoy
     from nnd._meta import MetaTensor as MetaTensor
     from nnd._meta import Size as Size
     from nnd._model import LanguageModel as LanguageModel
     from nnd._model import TransformersModel as TransformersModel
+    from nnd._nnsight import NNsight as NNsight
     from nnd._proxy import Proxy as Proxy
     from nnd._results import StepToken as StepToken
     from nnd._save import save as save
+    from nnd._session import Session as Session
     from nnd._tokenizer import RemoteTokenizer as RemoteTokenizer
     from nnd._usage import OutsideTrace as OutsideTrace
     from nnd._usage import ValueNotKnown as ValueNotKnown
@@ -59,6 +66,7 @@ if TYPE_CHECKING:  # static types for the lazy names (redundant aliases re-expor
     from nnd.errors import Cancelled as Cancelled
     from nnd.errors import DaemonUnavailable as DaemonUnavailable
     from nnd.errors import DeadlineExceeded as DeadlineExceeded
+    from nnd.errors import ExportError as ExportError
     from nnd.errors import InvalidRequest as InvalidRequest
     from nnd.errors import LimitExceeded as LimitExceeded
     from nnd.errors import ModelNotFound as ModelNotFound

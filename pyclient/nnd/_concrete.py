@@ -52,7 +52,7 @@ def scan_graph(graph: graph_pb2.Graph, target: int) -> tuple[graph_pb2.Graph, in
         copy.CopyFrom(node)
         copy.scope = 0
     save = out.nodes.add()
-    save.id = len(graph.nodes) + 1
+    save.id = max((n.id for n in graph.nodes), default=target) + 1
     save.save.value.ref = target
     return out, save.id
 
@@ -64,14 +64,22 @@ def query(tracer: Tracer, proxy: Proxy) -> Any:
     if not tracer._invokes:
         raise ValueError("a shape is known only once the trace has an input; read it inside `tracer.invoke(...)`")
     invokes = tuple(i.SerializeToString(deterministic=True) for i in tracer._invokes)
-    key = (invokes, builder.keys[ref], tuple(builder.writes))
+    session = tracer._session
+    # In a session the graph may use values of earlier blocks: scan them too (they are fixed once closed).
+    context = (id(session), len(session._traces)) if session is not None else None
+    key = (invokes, builder.keys[ref], tuple(builder.writes), tuple(tracer.model._edits), context)
     cache = tracer.model._shape_cache
     hit = cache.get(key)
     if hit is not None:
         return hit
     graph, save_id = scan_graph(builder.graph, ref)
     request = nnd_pb2.TraceRequest(model=tracer.model.name, invokes=tracer._invokes, graph=graph)
-    results = _results.collect(tracer.model._conn.stream("Scan", request), use_torch=False)
+    request.edits.extend(tracer.model._edits)
+    if session is not None:
+        stream = tracer.model._conn.stream("Session", session._request(scan_tail=request))
+    else:
+        stream = tracer.model._conn.stream("Scan", request)
+    results = _results.collect(stream, use_torch=False)
     if save_id not in results.saved:
         raise RuntimeError("the daemon's scan returned no value for this shape query")
     value = results.saved[save_id]

@@ -27,6 +27,7 @@ class Envoy:
     _type: str
     _extra: str
     _children: dict[str, Envoy]
+    _aliases: dict[str, Envoy]
     _parameters: list[nnd_pb2.ParameterInfo]
 
     def __init__(self, model: TransformersModel | None, path: str, type_name: str, extra: str = "") -> None:
@@ -35,6 +36,7 @@ class Envoy:
         object.__setattr__(self, "_type", type_name)
         object.__setattr__(self, "_extra", extra)
         object.__setattr__(self, "_children", {})
+        object.__setattr__(self, "_aliases", {})
         object.__setattr__(self, "_parameters", [])
 
     # -- tree
@@ -45,10 +47,13 @@ class Envoy:
         children = self.__dict__.get("_children")
         if children is not None and name in children:
             return children[name]
+        aliases = self.__dict__.get("_aliases")
+        if aliases and name in aliases:  # rename= and the daemon's standard names
+            return aliases[name]
         if name.startswith("__") or children is None:
             raise AttributeError(name)
         where = self._path or "the model"
-        valid = ", ".join(children) or "none"
+        valid = ", ".join([*children, *(aliases or ())]) or "none"
         raise AttributeError(f"{where} ({self._type}) has no module {name!r}; its children are: {valid}")
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -79,7 +84,7 @@ class Envoy:
         return iter(list(self._children.values()))
 
     def __dir__(self) -> list[str]:
-        return sorted(set(super().__dir__()) | set(self._children))
+        return sorted(set(super().__dir__()) | set(self._children) | set(self._aliases))
 
     def __repr__(self) -> str:
         return _printing.render(self)
@@ -103,7 +108,7 @@ class Envoy:
     # -- values inside a block
     def _tracer(self, what: str) -> Tracer:
         tracer = _context.current(f"`{self._path or 'model'}.{what}`")
-        if self._model is not None and tracer.model is not self._model:
+        if self._model is not None and getattr(tracer.model, "_family", None) is not self._model._family:
             raise ValueError(f"`{self._path}.{what}` belongs to another model than the one being traced")
         return tracer
 
@@ -161,3 +166,9 @@ def build_tree(model: TransformersModel | None, modules: Iterable[nnd_pb2.Module
         object.__setattr__(env, "_parameters", list(info.parameters))
         parent._children[name] = env
         by_path[info.path] = env
+    for info in modules:  # aliases: "<host path>.<alias>" names this module on the host
+        for alias in getattr(info, "aliases", ()):
+            host_path, _, name = alias.rpartition(".")
+            host, target = by_path.get(host_path), by_path.get(info.path)
+            if host is not None and target is not None and name not in host._children:
+                host._aliases[name] = target

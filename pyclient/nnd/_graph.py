@@ -25,14 +25,24 @@ def is_write_op(name: str) -> bool:
 
 
 class GraphBuilder:
-    """An SSA list of nodes plus loop scopes, appended to while recording."""
+    """An SSA list of nodes plus loop scopes, appended to while recording.
 
-    def __init__(self) -> None:
+    In a session the traces' builders share `keys` and draw ids from one
+    counter (a one-item list), so ids are unique across the session and a
+    node may refer to a node of an earlier trace."""
+
+    def __init__(self, *, counter: list[int] | None = None, keys: dict[int, Hashable] | None = None) -> None:
         self.graph = graph_pb2.Graph()
-        self.keys: dict[int, Hashable] = {}
+        self.keys: dict[int, Hashable] = keys if keys is not None else {}
         # Structural keys of every write so far (writes can change later shapes).
         self.writes: list[Hashable] = []
         self._scopes: list[int] = [0]
+        self._counter = counter if counter is not None else [1]  # ids start at 1: 0 reads as "unset"
+        self.first_id = self._counter[0]
+
+    @property
+    def next_id(self) -> int:
+        return self._counter[0]
 
     # -- scopes
     @property
@@ -52,7 +62,8 @@ class GraphBuilder:
     # -- nodes
     def _node(self, key: Hashable) -> graph_pb2.Node:
         node = self.graph.nodes.add()
-        node.id = len(self.graph.nodes)  # ids start at 1: 0 reads as "unset"
+        node.id = self._counter[0]
+        self._counter[0] += 1
         node.scope = self.scope
         node.loc.CopyFrom(_source.location())
         self.keys[node.id] = (key, node.scope)
@@ -96,6 +107,34 @@ class GraphBuilder:
         _fill_module(node.skip.target, path, graph_pb2.OUTPUT, invoke, call)
         node.skip.value.CopyFrom(msg)
         self.writes.append(self.keys[node.id])
+        return node.id
+
+    def backward(self, loss: Any, gradient: Any = None) -> int:
+        loss_msg, loss_key = self.arg(loss)
+        node = self._node(("backward", loss_key, self.arg(gradient)[1] if gradient is not None else None))
+        node.backward.loss.CopyFrom(loss_msg)
+        if gradient is not None:
+            node.backward.gradient.CopyFrom(self.arg(gradient)[0])
+        return node.id
+
+    def grad(self, value: int, backward: int) -> int:
+        node = self._node(("grad", self.keys[value], backward))
+        node.grad.value, node.grad.backward = value, backward
+        return node.id
+
+    def set_grad(self, value: int, backward: int, grad: Any) -> int:
+        msg, key = self.arg(grad)
+        node = self._node(("set_grad", self.keys[value], backward, key))
+        node.set_grad.value, node.set_grad.backward = value, backward
+        node.set_grad.grad.CopyFrom(msg)
+        return node.id
+
+    def cache(self, modules: Sequence[str], *, outputs: bool, inputs: bool, dtype: int, device: str) -> int:
+        node = self._node(("cache", tuple(modules), outputs, inputs, dtype, device))
+        spec = node.cache
+        spec.modules.extend(modules)
+        spec.outputs, spec.inputs, spec.device = outputs, inputs, device
+        spec.dtype = dtype  # type: ignore[assignment]
         return node.id
 
     def stop(self) -> int:

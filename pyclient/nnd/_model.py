@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from nnd import _concrete, _envoy, _generation, _placement, _tokenizer, _tracer
 from nnd._results import StepToken
 from nnd.connection import Connection, connect
 from nnd.v1 import nnd_pb2
+
+if TYPE_CHECKING:
+    from nnd._edit import EditTracer
+    from nnd._session import Session
 
 _PLACEMENT_KWARGS = ("compute_dtype", "max_memory")
 
@@ -29,6 +33,15 @@ class TransformersModel(_envoy.Envoy):
     `address`/`token` choose the daemon (default: `$NND_ADDRESS`, else the
     user or system socket; `$NND_TOKEN`). `keep_alive` sets how long the
     dispatched model stays loaded while idle ("5m", seconds, -1 forever).
+
+    `rename` gives modules extra names, as nnsight's `rename=`: keys are
+    dotted paths matched from every module (`"transformer.h"`, `"attn"`,
+    `"*.h"`) or module classes, values an alias or a list of them
+    (`{"transformer.h": "layers"}` makes `model.layers[0]` work). The daemon
+    keeps them for the model, so every client and every language can use
+    them; GPT-2, Llama and BERT-like models also get a standard set (layers,
+    attention, mlp, final_norm, lm_head, embed). `edits` opens a named edited
+    variant that some client stored with `model.edit(name=...)`.
     """
 
     def __init__(
@@ -46,6 +59,8 @@ class TransformersModel(_envoy.Envoy):
         trust_remote_code: bool = False,
         keep_alive: Any = None,
         tp_size: int | None = None,
+        rename: Mapping[Any, str | list[str] | tuple[str, ...]] | None = None,
+        edits: str | list[str] | None = None,
         **kwargs: Any,
     ) -> None:
         if "torch_dtype" in kwargs:  # transformers' older spelling
@@ -61,6 +76,10 @@ class TransformersModel(_envoy.Envoy):
         self._conn: Connection = connect(address, token=token)
         self._shape_cache = _concrete.ShapeCache()
         self._tokenizer: Any = None
+        # Handles of one loaded model (edited copies too) share this, and may use each other's envoys.
+        self._family = object()
+        self._edits: list[str] = [edits] if isinstance(edits, str) else list(edits or [])
+        self._owned_edits: list[str] = []  # anonymous edits this handle created (clear_edits deletes them)
         request = nnd_pb2.LoadModelRequest(
             model=name_or_path,
             revision=revision or "",
@@ -70,11 +89,33 @@ class TransformersModel(_envoy.Envoy):
         )
         if keep_alive is not None:
             request.keep_alive = _placement.keep_alive_string(keep_alive)
-        self._info: nnd_pb2.ModelInfo = self._conn.call("LoadModel", request)
+        request.rename.extend(_renames(rename))
+        self._info: nnd_pb2.ModelInfo = self._load(request)
         self._name = self._info.name or name_or_path
         _envoy.build_tree(self, self._info.modules, self)
+        if self._edits:
+            known = {e.id for e in self.list_edits()}
+            missing = [e for e in self._edits if e not in known]
+            if missing:
+                from nnd.errors import ModelNotFound
+
+                raise ModelNotFound(
+                    f"{self._name} has no stored edit {', '.join(map(repr, missing))}; "
+                    f"stored: {', '.join(sorted(known)) or 'none'}"
+                )
         if dispatch:
             self.dispatch()
+
+    def __new__(cls, name_or_path: Any = None, *args: Any, **kwargs: Any) -> TransformersModel:
+        if cls is TransformersModel and name_or_path is not None and not isinstance(name_or_path, (str, os.PathLike)):
+            from nnd._upload import UploadedModel  # an in-memory transformers model: sent to the daemon (_upload.py)
+
+            cls = UploadedModel
+        return super().__new__(cls)
+
+    def _load(self, request: nnd_pb2.LoadModelRequest) -> nnd_pb2.ModelInfo:
+        """LoadModel; handles of models sent from this process upload them first (_upload.py)."""
+        return self._conn.call("LoadModel", request)
 
     # -- about the model
     @property
@@ -155,6 +196,72 @@ class TransformersModel(_envoy.Envoy):
         with `tracer.iter[...]` / `tracer.all()`."""
         return _tracer.GenerateTracer(self, *_one(inputs), **options)
 
+    def session(self, **options: Any) -> Session:
+        """`with model.session():` — the trace/generate blocks inside run
+        together, in order, in one request when the session ends. A value of
+        one block can be used in a later one without `.save()`; only saved
+        values come back (after the session)."""
+        from nnd._session import Session
+
+        return Session(self, **options)
+
+    # -- persistent edits
+    def edit(self, *, inplace: bool = False, name: str | None = None, replace: bool = False) -> EditTracer:
+        """Record interventions that the daemon applies before every later
+        trace of the edited handle (nnsight's `model.edit()`):
+
+            with model.edit() as (tracer, edited):
+                edited.transformer.h[0].mlp.output[:] = 0
+            with edited.trace(prompt): ...   # mlp 0 zeroed
+            with model.trace(prompt): ...    # unchanged
+
+        `inplace=True` edits this handle (`with model.edit(inplace=True) as
+        tracer:`). Edits stack. Other handles and other clients of the same
+        model are never affected, unless they open the edit by `name`
+        (`TransformersModel(path, edits=name)`); `replace` overwrites a
+        stored edit of that name."""
+        from nnd._edit import EditTracer
+
+        return EditTracer(self, inplace=inplace, name=name, replace=replace)
+
+    def clear_edits(self) -> None:
+        """Stop applying this handle's edits (the daemon forgets the unnamed
+        ones it created for this handle; named ones stay for other clients)."""
+        from nnd.errors import NndError
+
+        for edit_id in self._owned_edits:
+            try:
+                self._conn.call("DeleteEdit", nnd_pb2.DeleteEditRequest(model=self._name, id=edit_id))
+            except NndError:
+                pass  # already gone
+        self._owned_edits.clear()
+        self._edits.clear()
+
+    def list_edits(self) -> list[nnd_pb2.EditInfo]:
+        """Every edit the daemon stores for this model (any client's)."""
+        response = self._conn.call("ListEdits", nnd_pb2.ListEditsRequest(model=self._name))
+        return list(response.edits)
+
+    def delete_edit(self, edit_id: str) -> None:
+        """Forget a stored edit (e.g. a named variant) for every client."""
+        self._conn.call("DeleteEdit", nnd_pb2.DeleteEditRequest(model=self._name, id=edit_id))
+        for ids in (self._edits, self._owned_edits):
+            if edit_id in ids:
+                ids.remove(edit_id)
+
+    @property
+    def edits(self) -> list[str]:
+        """The ids of the edits applied to this handle's traces, in order."""
+        return list(self._edits)
+
+    def _shallow_copy(self) -> TransformersModel:
+        copy = object.__new__(type(self))
+        copy.__dict__.update(self.__dict__)
+        object.__setattr__(copy, "_edits", list(self._edits))
+        object.__setattr__(copy, "_owned_edits", [])
+        object.__setattr__(copy, "_shape_cache", _concrete.ShapeCache())
+        return copy
+
     def stream(self, prompt: Any, **options: Any) -> Iterator[StepToken]:
         """Generate without a graph, yielding each step's tokens (`.id`,
         `.text`) as they are produced; breaking out cancels the generation."""
@@ -162,6 +269,22 @@ class TransformersModel(_envoy.Envoy):
 
     def __repr__(self) -> str:
         return super().__repr__()
+
+
+def _renames(rename: Mapping[Any, Any] | None) -> list[nnd_pb2.Rename]:
+    """`rename=` as Rename messages: str keys are paths, class keys match by class name."""
+    out = []
+    for key, aliases in (rename or {}).items():
+        names = [aliases] if isinstance(aliases, str) else list(aliases)
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise TypeError(f"rename[{key!r}] must be an alias or a list of aliases (strings)")
+        if isinstance(key, type):
+            out.append(nnd_pb2.Rename(type=key.__name__, aliases=names))
+        elif isinstance(key, str) and key:
+            out.append(nnd_pb2.Rename(path=key, aliases=names))
+        else:
+            raise TypeError(f"rename keys are module paths or classes, not {key!r}")
+    return out
 
 
 def _one(inputs: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -2,7 +2,9 @@
 
 Every Python operation on a proxy records an op node instead of computing.
 After the block, a saved proxy holds its real value (`.value`), and further
-operations on it simply compute on that value.
+operations on it simply compute on that value. In a session, a proxy of an
+earlier trace stays usable in the later traces until the session ends; what
+it records goes to the trace being recorded.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class Proxy:
             if self._pending is None:
                 raise ValueNotKnown("this value has no node in the graph")
             base, name = self._pending
-            self._node = self._tracer._builder.op("getattr", [base, name])
+            self._node = self._tracer._recorder()._builder.op("getattr", [base, name])
         return self._node
 
     @property
@@ -83,8 +85,8 @@ class Proxy:
         return self._value is not _UNSET
 
     def _live(self) -> bool:
-        """True while its block is being recorded."""
-        return self._tracer._recording
+        """True while its block (or the session it belongs to) is being recorded."""
+        return self._tracer._live()
 
     # -- the user API
     def save(self) -> Proxy:
@@ -92,7 +94,7 @@ class Proxy:
         to the real value (a list with one entry per step inside a loop)."""
         if not self._live():
             return self
-        self._tracer._save(self)
+        self._tracer._recorder()._save(self)
         return self
 
     @property
@@ -110,7 +112,7 @@ class Proxy:
         (cached, so repeated reads cost no extra RPC)."""
         if not self._live():
             return self.value.shape
-        meta = self._tracer._concrete(self)
+        meta = self._tracer._recorder()._concrete(self)
         if not hasattr(meta, "shape"):
             raise TypeError(f"this value is a {type(meta).__name__}, which has no shape")
         return _meta.Size(meta.shape)
@@ -120,7 +122,7 @@ class Proxy:
         """The element type, known at once (see `shape`)."""
         if not self._live():
             return self.value.dtype
-        meta = self._tracer._concrete(self)
+        meta = self._tracer._recorder()._concrete(self)
         if not hasattr(meta, "dtype"):
             raise TypeError(f"this value is a {type(meta).__name__}, which has no dtype")
         torch = _torchmod.loaded()
@@ -134,7 +136,7 @@ class Proxy:
     def __len__(self) -> int:
         if not self._live():
             return len(self.value)
-        return len(self._tracer._concrete(self))
+        return len(self._tracer._recorder()._concrete(self))
 
     def __iter__(self) -> Iterator[Any]:
         if not self._live():
@@ -155,7 +157,42 @@ class Proxy:
         if self._pending is None or self._node is not None:
             raise TypeError("a traced value is not callable")
         base, name = self._pending
-        return base._tracer._record(name, [base, *args], kwargs)
+        return base._tracer._recorder()._record(name, [base, *args], kwargs)
+
+    # -- gradients
+    def backward(self, gradient: Any = None, **kwargs: Any) -> Any:
+        """Run the backward pass from this value (a scalar unless `gradient` is
+        given) once it exists: `with loss.backward():` opens a block in which
+        `x.grad` reads, and `x.grad = g` replaces, the gradient flowing through
+        any value `x` of the trace. Gradients arrive in reverse forward order;
+        the daemon refuses gradients that cannot exist before anything runs.
+        Only a trace (not a generate) can run a backward pass."""
+        from nnd._grad import BackwardBlock
+
+        if not self._live():
+            return self.value.backward(gradient, **kwargs)
+        if kwargs.keys() - {"retain_graph", "create_graph", "inputs"}:
+            raise TypeError(f"backward() got unexpected arguments {sorted(kwargs)}")
+        if kwargs.get("create_graph") or kwargs.get("inputs") is not None:
+            raise NotImplementedError("nnd's backward pass takes no create_graph or inputs")
+        tracer = self._tracer._recorder()
+        return BackwardBlock(tracer, tracer._builder.backward(self, gradient))
+
+    @property
+    def grad(self) -> Any:
+        """Inside `with loss.backward():`, the gradient of the loss with respect
+        to this value (a new proxy); set it to replace the gradient that flows on."""
+        if not self._live():
+            return getattr(self.value, "grad", None)
+        tracer = self._tracer._recorder()
+        return Proxy(tracer, tracer._builder.grad(self._ref(), tracer._current_backward("`.grad`")))
+
+    @grad.setter
+    def grad(self, value: Any) -> None:
+        if not self._live():
+            raise AttributeError("the block has ended: gradients can only be set inside `with loss.backward():`")
+        tracer = self._tracer._recorder()
+        tracer._builder.set_grad(self._ref(), tracer._current_backward("setting `.grad`"), value)
 
     def __getitem__(self, key: Any) -> Any:
         return _record(self, "getitem", [self, key])
@@ -164,7 +201,7 @@ class Proxy:
         if not self._live():
             self.value[key] = value
             return
-        self._tracer._record("setitem", [self, key, value], {})
+        self._tracer._recorder()._record("setitem", [self, key, value], {})
 
     # -- value-dependent Python: refused while recording
     def _refuse(self, what: str) -> Any:
@@ -203,7 +240,8 @@ class Proxy:
             return repr(self._value)
         if self._node is None and self._pending is not None:
             return f"<nnd.Proxy .{self._pending[1]}>"
-        node = self._tracer._builder.graph.nodes[self._node - 1] if self._node else None
+        builder = self._tracer._builder
+        node = next((n for n in builder.graph.nodes if n.id == self._node), None) if self._node else None
         if node is None:
             return "<nnd.Proxy>"
         kind = node.WhichOneof("kind")
@@ -219,10 +257,10 @@ class Proxy:
         args = list(args)
         if reflected and len(args) == 2:
             args.reverse()
-        if tracer is None or not tracer._recording:
+        if tracer is None or not tracer._live():
             # After the block: compute on the real values.
             return func(*_values(args), **_values(kwargs or {}))
-        return tracer._record(name, args, kwargs or {}, func=func)
+        return tracer._recorder()._record(name, args, kwargs or {}, func=func)
 
 
 def _point(point: int) -> str:
@@ -255,7 +293,7 @@ def _values(obj: Any) -> Any:
 def _record(proxy: Proxy, name: str, args: list[Any]) -> Any:
     if not proxy._live():
         return getattr(operator, name)(*_values(args))
-    return proxy._tracer._record(name, args, {})
+    return proxy._tracer._recorder()._record(name, args, {})
 
 
 def _binary(name: str, *, reflected: bool = False) -> Any:

@@ -16,7 +16,9 @@ Replacements = Mapping[int, tuple[Any, Any]]
 
 def rebind(frame: FrameType, replacements: Replacements) -> list[str]:
     """Point every name in `frame` (its locals, and its globals) that is bound to
-    one of the proxies at that proxy's value. Returns the names changed."""
+    one of the proxies at that proxy's value, and replace the proxies held in
+    lists, dicts and tuples bound to names (`[h.save() for h in layers]`).
+    Returns the names changed."""
     if not replacements:
         return []
     changed = []
@@ -34,11 +36,57 @@ def _match(value: Any, replacements: Replacements) -> tuple[bool, Any]:
     return False, None
 
 
+_MAX_DEPTH = 4
+_MAX_ITEMS = 100_000
+
+
+def _inside(value: Any, replacements: Replacements, depth: int) -> tuple[bool, Any]:
+    """Replace proxies inside a list/dict (in place) or tuple (a new one); (changed, value)."""
+    if depth > _MAX_DEPTH:
+        return False, value
+    if isinstance(value, list) and len(value) <= _MAX_ITEMS:
+        changed = False
+        for i, item in enumerate(value):
+            hit, new = _match(item, replacements)
+            if not hit:
+                hit, new = _inside(item, replacements, depth + 1)
+            if hit:
+                value[i] = new
+                changed = True
+        return changed, value
+    if type(value) is dict and len(value) <= _MAX_ITEMS:
+        changed = False
+        for key, item in list(value.items()):
+            hit, new = _match(item, replacements)
+            if not hit:
+                hit, new = _inside(item, replacements, depth + 1)
+            if hit:
+                value[key] = new
+                changed = True
+        return changed, value
+    if type(value) is tuple and len(value) <= _MAX_ITEMS:
+        items = []
+        changed = False
+        for item in value:
+            hit, new = _match(item, replacements)
+            if not hit:
+                hit, new = _inside(item, replacements, depth + 1)
+            changed = changed or hit
+            items.append(new if hit else item)
+        return changed, tuple(items) if changed else value
+    return False, value
+
+
 def _rebind_dict(namespace: dict[str, Any], replacements: Replacements) -> list[str]:
     changed = []
     for name, value in list(namespace.items()):
         hit, new = _match(value, replacements)
         if hit:
+            namespace[name] = new
+            changed.append(name)
+            continue
+        hit, new = _inside(value, replacements, 1)
+        if hit and new is not value:  # a tuple was rebuilt: rebind the name
             namespace[name] = new
             changed.append(name)
     return changed

@@ -17,6 +17,8 @@ class StepToken:
     step: int
     ids: tuple[int, ...]
     texts: tuple[str, ...] = ()
+    trace: int = 0
+    """In a session: which of its blocks produced these tokens (0 otherwise)."""
 
     @property
     def id(self) -> int:
@@ -56,7 +58,7 @@ def collect(
         elif kind == "chunk":
             chunks.setdefault(msg.chunk.blob, []).append(msg.chunk.data)
         elif kind == "step":
-            step = StepToken(msg.step.step, tuple(msg.step.ids), tuple(msg.step.text))
+            step = StepToken(msg.step.step, tuple(msg.step.ids), tuple(msg.step.text), msg.step.trace)
             out.steps.append(step)
             if on_step is not None:
                 on_step(step)

@@ -1,4 +1,7 @@
-"""Trace, scan and generate blocks: record a graph, send it on exit, hand back values."""
+"""Trace, scan and generate blocks: record a graph, send it on exit, hand back values.
+
+Inside `with model.session():` a block does not run on exit: the session
+sends all its blocks at once when it ends (see _session.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from nnd import _concrete, _context, _inputs, _meta, _rebind, _results, _source
+from nnd._cache import Cache, CacheView
 from nnd._graph import GraphBuilder
 from nnd._loops import Loop, StepIter, every_step
 from nnd._proxy import Proxy
@@ -14,6 +18,7 @@ from nnd.v1 import graph_pb2, nnd_pb2
 
 if TYPE_CHECKING:
     from nnd._model import TransformersModel
+    from nnd._session import Session
 
 _NO_INPUT: Any = object()
 
@@ -54,6 +59,7 @@ class Tracer:
 
     _method = "Trace"
     _options_allowed: frozenset[str] = frozenset({"keep_alive"})
+    _sessionable = True  # may be part of `with model.session():`
 
     def __init__(self, model: TransformersModel, data: Any = _NO_INPUT, **options: Any) -> None:
         unknown = set(options) - self._options_allowed
@@ -61,7 +67,14 @@ class Tracer:
             allowed = ", ".join(sorted(self._options_allowed))
             raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; this block takes: {allowed}")
         self.model = model
-        self._builder = GraphBuilder()
+        self._session: Session | None = None
+        from nnd._session import join
+
+        join(self)  # inside `with model.session():`, ids and keys are shared with the session's traces
+        if self._session is None:
+            self._builder = GraphBuilder()
+        self._backwards: list[int] = []
+        self._caches: dict[int, Cache] = {}
         self._invokes: list[nnd_pb2.Invoke] = []
         self._invoke: int | None = None
         self._saved: dict[int, Proxy] = {}
@@ -92,6 +105,72 @@ class Tracer:
     def stop(self) -> None:
         """Stop the forward pass once everything recorded has run."""
         self._builder.stop()
+
+    def cache(
+        self,
+        modules: Any = None,
+        device: Any = "cpu",
+        dtype: Any = None,
+        detach: bool = True,
+        include_output: bool = True,
+        include_inputs: bool = False,
+    ) -> CacheView:
+        """Record every selected module's values as the model runs, after this
+        block's interventions, one entry per call (per step in a generate).
+
+        `modules`: envoys or paths (aliases allowed); None records every module.
+        `device`/`dtype`: where and as what the daemon keeps the values until
+        they are sent (default "cpu"; None leaves them). After the block:
+        `cache["model.transformer.h.0"].output`, `cache.model.layers[0].output`.
+        """
+        from nnd import _dtypes
+
+        if not detach:
+            raise NotImplementedError("cached values always come back detached (they travel as bytes)")
+        if not (include_output or include_inputs):
+            raise ValueError("a cache needs include_output, include_inputs or both")
+        paths = [] if modules is None else [self._cache_path(m) for m in modules]
+        code = 0 if dtype is None else _dtypes.enum_of(_dtypes.canonical(dtype))
+        node = self._builder.cache(
+            paths,
+            outputs=include_output,
+            inputs=include_inputs,
+            dtype=code,
+            device="" if device is None else str(device),
+        )
+        cache = Cache(self.model)
+        self._caches[node] = cache
+        return CacheView(cache, None)
+
+    def _cache_path(self, module: Any) -> str:
+        from nnd._envoy import Envoy
+
+        if isinstance(module, Envoy):
+            return module.path
+        if not isinstance(module, str):
+            raise TypeError(f"cache modules are envoys or path strings, not {type(module).__name__}")
+        node: Any = self.model
+        for i, part in enumerate(module.split(".")):
+            if i == 0 and part == "model" and "model" not in self.model._children:
+                continue
+            node = node[int(part)] if part.lstrip("-").isdigit() else getattr(node, part)
+        return str(node.path)
+
+    # -- sessions and backward blocks
+    def _live(self) -> bool:
+        """True while this block, or the session it belongs to, is being recorded."""
+        return self._recording or (self._session is not None and self._session._recording)
+
+    def _recorder(self) -> Tracer:
+        """The block that records an operation on one of this block's values now."""
+        if self._recording or self._session is None:
+            return self
+        return self._session._current()
+
+    def _current_backward(self, what: str) -> int:
+        if not self._backwards:
+            raise RuntimeError(f"{what} exists only inside a `with loss.backward():` block of the trace")
+        return self._backwards[-1]
 
     @property
     def iter(self) -> StepIter:
@@ -146,6 +225,9 @@ class Tracer:
         self._recording = False
         if exc_type is not None:
             return
+        if self._session is not None:
+            self._session._add(self)  # sent with the session's other blocks when it ends
+            return
         try:
             self._run()
         except NndError as err:
@@ -159,6 +241,7 @@ class Tracer:
         if not self._invokes:
             raise ValueError("nothing to run: pass an input to the block or open `tracer.invoke(input)`")
         request = nnd_pb2.TraceRequest(model=self.model.name, invokes=self._invokes, graph=self._builder.graph)
+        request.edits.extend(self.model._edits)
         keep_alive = self._options.get("keep_alive")
         if keep_alive is not None:
             from nnd._placement import keep_alive_string
@@ -170,10 +253,15 @@ class Tracer:
         request = self._request()
         stream = self.model._conn.stream(self._method, request)
         results = _results.collect(stream, on_step=self.tokens.append)
+        self._deliver(results)
+
+    def _deliver(self, results: _results.Results) -> None:
         self.compute_s = results.compute_s
         for node, proxy in self._saved.items():
             if node in results.saved:
                 proxy._value = results.saved[node]
+        for node, cache in self._caches.items():
+            cache.fill(results.saved.get(node))
         for proxy, scope in self._client_saves:
             proxy._value = self._client_value(scope)
 
@@ -198,6 +286,7 @@ class ScanTracer(Tracer):
     `nnd.MetaTensor` (no torch): shapes and dtypes, no data."""
 
     _method = "Scan"
+    _sessionable = False
 
 
 class GenerateTracer(Tracer):

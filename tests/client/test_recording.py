@@ -215,10 +215,12 @@ def test_nnd_save_of_a_constant(model, fake):
 
 
 def test_proxy_after_block_computes_on_its_value(model, fake):
-    kept = []
+    import types
+
+    kept = types.SimpleNamespace()  # an attribute is not rebound (names, lists, dicts and tuples are)
     with model.trace("hi"):
-        kept.append(model.lm_head.output.save())
-    proxy = kept[0]
+        kept.proxy = model.lm_head.output.save()
+    proxy = kept.proxy
     assert isinstance(proxy, nnd.Proxy) and isinstance(proxy.value, torch.Tensor)
     assert torch.equal(proxy + 1, proxy.value + 1)
     assert proxy.shape == (1, 4, 16) and proxy.sum().item() == 0.0
@@ -230,3 +232,13 @@ def test_unknown_block_options_are_refused(model):
     with pytest.raises(TypeError, match="max_new_tokens"):
         model.trace("hi", max_new_tokens=3)
     model.generate("hi", max_new_tokens=3, keep_alive="5m")
+
+
+def test_saved_values_in_lists_dicts_and_tuples_are_rebound(model, fake):
+    with model.trace("hi"):
+        layers = [model.transformer.h[i].output.save() for i in range(2)]
+        named = {"head": model.lm_head.output.save()}
+        pair = (model.transformer.h[0].output.save(), 3)
+    assert all(isinstance(x, torch.Tensor) for x in layers)
+    assert isinstance(named["head"], torch.Tensor)
+    assert isinstance(pair, tuple) and isinstance(pair[0], torch.Tensor) and pair[1] == 3

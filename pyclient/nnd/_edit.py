@@ -1,0 +1,69 @@
+"""`with model.edit() as (tracer, edited):` — interventions the daemon applies to every later trace.
+
+The block is recorded like a trace (no input) and stored on the daemon
+(CreateEdit). Its id goes into every later request of the edited handle (the
+copy, or the model itself with `inplace=True`); other handles, and other
+clients of the same model, are never affected. A named edit (`name=`) is an
+edited variant any client can open with `TransformersModel(..., edits=name)`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from nnd._tracer import Tracer
+from nnd.v1 import nnd_pb2
+
+if TYPE_CHECKING:
+    from nnd._cache import CacheView
+    from nnd._model import TransformersModel
+
+
+class EditTracer(Tracer):
+    """An edit block. Entering it gives `(tracer, edited)`, or only the
+    tracer with `inplace=True`; `tracer.iter[...]` / `tracer.all()` make an
+    edit apply at every selected generation step. After the block,
+    `tracer.edit_id` is the stored edit's id."""
+
+    _method = "CreateEdit"
+    _sessionable = False
+
+    def __init__(
+        self, model: TransformersModel, *, inplace: bool = False, name: str | None = None, replace: bool = False
+    ) -> None:
+        super().__init__(model)
+        self._inplace = inplace
+        self._name = name or ""
+        self._replace = replace
+        self.edited: TransformersModel = model if inplace else model._shallow_copy()
+        """The handle the edit applies to."""
+        self.edit_id = ""
+        """The stored edit's id (its name, if it has one), once the block has ended."""
+
+    def __enter__(self) -> Any:  # type: ignore[override]
+        super().__enter__()
+        return self if self._inplace else (self, self.edited)
+
+    def invoke(self, data: Any = None) -> Any:  # type: ignore[override]
+        raise TypeError("an edit applies to every input of later traces; it takes no invoke")
+
+    def _save(self, proxy: Any) -> None:
+        raise ValueError("an edit cannot save: it runs in later traces, which save what they need themselves")
+
+    def cache(self, *args: Any, **kwargs: Any) -> CacheView:
+        raise ValueError("an edit cannot cache: open the cache in the trace that needs it")
+
+    def _run(self) -> None:
+        request = nnd_pb2.CreateEditRequest(
+            model=self.model.name,
+            graph=self._builder.graph,
+            name=self._name,
+            base=self.edited._edits,
+            replace=self._replace,
+        )
+        info: nnd_pb2.EditInfo = self.model._conn.call("CreateEdit", request)
+        self.edit_id = info.id
+        # The new edit holds its whole stack (the handle's earlier edits first).
+        self.edited._edits[:] = [info.id]
+        if not info.named:
+            self.edited._owned_edits.append(info.id)
