@@ -65,8 +65,10 @@ def run(quick: bool) -> list[Row]:
             {"plain": plain, "nnsight": with_nnsight, "nnd": with_nnd}, warmup=warmup, repeats=repeats
         )
         # The same in CPU time (this process; plus the daemon and the worker for nnd).
-        split = harness.cpu_split(with_nnd, repeats, {"daemon": d.proc.pid, "worker": harness.worker_pid(d)})
-        cpu = {"plain": harness.cpu_split(plain, repeats)["self"], "nnd": sum(split.values())}
+        pids = {"nnd": {"daemon": d.proc.pid, "worker": harness.worker_pid(d)}}
+        per = harness.interleaved_cpu({"plain": plain, "nnd": with_nnd}, repeats=repeats, pids=pids)
+        split = per["nnd"]
+        cpu = {k: sum(v.values()) for k, v in per.items()}
         ours.release()
 
     shape = f"GPT-2 {layers}×{width}"

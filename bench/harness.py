@@ -88,6 +88,11 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms"
 
 
+def plus_ms(seconds: float) -> str:
+    """A signed difference: '+3.2 ms', '-0.9 ms'."""
+    return f"{seconds * 1e3:+.1f} ms"
+
+
 def secs(seconds: float) -> str:
     return f"{seconds:.2f} s"
 
@@ -123,25 +128,34 @@ def interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int, repeats: int)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def cpu_split(fn: Callable[[], Any], repeats: int, pids: dict[str, int] | None = None) -> dict[str, float]:
-    """CPU seconds (user + system) per call of `fn`, in this process ("self") and in
-    each named pid: unlike wall time, this barely moves when other work shares the cores."""
+def interleaved_cpu(
+    fns: dict[str, Callable[[], Any]], *, repeats: int, pids: dict[str, dict[str, int]] | None = None
+) -> dict[str, dict[str, float]]:
+    """CPU seconds (user + system) per call of each function, called round-robin,
+    in this process ("self") and in the named pids given for that function
+    (`pids[fn_name] = {"daemon": pid, ...}`). Unlike wall time, CPU time barely
+    moves when other work shares the cores. Other processes' CPU times tick every
+    10 ms, so give enough repeats for their share to show."""
     import psutil
 
-    procs = {name: psutil.Process(pid) for name, pid in (pids or {}).items()}
+    procs = {fn: {name: psutil.Process(pid) for name, pid in (pids or {}).get(fn, {}).items()} for fn in fns}
 
-    def now() -> dict[str, float]:
+    def now(fn: str) -> dict[str, float]:
         out = {"self": time.process_time()}
-        for name, proc in procs.items():
+        for name, proc in procs[fn].items():
             t = proc.cpu_times()
             out[name] = t.user + t.system
         return out
 
-    before = now()
+    totals: dict[str, dict[str, float]] = {fn: {} for fn in fns}
     for _ in range(repeats):
-        fn()
-    after = now()
-    return {k: (after[k] - before[k]) / repeats for k in before}
+        for name, fn in fns.items():
+            before = now(name)
+            fn()
+            after = now(name)
+            for k in before:
+                totals[name][k] = totals[name].get(k, 0.0) + after[k] - before[k]
+    return {fn: {k: v / repeats for k, v in t.items()} for fn, t in totals.items()}
 
 
 def subprocess_seconds(cmd: list[str], *, repeats: int, env: dict[str, str] | None = None) -> float:
