@@ -149,12 +149,18 @@ class Tracer:
             return module.path
         if not isinstance(module, str):
             raise TypeError(f"cache modules are envoys or path strings, not {type(module).__name__}")
-        node: Any = self.model
-        for i, part in enumerate(module.split(".")):
-            if i == 0 and part == "model" and "model" not in self.model._children:
+        parts = module.split(".") if module else []
+        # nnsight's paths start at the root, named "model"; a plain module path works too.
+        attempts = [parts[1:], parts] if parts[:1] == ["model"] else [parts]
+        for attempt in attempts:
+            node: Any = self.model
+            try:
+                for part in attempt:
+                    node = node[int(part)] if part.lstrip("-").isdigit() else getattr(node, part)
+            except (AttributeError, IndexError):
                 continue
-            node = node[int(part)] if part.lstrip("-").isdigit() else getattr(node, part)
-        return str(node.path)
+            return str(node.path)
+        raise AttributeError(f"the model has no module {module!r} to cache")
 
     # -- sessions and backward blocks
     def _live(self) -> bool:
