@@ -21,7 +21,7 @@ import torch
 from nnd.v1 import graph_pb2
 
 from .. import errors
-from . import grads, values
+from . import grads, sharding, values
 from .failures import where, wrap
 from .hooks import HookSet
 from .plan import POST, PRE, RESULT, Const, Plan, PlanNode, Ref, Seq
@@ -90,6 +90,8 @@ class Executor:
         self.writes: list[PlanNode] = []  # writes applied, for errors raised later by the model
         skip_paths = {n.target.path for n in plan.nodes.values() if n.kind == "skip" and n.hook == PRE and n.target}
         self.hooks = HookSet(model, plan.paths, skip_paths, self.at_pre, self.at_post, self.take_skip)
+        # Tensor parallel: values the graph touches are gathered whole at the hook and split back after.
+        self.shard = sharding.of(model)
         for node in plan.nodes.values():  # values of earlier traces of a session
             if node.kind == "external":
                 self.root.values[node.id] = node.value
@@ -153,8 +155,8 @@ class Executor:
             return None
         key = (path, PRE, call)
         self.current = key
-        state: list[Any] = [list(args), dict(kwargs)]
-        changed = False
+        state: list[Any] = self.shard.enter(path, PRE, [list(args), dict(kwargs)])
+        changed = self.shard.sharded(path, PRE)
         for frame, node in events:
             if node.kind == "module":
                 if node.id in self.grad_sources and node.target is not None:
@@ -165,9 +167,12 @@ class Executor:
                 changed = True
             elif node.kind == "skip":
                 like = values.first_tensor(state)
-                self.skips[path] = self.write_value(frame, node, like)
+                self.skips[path] = self.shard.leave(path, POST, self.write_value(frame, node, like))
         self.finish_hook(key, record=lambda: self.caches.record(path, PRE, call, state))
-        return (tuple(state[0]), state[1]) if changed else None
+        if changed:
+            state = self.shard.leave(path, PRE, state)
+            return tuple(state[0]), state[1]
+        return None
 
     def at_post(self, path: str, call: int, output: Any) -> Any:
         self.poll()
@@ -176,8 +181,8 @@ class Executor:
             return None
         key = (path, POST, call)
         self.current = key
-        state = [output]
-        changed = False
+        state = [self.shard.enter(path, POST, output)]
+        changed = self.shard.sharded(path, POST)
         for frame, node in events:
             if node.kind == "module":
                 if node.id in self.grad_sources:
@@ -194,7 +199,7 @@ class Executor:
                         node, lambda v=value, a=start, b=stop: values.write_rows(state[0], v, a, b, self.batch_size)
                     )
         self.finish_hook(key, record=lambda: self.caches.record(path, POST, call, state[0]))
-        return state[0] if changed else None
+        return self.shard.leave(path, POST, state[0]) if changed else None
 
     def at_result(self, result: Any) -> None:
         events = self.collect("", RESULT, 0)
@@ -438,7 +443,7 @@ class Executor:
         if param is not None:
             args = tuple(a.to(param.device) if isinstance(a, torch.Tensor) else a for a in args)
         with self.hooks.suppressed():
-            return module(*args, **kwargs)
+            return self.shard.call(path, module, args, kwargs)
 
     # ------------------------------------------------------------ end of run
 
