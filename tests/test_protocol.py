@@ -26,14 +26,14 @@ def _stub(address: str, options: list | None = None) -> tuple[grpc.Channel, nnd_
 
 
 def _collect(responses) -> dict[int, np.ndarray]:
-    """Saved tensors by node id; a chunked tensor's bytes are its blob's chunks, joined in order."""
+    """Saved tensors (not other values) by node id; a chunked tensor's bytes are its blob's chunks, joined in order."""
     saved: dict[int, values_pb2.Tensor] = {}
     blobs: dict[int, bytearray] = {}
     kinds = []
     for r in responses:
         kind = r.WhichOneof("kind")
         kinds.append(kind)
-        if kind == "saved":
+        if kind == "saved" and r.saved.value.WhichOneof("kind") == "tensor":
             saved[r.saved.node] = r.saved.value.tensor
         elif kind == "chunk":
             blobs.setdefault(r.chunk.blob, bytearray()).extend(r.chunk.data)
@@ -311,3 +311,186 @@ def test_the_documented_worked_example_is_that_graph_for_gpt2_small():
     for node in parsed.graph.nodes:
         node.ClearField("loc")
     assert parsed.graph == worked_example(vector, path="transformer.h.5")
+
+
+# ---------------------------------------------------------------- sessions, stored edits, aliases (raw stubs)
+
+
+def _zero_last_position_edit(path: str) -> graph_pb2.Graph:
+    """`model.<path>.output[:, -1, :] = 0` for every invoke (an edit names none)."""
+    g = graph_pb2.Graph()
+    g.nodes.add(id=1, module=graph_pb2.ModuleValue(path=path, point=graph_pb2.OUTPUT))
+    g.nodes.add(
+        id=2,
+        op=graph_pb2.Op(
+            name="setitem",
+            args=[graph_pb2.Arg(ref=1), _last_position(), graph_pb2.Arg(value=values_pb2.Value(float=0.0))],
+        ),
+    )
+    return g
+
+
+def _save_outputs(*paths: str, first: int = 1) -> graph_pb2.Graph:
+    g = graph_pb2.Graph()
+    for i, path in enumerate(paths):
+        g.nodes.add(id=first + 2 * i, module=graph_pb2.ModuleValue(path=path, point=graph_pb2.OUTPUT, invoke=0))
+        g.nodes.add(id=first + 2 * i + 1, save=graph_pb2.Save(value=graph_pb2.Arg(ref=first + 2 * i)))
+    return g
+
+
+def test_stored_edit_applies_only_to_requests_that_name_it(daemon, gpt2):
+    channel, stub = _stub(daemon.address)
+    name = "zero-h0-last-protocol-test"
+    with channel:
+        info = stub.CreateEdit(
+            nnd_pb2.CreateEditRequest(model=gpt2, graph=_zero_last_position_edit("transformer.h.0"), name=name),
+            timeout=60,
+        )
+        try:
+            assert info.id == name and info.named and info.graphs == 1 and info.nodes == 2
+            assert name in {e.id for e in stub.ListEdits(nnd_pb2.ListEditsRequest(model=gpt2), timeout=30).edits}
+            err = _error(
+                lambda: stub.CreateEdit(
+                    nnd_pb2.CreateEditRequest(model=gpt2, graph=_zero_last_position_edit("transformer.h.1"), name=name),
+                    timeout=60,
+                )
+            )
+            assert err.code() == grpc.StatusCode.ALREADY_EXISTS
+
+            request = nnd_pb2.TraceRequest(
+                model=gpt2,
+                invokes=[nnd_pb2.Invoke(text="Hello world")],
+                graph=_save_outputs("transformer.h.0", "lm_head"),
+            )
+            plain = _collect(stub.Trace(request, timeout=120))
+            request.edits.append(name)
+            edited = _collect(stub.Trace(request, timeout=120))
+            # Saved ids are the request's own; the request reads h.0 after the edit's write.
+            assert set(edited) == set(plain) == {2, 4}
+            assert np.all(edited[2][:, -1] == 0) and np.any(plain[2][:, -1] != 0)
+            np.testing.assert_array_equal(edited[2][:, :-1], plain[2][:, :-1])
+            assert np.abs(edited[4][0, -1] - plain[4][0, -1]).max() > 1e-3
+            # A request that does not name it is unaffected.
+            del request.edits[:]
+            np.testing.assert_array_equal(_collect(stub.Trace(request, timeout=120))[4], plain[4])
+        finally:
+            stub.DeleteEdit(nnd_pb2.DeleteEditRequest(model=gpt2, id=name), timeout=30)
+        request.edits.append(name)
+        err = _error(lambda: stub.Trace(request, timeout=120))
+        assert err.code() == grpc.StatusCode.NOT_FOUND and name in err.details()
+
+
+def test_session_values_flow_between_traces(daemon, gpt2):
+    """Trace 0 reads h.1 of one prompt (no save); trace 1 patches it into another
+    prompt's last position by referring to trace 0's node id."""
+    first = graph_pb2.Graph()
+    first.nodes.add(id=1, module=graph_pb2.ModuleValue(path="transformer.h.1", point=graph_pb2.OUTPUT, invoke=0))
+    first.nodes.add(id=2, op=graph_pb2.Op(name="getitem", args=[graph_pb2.Arg(ref=1), _last_position()]))
+    second = graph_pb2.Graph()
+    second.nodes.add(id=10, module=graph_pb2.ModuleValue(path="transformer.h.1", point=graph_pb2.OUTPUT, invoke=0))
+    second.nodes.add(
+        id=11, op=graph_pb2.Op(name="setitem", args=[graph_pb2.Arg(ref=10), _last_position(), graph_pb2.Arg(ref=2)])
+    )
+    second.nodes.add(id=12, module=graph_pb2.ModuleValue(path="transformer.h.1", point=graph_pb2.OUTPUT, invoke=0))
+    second.nodes.add(id=13, save=graph_pb2.Save(value=graph_pb2.Arg(ref=12)))
+    session = nnd_pb2.SessionRequest(model=gpt2)
+    session.traces.add(request=nnd_pb2.TraceRequest(invokes=[nnd_pb2.Invoke(text="The Eiffel Tower")], graph=first))
+    session.traces.add(request=nnd_pb2.TraceRequest(invokes=[nnd_pb2.Invoke(text="Hello world")], graph=second))
+    channel, stub = _stub(daemon.address)
+    with channel:
+        got = _collect(stub.Session(session, timeout=120))
+        alone = _collect(
+            stub.Trace(
+                nnd_pb2.TraceRequest(
+                    model=gpt2,
+                    invokes=[nnd_pb2.Invoke(text="The Eiffel Tower")],
+                    graph=_save_outputs("transformer.h.1"),
+                ),
+                timeout=120,
+            )
+        )
+    assert list(got) == [13]
+    np.testing.assert_array_equal(got[13][:, -1], alone[2][:, -1])
+
+
+def test_aliases_are_listed_and_resolve(daemon, gpt2):
+    channel, stub = _stub(daemon.address)
+    with channel:
+        info = stub.GetModel(nnd_pb2.GetModelRequest(model=gpt2), timeout=30)
+        aliases = {m.path: set(m.aliases) for m in info.modules}
+        assert "layers" in aliases["transformer.h"]
+        assert "transformer.h.0.attention" in aliases["transformer.h.0.attn"]
+        prompt = [nnd_pb2.Invoke(text="Hello world")]
+        by_alias = _collect(
+            stub.Trace(
+                nnd_pb2.TraceRequest(model=gpt2, invokes=prompt, graph=_save_outputs("layers.0.mlp")), timeout=120
+            )
+        )
+        by_path = _collect(
+            stub.Trace(
+                nnd_pb2.TraceRequest(model=gpt2, invokes=prompt, graph=_save_outputs("transformer.h.0.mlp")),
+                timeout=120,
+            )
+        )
+    np.testing.assert_array_equal(by_alias[2], by_path[2])
+
+
+def test_cache_result_shape_on_the_wire(daemon, gpt2):
+    """A Cache node comes back under its id: map path -> list (one per call) -> map {"output": tensor}."""
+    g = graph_pb2.Graph()
+    g.nodes.add(id=1, cache=graph_pb2.Cache(modules=["transformer.h.1", "lm_head"], outputs=True))
+    g.nodes.add(id=2, module=graph_pb2.ModuleValue(path="lm_head", point=graph_pb2.OUTPUT))
+    g.nodes.add(id=3, save=graph_pb2.Save(value=graph_pb2.Arg(ref=2)))
+    request = nnd_pb2.TraceRequest(model=gpt2, invokes=[nnd_pb2.Invoke(text="Hello world")], graph=g)
+    channel, stub = _stub(daemon.address)
+    with channel:
+        responses = list(stub.Trace(request, timeout=120))
+    cached = next(r.saved.value for r in responses if r.WhichOneof("kind") == "saved" and r.saved.node == 1)
+    assert set(cached.map.items) == {"transformer.h.1", "lm_head"}
+    calls = cached.map.items["lm_head"].list.items
+    assert len(calls) == 1 and set(calls[0].map.items) == {"output"}
+    t = calls[0].map.items["output"].tensor
+    assert t.dtype == values_pb2.FLOAT32 and list(t.shape)[-1] == 320
+    np.testing.assert_array_equal(np.frombuffer(t.data, "<f4").reshape(list(t.shape)), _collect(responses)[3])
+
+
+def test_gradient_of_a_module_value_matches_torch(daemon, gpt2, tiny_models):
+    """Backward from logits[0, -1, 7]; Grad of transformer.h.0's output equals torch autograd's."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    g = graph_pb2.Graph()
+    g.nodes.add(id=1, module=graph_pb2.ModuleValue(path="transformer.h.0", point=graph_pb2.OUTPUT))
+    g.nodes.add(id=2, module=graph_pb2.ModuleValue(path="lm_head", point=graph_pb2.OUTPUT))
+    index = graph_pb2.Arg(
+        tuple=graph_pb2.ArgList(items=[graph_pb2.Arg(value=values_pb2.Value(int=i)) for i in (0, -1, 7)])
+    )
+    g.nodes.add(id=3, op=graph_pb2.Op(name="getitem", args=[graph_pb2.Arg(ref=2), index]))
+    g.nodes.add(id=4, backward=graph_pb2.Backward(loss=graph_pb2.Arg(ref=3)))
+    g.nodes.add(id=5, grad=graph_pb2.Grad(value=1, backward=4))
+    g.nodes.add(id=6, save=graph_pb2.Save(value=graph_pb2.Arg(ref=5)))
+    prompt = "The Eiffel Tower"
+    channel, stub = _stub(daemon.address)
+    with channel:
+        got = _collect(
+            stub.Trace(nnd_pb2.TraceRequest(model=gpt2, invokes=[nnd_pb2.Invoke(text=prompt)], graph=g), timeout=120)
+        )[6]
+
+    path = tiny_models["gpt2"]
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    seen = {}
+
+    def keep(module, args, output):
+        output.retain_grad()
+        seen["h0"] = output
+
+    handle = model.transformer.h[0].register_forward_hook(keep)
+    try:
+        model(torch.tensor([tok(prompt)["input_ids"]])).logits[0, -1, 7].backward()
+    finally:
+        handle.remove()
+    want = seen["h0"].grad.numpy()
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5)
+    assert np.abs(want).max() > 0
