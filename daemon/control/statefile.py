@@ -28,6 +28,8 @@ class Record:
     keep_alive: str
     placement: dict[str, Any]
     dispatched: bool
+    # The content hash of an uploaded model (its files are in <state_dir>/uploads/<hash>/).
+    upload: str = ""
 
     def load_request(self) -> nnd_pb2.LoadModelRequest:
         req = nnd_pb2.LoadModelRequest(
@@ -36,6 +38,7 @@ class Record:
             task=self.task,
             trust_remote_code=self.trust_remote_code,
             keep_alive=self.keep_alive,
+            upload=self.upload,
         )
         json_format.ParseDict(self.placement, req.placement)
         return req
@@ -54,6 +57,7 @@ def write(path: str, entries: Iterable[Any]) -> None:
                 "keep_alive": e.keep_alive,
                 "placement": json_format.MessageToDict(placement),
                 "dispatched": e.state in (nnd_pb2.DISPATCHED, nnd_pb2.DISPATCHING),
+                "upload": e.extra.get("upload", ""),
             }
         )
     os.makedirs(os.path.dirname(path), exist_ok=True)

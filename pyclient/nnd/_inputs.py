@@ -13,6 +13,8 @@ def to_invokes(data: Any) -> list[nnd_pb2.Invoke]:
     id lists, a 1-D/2-D tensor or array of ids, or a tokenizer's output
     (`input_ids` with an optional `attention_mask`, whose padding is dropped
     since the daemon pads the batch itself)."""
+    if isinstance(data, nnd_pb2.Invoke):  # built by the caller (nnd.NNsight's tensor inputs)
+        return [data]
     if isinstance(data, str):
         return [nnd_pb2.Invoke(text=data)]
     if isinstance(data, Mapping) or hasattr(data, "keys") and "input_ids" in data:

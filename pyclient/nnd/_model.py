@@ -30,6 +30,11 @@ class TransformersModel(_envoy.Envoy):
         with model.trace("The Eiffel Tower is in the city of"):
             logits = model.lm_head.output.save()
 
+    A transformers model object instead of a name (`TransformersModel(hf_model,
+    name=..., tokenizer=...)`) is sent to the daemon as data (config,
+    safetensors, tokenizer files) and loaded from there like any model; see
+    `nnd._upload.UploadedModel`. For any other torch module: `nnd.NNsight`.
+
     `address`/`token` choose the daemon (default: `$NND_ADDRESS`, else the
     user or system socket; `$NND_TOKEN`). `keep_alive` sets how long the
     dispatched model stays loaded while idle ("5m", seconds, -1 forever).

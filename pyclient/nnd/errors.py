@@ -60,6 +60,12 @@ class DeadlineExceeded(NndError, TimeoutError):
     """The request ran past its deadline."""
 
 
+class ExportError(NndError, RuntimeError):
+    """`nnd.NNsight(module, example_inputs)`: torch.export cannot export the
+    module (data-dependent control flow, unsupported Python...). Raised in the
+    client, with torch's reason, before anything is sent to the daemon."""
+
+
 _BY_CODE: dict[grpc.StatusCode, type[NndError]] = {
     grpc.StatusCode.UNAVAILABLE: DaemonUnavailable,
     grpc.StatusCode.NOT_FOUND: ModelNotFound,

@@ -1,0 +1,473 @@
+"""Bring your own model: models whose files a client sends (Upload, HasUpload, LoadModel(upload=)).
+
+An upload is stored once per content, in `<state_dir>/uploads/<sha256>/`: the
+client's files and `.upload.json` (kind, files, when). Files arrive into a
+`.partial-*` folder next to it, are checked (names, sizes, hash, and for an
+exported program the whole archive, see worker/exported.py) and the folder is
+renamed into place: a folder named by a hash is always complete. Two uploads
+of the same content never write it twice; a client asks HasUpload first and
+sends nothing the daemon has.
+
+A stored upload is loaded like any model by LoadModel(model=<name>,
+upload=<sha256>). Kind "transformers" is a checkpoint folder: the daemon
+builds the META model from its config.json and the worker loads its
+safetensors with `from_pretrained`, as for a local directory (no pickle: .bin
+and .pt files are refused; no code: trust_remote_code is refused). Kind
+"exported" is a torch.export program: the META model is the unflattened
+program with its weights on the meta device (no weight byte read; Scan runs
+it under fake tensors like any META model) and the worker loads it with the
+weights. The registry file records the hash, so a restarted daemon restores
+uploaded models from the state directory; Unload deletes an upload's folder
+once no loaded model uses it.
+
+Access: `--no-uploads` refuses Upload, HasUpload and LoadModel(upload=)
+(PERMISSION_DENIED; models uploaded earlier are still restored);
+`--max-upload-bytes` bounds one upload (RESOURCE_EXHAUSTED). The allow-list
+(`--allow-model`) names repo ids and paths and does not apply to uploads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from nnd.v1 import nnd_pb2
+from nnd_daemon import errors
+from nnd_daemon.control import metamodel
+from nnd_daemon.control.settings import Settings
+
+log = logging.getLogger("nnd.uploads")
+
+KINDS = ("transformers", "exported")
+MANIFEST = ".upload.json"
+MAX_CHUNK = 4 * 2**20
+# Room left on the state directory's disk beyond the upload itself.
+DISK_MARGIN = 256 * 2**20
+_SHA = re.compile(r"[0-9a-f]{64}")
+_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_TRANSFORMERS_SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".jinja", ".tiktoken")
+_EXPORTED_FILES = ("modules.json", "program.pt2")
+
+
+class AlreadyExists(errors.NndError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+def hash_prefix(name: str, size: int) -> bytes:
+    """What the content hash takes in before a file's bytes (see UploadHeader.sha256)."""
+    return name.encode() + b"\0" + str(size).encode() + b"\0"
+
+
+def disabled(settings: Settings) -> bool:
+    return settings.limits.max_upload_bytes < 0
+
+
+def _check_enabled(settings: Settings) -> None:
+    if disabled(settings):
+        raise errors.PermissionDenied(
+            "uploads are disabled on this daemon (--no-uploads); load a model by repo id or path instead"
+        )
+
+
+def _check_sha(sha: str) -> None:
+    if not _SHA.fullmatch(sha):
+        raise errors.InvalidArgument(f"{sha[:80]!r} is not a SHA-256 (64 lowercase hex digits)")
+
+
+def _check_size(settings: Settings, total: int) -> None:
+    limit = settings.limits.max_upload_bytes
+    if limit > 0 and total > limit:
+        raise errors.ResourceExhausted(
+            f"the upload is {_size(total)}, over this daemon's limit --max-upload-bytes={_size(limit)}"
+        )
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def check_files(kind: str, files: Iterable[Any]) -> None:
+    """Refuse an upload whose kind or file list is not one nnd loads without running code."""
+    if kind not in KINDS:
+        raise errors.InvalidArgument(f"upload kind {kind!r} is unknown; use one of {', '.join(KINDS)}")
+    names = [f.name for f in files]
+    if not names:
+        raise errors.InvalidArgument("the upload has no file")
+    if names != sorted(names) or len(set(names)) != len(names):
+        raise errors.InvalidArgument("the upload's files must be sorted by name, each once")
+    for f in files:
+        if not _FILE.fullmatch(f.name):
+            raise errors.InvalidArgument(
+                f"file name {f.name[:80]!r} is not allowed (letters, digits, '.', '_', '-'; no folders)"
+            )
+        if f.size < 0:
+            raise errors.InvalidArgument(f"file {f.name} has a negative size")
+        if kind == "transformers" and not f.name.endswith(_TRANSFORMERS_SUFFIXES):
+            raise errors.InvalidArgument(
+                f"file {f.name} is not allowed in a transformers upload: only {', '.join(_TRANSFORMERS_SUFFIXES)} "
+                "files are (weights as safetensors; no pickled .bin/.pt, no code)"
+            )
+        if kind == "exported" and f.name not in _EXPORTED_FILES:
+            raise errors.InvalidArgument(
+                f"file {f.name} is not allowed in an exported upload (only {', '.join(_EXPORTED_FILES)})"
+            )
+    if kind == "transformers":
+        if "config.json" not in names:
+            raise errors.InvalidArgument("a transformers upload needs config.json")
+        if not any(n.endswith(".safetensors") for n in names):
+            raise errors.InvalidArgument("a transformers upload needs its weights as .safetensors")
+    if kind == "exported" and "program.pt2" not in names:
+        raise errors.InvalidArgument("an exported upload needs program.pt2 (torch.export.save)")
+
+
+@dataclass
+class Stored:
+    sha256: str
+    kind: str
+    path: str
+
+
+class UploadStore:
+    """The uploads folder of one state directory."""
+
+    def __init__(self, state_dir: str) -> None:
+        self.root = os.path.join(state_dir, "uploads")
+        self._lock = threading.Lock()
+        # Hashes being loaded right now: an Unload never deletes them under a LoadModel.
+        self._pinned: dict[str, int] = {}
+
+    def path(self, sha: str) -> str:
+        return os.path.join(self.root, sha)
+
+    def get(self, sha: str) -> Stored | None:
+        _check_sha(sha)
+        try:
+            with open(os.path.join(self.path(sha), MANIFEST)) as f:
+                manifest = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return Stored(sha, str(manifest.get("kind", "")), self.path(sha))
+
+    def pin(self, sha: str) -> None:
+        with self._lock:
+            self._pinned[sha] = self._pinned.get(sha, 0) + 1
+
+    def unpin(self, sha: str) -> None:
+        with self._lock:
+            self._pinned[sha] -= 1
+            if not self._pinned[sha]:
+                del self._pinned[sha]
+
+    def delete(self, sha: str) -> None:
+        with self._lock:
+            if sha in self._pinned:
+                return
+            target = self.path(sha)
+            if not os.path.isdir(target):
+                return
+            # Rename first: the folder of a hash is complete or absent, never half-deleted.
+            doomed = tempfile.mkdtemp(prefix=".deleting-", dir=self.root)
+            os.rename(target, os.path.join(doomed, sha))
+        shutil.rmtree(doomed, ignore_errors=True)
+        log.info("deleted upload %s", sha)
+
+    def clean_partial(self) -> None:
+        """Remove what interrupted uploads and deletions left (at start)."""
+        if not os.path.isdir(self.root):
+            return
+        for name in os.listdir(self.root):
+            if name.startswith((".partial-", ".deleting-")):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+    # -- Upload -------------------------------------------------------------
+    def receive(self, settings: Settings, messages: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        messages = _well_formed(messages)
+        first = next(messages, None)
+        if first is None or first.WhichOneof("kind") != "header":
+            raise errors.InvalidArgument("the first message of an Upload must be its header")
+        header = first.header
+        _check_sha(header.sha256)
+        check_files(header.kind, header.files)
+        total = sum(f.size for f in header.files)
+        _check_size(settings, total)
+        if self.get(header.sha256) is not None:
+            return nnd_pb2.UploadResponse(sha256=header.sha256, existed=True)
+        os.makedirs(self.root, mode=0o750, exist_ok=True)
+        free = shutil.disk_usage(self.root).free
+        if total + DISK_MARGIN > free:
+            raise errors.ResourceExhausted(
+                f"the upload is {_size(total)} but the state directory's disk has {_size(free)} free"
+            )
+        tmp = tempfile.mkdtemp(prefix=".partial-", dir=self.root)
+        try:
+            received = _write(tmp, header, messages, context)
+            _check_content(header.kind, tmp)
+            with open(os.path.join(tmp, MANIFEST), "w") as f:
+                json.dump(
+                    {
+                        "kind": header.kind,
+                        "sha256": header.sha256,
+                        "files": {x.name: x.size for x in header.files},
+                        "created": time.time(),
+                    },
+                    f,
+                )
+            try:
+                os.rename(tmp, self.path(header.sha256))
+            except OSError:
+                if self.get(header.sha256) is None:
+                    raise
+                # Someone else stored the same content meanwhile.
+                return nnd_pb2.UploadResponse(sha256=header.sha256, existed=True)
+            tmp = ""
+        finally:
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
+        log.info("stored %s upload %s (%s)", header.kind, header.sha256, _size(received))
+        return nnd_pb2.UploadResponse(sha256=header.sha256, received_bytes=received)
+
+
+def _well_formed(messages: Iterator[Any]) -> Iterator[Any]:
+    for message in messages:
+        if not isinstance(message, nnd_pb2.UploadRequest):  # server.py's parser could not read it
+            raise errors.InvalidArgument(getattr(message, "text", "a message of the Upload is not an UploadRequest"))
+        yield message
+
+
+def _write(folder: str, header: Any, messages: Iterator[Any], context: grpc.ServicerContext) -> int:
+    """Write the chunks into `folder`, checking sizes and the content hash; returns the bytes received."""
+    files = list(header.files)
+    digest = hashlib.sha256()
+    current = -1
+    out: Any = None
+    written = 0
+    received = 0
+
+    def advance(to: int) -> None:
+        nonlocal current, out, written
+        while current < to:
+            if out is not None:
+                out.close()
+                out = None
+            if current >= 0 and written != files[current].size:
+                raise errors.InvalidArgument(
+                    f"file {files[current].name} ended after {written} of its {files[current].size} bytes"
+                )
+            current += 1
+            written = 0
+            if current < len(files):
+                digest.update(hash_prefix(files[current].name, files[current].size))
+                out = open(os.path.join(folder, files[current].name), "wb")  # noqa: SIM115 - closed by advance
+
+    try:
+        for message in messages:
+            if message.WhichOneof("kind") != "chunk":
+                raise errors.InvalidArgument("an Upload has one header, as its first message")
+            chunk = message.chunk
+            if chunk.file >= len(files) or chunk.file < current:
+                raise errors.InvalidArgument(f"chunk for file {chunk.file} out of order (files arrive in order)")
+            if len(chunk.data) > MAX_CHUNK:
+                raise errors.InvalidArgument(f"a chunk is over {MAX_CHUNK} bytes")
+            advance(chunk.file)
+            if written + len(chunk.data) > files[current].size:
+                raise errors.InvalidArgument(f"file {files[current].name} is longer than its declared size")
+            out.write(chunk.data)
+            digest.update(chunk.data)
+            written += len(chunk.data)
+            received += len(chunk.data)
+        if not context.is_active():
+            raise errors.Cancelled("the upload was cancelled")
+        advance(len(files))
+    finally:
+        if out is not None:
+            out.close()
+    if digest.hexdigest() != header.sha256:
+        raise errors.InvalidArgument(
+            f"the content's SHA-256 is {digest.hexdigest()}, not the {header.sha256} the header gives; nothing stored"
+        )
+    return received
+
+
+def _check_content(kind: str, folder: str) -> None:
+    """Refuse content that cannot be loaded, before it is stored."""
+    if kind == "exported":
+        from nnd_daemon.worker import exported
+
+        exported.load_program(os.path.join(folder, exported.PROGRAM), on_meta=True)
+        return
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+    except ValueError as exc:
+        raise errors.InvalidArgument(f"config.json is not valid JSON ({exc})") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise errors.InvalidArgument("config.json has no model_type: it is not a transformers config")
+    from safetensors import SafetensorError, safe_open
+
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            try:
+                with safe_open(os.path.join(folder, name), framework="pt") as f:
+                    f.keys()
+            except (SafetensorError, OSError, ValueError) as exc:
+                raise errors.InvalidArgument(f"{name} is not a safetensors file ({exc})") from None
+
+
+_stores: dict[str, UploadStore] = {}
+_stores_lock = threading.Lock()
+
+
+def store(settings: Settings) -> UploadStore:
+    with _stores_lock:
+        if settings.state_dir not in _stores:
+            _stores[settings.state_dir] = UploadStore(settings.state_dir)
+            _stores[settings.state_dir].clean_partial()
+        return _stores[settings.state_dir]
+
+
+# ------------------------------------------------------------------ RPCs (servicer.py calls these)
+
+
+def upload(settings: Settings, messages: Iterator[Any], context: grpc.ServicerContext) -> nnd_pb2.UploadResponse:
+    _check_enabled(settings)
+    return store(settings).receive(settings, messages, context)
+
+
+def has_upload(settings: Settings, request: nnd_pb2.HasUploadRequest) -> nnd_pb2.HasUploadResponse:
+    _check_enabled(settings)
+    _check_sha(request.sha256)
+    present = store(settings).get(request.sha256) is not None
+    if not present and request.total_bytes:
+        _check_size(settings, request.total_bytes)
+    return nnd_pb2.HasUploadResponse(present=present, max_upload_bytes=max(settings.limits.max_upload_bytes, 0))
+
+
+def before_load(settings: Settings, registry: Any, request: nnd_pb2.LoadModelRequest) -> None:
+    """LoadModel(upload=) from a client: allowed, named, and not taking another model's name."""
+    if not request.upload:
+        return
+    _check_enabled(settings)
+    _check_sha(request.upload)
+    request.model = request.model.strip() or f"upload-{request.upload[:12]}"
+    for entry in registry.entries():
+        if entry.name == request.model and entry.extra.get("upload") != request.upload:
+            raise AlreadyExists(
+                f"the name {request.model!r} is taken by another model; unload it first or choose another name"
+            )
+
+
+# ------------------------------------------------------------------ the registry's side
+
+
+def build_meta(settings: Settings, request: nnd_pb2.LoadModelRequest) -> metamodel.MetaModel:
+    """The META model of a stored upload (registry.load, for LoadModel(upload=) and restores)."""
+    _check_sha(request.upload)
+    if request.trust_remote_code:
+        raise errors.PermissionDenied("an uploaded model runs no code: trust_remote_code is refused")
+    uploads = store(settings)
+    stored = uploads.get(request.upload)
+    if stored is None:
+        raise errors.NotFound(f"no upload {request.upload} on this daemon; send it with Upload first")
+    uploads.pin(stored.sha256)
+    try:
+        if stored.kind == "exported":
+            return exported_meta(stored.path, request.model)
+        meta = metamodel.build(stored.path, task=request.task)
+        return meta
+    finally:
+        uploads.unpin(stored.sha256)
+
+
+def forget(settings: Settings, entry: Any, remaining: Iterable[Any]) -> None:
+    """After an Unload: delete the entry's upload unless another loaded model uses it."""
+    sha = entry.extra.get("upload")
+    if not sha or any(e.extra.get("upload") == sha for e in remaining):
+        return
+    try:
+        store(settings).delete(sha)
+    except OSError as exc:
+        log.warning("could not delete upload %s: %s", sha, exc)
+
+
+class _ExportedConfig:
+    """What the registry and `nnd ps` read from a config, for an exported module."""
+
+    model_type = "exported"
+
+    def __init__(self, architecture: str, dtype: str) -> None:
+        self.architectures = [architecture]
+        self.dtype = dtype
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model_type": self.model_type, "architectures": self.architectures, "dtype": self.dtype}
+
+
+class ExportedMeta(metamodel.MetaModel):
+    """The META model of an uploaded torch.export program: the unflattened
+    module tree with every weight on the meta device. Module types and
+    descriptions are the client's originals (modules.json) where it sent them."""
+
+    types: dict[str, tuple[str, str]]
+
+    @property
+    def architecture(self) -> str:
+        return self.types.get("", ("ExportedProgram", ""))[0]
+
+    def estimate_bytes(self, dtype: str) -> int:
+        from nnd_daemon.worker.loader import torch_dtype
+
+        width = torch_dtype(dtype).itemsize if dtype and dtype not in ("auto", *metamodel.QUANTIZED) else None
+        total = 0
+        for t in [*self.module.parameters(), *self.module.buffers()]:
+            size = width if width and t.is_floating_point() else t.element_size()
+            total += t.numel() * size
+        return total
+
+    def summary(self) -> dict[str, str]:
+        return {"model_type": "exported", "format": "torch.export", "dtype": self.config.dtype}
+
+    def modules(self, devices: dict[str, str] | None = None) -> list[nnd_pb2.ModuleInfo]:
+        out = super().modules(devices)
+        for info in out:
+            original = self.types.get(info.path)
+            if original is not None:
+                info.type, info.extra = original
+        return out
+
+
+def exported_meta(path: str, name: str) -> ExportedMeta:
+    from nnd_daemon.engine.aliases import AliasTable
+    from nnd_daemon.worker import exported
+
+    module = exported.build(path, on_meta=True)
+    module.eval()
+    types = exported.module_types(path)
+    floats = [str(p.dtype).removeprefix("torch.") for p in module.parameters() if p.is_floating_point()]
+    dtype = max(set(floats), key=floats.count) if floats else "float32"
+    meta = ExportedMeta(
+        source=path,
+        revision="",
+        task="",
+        config=_ExportedConfig(types.get("", ("ExportedProgram", ""))[0], dtype),
+        tokenizer=None,
+        module=module,
+        aliases=AliasTable.of(module),
+    )
+    meta.types = types
+    return meta
