@@ -1,14 +1,21 @@
-"""The same interventions through nnd and through nnsight 0.8.1 in-process,
-on the same local weights: the numbers must agree."""
+"""The same interventions through nnd and through nnsight 0.8.1 on the same
+local weights: the numbers must agree. nnsight runs in a subprocess
+(tests/nnsight_reference.py) so its patches to torch stay out of this one."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import nnd
 
-nnsight = pytest.importorskip("nnsight")
+if importlib.util.find_spec("nnsight") is None:
+    pytest.skip("nnsight 0.8.1 is not installed", allow_module_level=True)
 
 PROMPT = "The Eiffel Tower is in the city of"
 OTHER = "Hello world, this is"
@@ -16,14 +23,15 @@ ATOL = 1e-5
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
-def pair(request, daemon, tiny_models):
-    from transformers import AutoTokenizer
-
+def pair(request, daemon, tiny_models, tmp_path_factory):
     kind = request.param
     path = tiny_models[kind]
+    out = tmp_path_factory.mktemp("nnsight") / f"{kind}.pt"
+    script = os.path.join(os.path.dirname(__file__), "nnsight_reference.py")
+    subprocess.run([sys.executable, script, kind, path, str(out)], check=True, capture_output=True, timeout=600)
+    ref = torch.load(out)
     ours = nnd.TransformersModel(path, address=daemon.address, device="cpu", dispatch=True)
-    theirs = nnsight.LanguageModel(path, tokenizer=AutoTokenizer.from_pretrained(path), device_map="cpu", dispatch=True)
-    yield kind, ours, theirs
+    yield kind, ours, ref
     ours.release()
 
 
@@ -31,112 +39,79 @@ def _layers(model, kind):
     return model.transformer.h if kind == "gpt2" else model.model.layers
 
 
-def _lm_head(model):
-    return model.lm_head
+def _close(a, b):
+    torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
 
 
 def test_read(pair):
-    kind, ours, theirs = pair
+    kind, ours, ref = pair
     with ours.trace(PROMPT):
         a = _layers(ours, kind)[1].output.save()
         la = ours.lm_head.output.save()
-    with theirs.trace(PROMPT):
-        b = _layers(theirs, kind)[1].output.save()
-        lb = theirs.lm_head.output.save()
-    torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
-    torch.testing.assert_close(la, lb, atol=ATOL, rtol=0)
+    _close(a, ref["read_layer"])
+    _close(la, ref["read_logits"])
 
 
 def test_zero_ablation(pair):
-    kind, ours, theirs = pair
+    kind, ours, ref = pair
     with ours.trace(PROMPT):
         _layers(ours, kind)[0].output[:] = 0
         a = ours.lm_head.output.save()
-    with theirs.trace(PROMPT):
-        _layers(theirs, kind)[0].output[:] = 0
-        b = theirs.lm_head.output.save()
-    torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+    _close(a, ref["ablation"])
 
 
 def test_steering(pair):
-    kind, ours, theirs = pair
-    torch.manual_seed(0)
-    width = ours.config["hidden_size"] if "hidden_size" in ours.config else ours.config["n_embd"]
-    v = torch.randn(int(width))
+    kind, ours, ref = pair
+    v = ref["steering_vector"]
     with ours.trace(PROMPT):
         _layers(ours, kind)[1].output[:, -1, :] += 4 * v
         a = ours.lm_head.output.save()
-    with theirs.trace(PROMPT):
-        _layers(theirs, kind)[1].output[:, -1, :] += 4 * v
-        b = theirs.lm_head.output.save()
-    torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+    _close(a, ref["steering"])
 
 
 def test_activation_patching_across_invokes(pair):
-    kind, ours, theirs = pair
+    kind, ours, ref = pair
     with ours.trace() as tracer:
         with tracer.invoke(PROMPT):
             clean = _layers(ours, kind)[0].output[:, -1, :]
         with tracer.invoke(OTHER):
             _layers(ours, kind)[0].output[:, -1, :] = clean
             a = ours.lm_head.output[:, -1, :].save()
-    with theirs.trace() as tracer:
-        barrier = tracer.barrier(2)
-        with tracer.invoke(PROMPT):
-            clean_ref = _layers(theirs, kind)[0].output[:, -1, :]
-            barrier()
-        with tracer.invoke(OTHER):
-            barrier()
-            _layers(theirs, kind)[0].output[:, -1, :] = clean_ref
-            b = theirs.lm_head.output[:, -1, :].save()
-    torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+    _close(a, ref["patching"])
 
 
 def test_logit_lens(pair):
-    kind, ours, theirs = pair
-    norm = (lambda m: m.transformer.ln_f) if kind == "gpt2" else (lambda m: m.model.norm)
+    kind, ours, ref = pair
+    norm = ours.transformer.ln_f if kind == "gpt2" else ours.model.norm
     with ours.trace(PROMPT):
-        a = torch.softmax(ours.lm_head(norm(ours)(_layers(ours, kind)[0].output)), dim=-1).save()
-    with theirs.trace(PROMPT):
-        b = torch.softmax(theirs.lm_head(norm(theirs)(_layers(theirs, kind)[0].output)), dim=-1).save()
-    torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+        a = torch.softmax(ours.lm_head(norm(_layers(ours, kind)[0].output)), dim=-1).save()
+    _close(a, ref["logit_lens"])
 
 
 def test_skip(pair):
-    kind, ours, theirs = pair
+    kind, ours, ref = pair
     with ours.trace(PROMPT):
         layer = _layers(ours, kind)[1]
         layer.skip(layer.input)
         a = ours.lm_head.output.save()
-    with theirs.trace(PROMPT):
-        layer = _layers(theirs, kind)[1]
-        layer.skip(layer.input)
-        b = theirs.lm_head.output.save()
-    torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+    _close(a, ref["skip"])
 
 
 def test_reads_in_reverse_order_match_forward_order(pair):
     """nnd takes reads in any order (nnsight needs forward order): the values
     equal nnsight's forward-order reads."""
-    kind, ours, theirs = pair
+    kind, ours, ref = pair
     with ours.trace(PROMPT):
         late = ours.lm_head.output.save()
         _layers(ours, kind)[0].output[:, -1, :] *= 2
         early = _layers(ours, kind)[0].output.save()
-    with theirs.trace(PROMPT):
-        _layers(theirs, kind)[0].output[:, -1, :] *= 2
-        early_ref = _layers(theirs, kind)[0].output.save()
-        late_ref = theirs.lm_head.output.save()
-    torch.testing.assert_close(early, early_ref, atol=ATOL, rtol=0)
-    torch.testing.assert_close(late, late_ref, atol=ATOL, rtol=0)
+    _close(early, ref["reverse_early"])
+    _close(late, ref["reverse_late"])
 
 
 def test_stop(pair):
-    kind, ours, theirs = pair
+    kind, ours, ref = pair
     with ours.trace(PROMPT) as tracer:
         a = _layers(ours, kind)[0].output.save()
         tracer.stop()
-    with theirs.trace(PROMPT) as tracer:
-        b = _layers(theirs, kind)[0].output.save()
-        tracer.stop()
-    torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+    _close(a, ref["stop"])
