@@ -24,6 +24,7 @@ from nnd_daemon import errors
 from nnd_daemon.control import metamodel, statefile
 from nnd_daemon.control.settings import Settings, parse_duration
 from nnd_daemon.control.supervisor import Worker
+from nnd_daemon.worker import tplaunch
 
 log = logging.getLogger("nnd.registry")
 
@@ -155,6 +156,8 @@ class Registry:
             _keep_alive_seconds(keep_alive)
             entry.keep_alive = keep_alive
         placement = _merge(entry.placement, override)
+        # Refuse a tensor-parallel degree this model or machine cannot run, before any process starts.
+        tplaunch.check(entry.meta.config, placement, tplaunch.gpu_count())
         with self._lock:
             while entry.state == DISPATCHING:
                 self._changed.wait()
@@ -167,7 +170,14 @@ class Registry:
             self._make_room(entry)
             entry.state = DISPATCHING
             entry.last_error = ""
-        worker = Worker(entry.name, self.run_dir, self.log_dir, self._worker_exited, limits=self._engine_limits())
+        worker = Worker(
+            entry.name,
+            self.run_dir,
+            self.log_dir,
+            self._worker_exited,
+            limits=self._engine_limits(),
+            placement=placement,
+        )
         try:
             yield nnd_pb2.DispatchProgress(stage="starting", message="starting worker process")
             worker.start(self.settings.worker_start_timeout_s)
@@ -359,7 +369,7 @@ class Registry:
         if entry.dispatched_placement is not None:
             out.dispatched_placement.CopyFrom(entry.dispatched_placement)
         if entry.worker is not None:
-            out.worker_pids.append(entry.worker.pid)
+            out.worker_pids.extend(entry.worker.pids)  # a tensor-parallel group: every rank, then torchrun
         if status is not None:
             out.worker_rss_bytes = status.rss_bytes
             out.weights.extend(status.weights)

@@ -16,9 +16,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+import psutil
 
 from nnd.v1 import nnd_pb2, worker_pb2, worker_pb2_grpc
 from nnd_daemon import errors
+from nnd_daemon.worker import tplaunch
 
 log = logging.getLogger("nnd.supervisor")
 _serial = itertools.count(1)
@@ -48,9 +50,16 @@ class Worker:
         on_exit: Callable[[Worker, str], None],
         *,
         limits: dict[str, int] | None = None,
+        placement: nnd_pb2.Placement | None = None,
     ) -> None:
         self.name = name
         self.limits = limits or {}
+        # Tensor parallel: `proc` is torchrun's agent, `rank_pids` its ranks (rank 0 serves the socket).
+        self.placement = placement or nnd_pb2.Placement()
+        self.tp_size = tplaunch.tp_size(placement)
+        self.rank_pids: list[int] = []
+        self._ranks: list[psutil.Process] = []
+        self._log_offset = 0
         safe = "".join(c if c.isalnum() else "_" for c in name)[-40:]
         self.socket = os.path.join(run_dir, f"w{next(_serial)}.sock")
         self.log_path = os.path.join(log_dir, f"{safe}.log")
@@ -65,15 +74,28 @@ class Worker:
     def pid(self) -> int:
         return self.proc.pid if self.proc else 0
 
+    @property
+    def pids(self) -> list[int]:
+        """Every process of the worker: the ranks in rank order, then torchrun's agent; or the one worker."""
+        if not self.proc:
+            return []
+        return [*self.rank_pids, self.proc.pid] if self.tp_size > 1 else [self.proc.pid]
+
     def start(self, timeout: float) -> None:
         if os.path.exists(self.socket):
             os.unlink(self.socket)
         logf = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
         cmd = [sys.executable, "-m", "nnd_daemon.worker", "--socket", self.socket, "--name", self.name]
         cmd += ["--parent", str(os.getpid()), "--limits", json.dumps(self.limits)]
+        env = None
+        if self.tp_size > 1:  # a torchrun group of tp_size ranks, each running the same worker module
+            gpus = tplaunch.gpu_count()
+            cmd = tplaunch.command(self.tp_size, cmd[3:])
+            env = tplaunch.environment(self.placement, gpus)
+            self._log_offset = logf.tell()
         # No preexec_fn: running Python between fork and exec in a threaded
         # daemon can crash the child. The worker ties its life to ours itself.
-        self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, close_fds=True)
+        self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, close_fds=True, env=env)
         logf.close()
         threading.Thread(target=self._watch, name=f"watch-{self.name}", daemon=True).start()
         deadline = time.monotonic() + timeout
@@ -84,6 +106,9 @@ class Worker:
                 self.stop()
                 raise errors.Unavailable(f"worker for {self.name} did not start within {timeout:.0f} s")
             time.sleep(0.02)
+        if self.tp_size > 1:
+            self.rank_pids = tplaunch.read_pids(self.socket)
+            self._ranks = [p for p in map(_process, self.rank_pids) if p is not None]
         self.channel = grpc.insecure_channel("unix://" + self.socket, options=OPTIONS)
         grpc.channel_ready_future(self.channel).result(timeout=max(1.0, deadline - time.monotonic()))
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
@@ -99,6 +124,10 @@ class Worker:
         if code is None:
             return "still running"
         what = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        if self.tp_size > 1:
+            reason = tplaunch.group_exit_reason(self.socket, self._log_since_start())
+            if reason:
+                return reason
         tail = _tail(self.log_path)
         return f"{what}" + (f"; last output: {tail}" if tail else "")
 
@@ -137,6 +166,19 @@ class Worker:
     def translate(self, err: grpc.RpcError) -> errors.NndError:
         """A worker's status, re-raised for the client; a vanished worker is UNAVAILABLE."""
         code = err.code()
+        if self.tp_size > 1 and self.proc and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            # A group goes down as a whole: torchrun stops the other ranks when one dies; wait for it to
+            # finish, and finish it ourselves if a rank hangs (torchrun would wait 30 s on a stuck one).
+            try:
+                self.proc.wait(tplaunch.GROUP_EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                log.warning("worker group for %s did not stop by itself; killing its ranks", self.name)
+                self._kill_ranks()
+                try:
+                    self.proc.wait(tplaunch.GROUP_EXIT_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
         if code == grpc.StatusCode.UNAVAILABLE or (self.proc and self.proc.poll() is not None):
             time.sleep(0.05)  # let the watcher record why it died
             reason = self.describe_exit() if self.proc and self.proc.poll() is not None else err.details()
@@ -160,6 +202,7 @@ class Worker:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._kill_ranks()  # ranks torchrun did not get to end (its agent was killed)
         if os.path.exists(self.socket):
             try:
                 os.unlink(self.socket)
@@ -168,3 +211,26 @@ class Worker:
 
     def info(self) -> dict[str, Any]:
         return {"pid": self.pid, "socket": self.socket}
+
+    def _kill_ranks(self) -> None:
+        for rank in self._ranks:
+            try:
+                if rank.is_running():
+                    rank.kill()
+            except psutil.Error:
+                pass
+
+    def _log_since_start(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+
+def _process(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.Error:
+        return None

@@ -48,19 +48,30 @@ def main() -> None:
     parser.add_argument("--limits", default="", help="engine limits as JSON (from the daemon's settings)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     ns = parser.parse_args()
-    _die_with_parent(ns.parent)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{ns.name}] %(levelname)s %(message)s")
+    # Under torchrun (tensor parallel) this process is one rank of a group; tp.py runs it.
+    rank = os.environ.get("RANK", "") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    if not rank:
+        _die_with_parent(ns.parent)
+    who = f"{ns.name} rank {rank}" if rank else ns.name
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{who}] %(levelname)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if ns.threads:
         import torch
 
         torch.set_num_threads(ns.threads)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=OPTIONS)
-    service = WorkerService()
+    limits = None
     if ns.limits:
         from nnd_daemon.engine import EngineLimits
 
-        service.limits = EngineLimits(**json.loads(ns.limits))
+        limits = EngineLimits(**json.loads(ns.limits))
+    if rank:
+        from nnd_daemon.worker import tp
+
+        tp.main(ns, OPTIONS, limits)
+        return
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=OPTIONS)
+    service = WorkerService()
+    service.limits = limits
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     server.add_insecure_port("unix://" + ns.socket)
     server.start()

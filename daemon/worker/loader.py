@@ -37,6 +37,14 @@ def _device(text: str) -> Any:
 
 def from_pretrained_kwargs(placement: nnd_pb2.Placement) -> dict[str, Any]:
     """transformers' loading keywords for a Placement."""
+    if placement.tp_size > 1:
+        # Tensor parallel (a torchrun rank): transformers places the shards, one rank per device.
+        from transformers.distributed import DistributedConfig
+
+        tp: dict[str, Any] = {"distributed_config": DistributedConfig(tp_size=placement.tp_size)}
+        if placement.dtype:
+            tp["dtype"] = "auto" if placement.dtype == "auto" else torch_dtype(placement.dtype)
+        return tp
     kwargs: dict[str, Any] = {}
     if placement.device_map:
         dm = placement.device_map.strip()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -38,7 +38,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
         def work() -> None:
             try:
-                self.model, self.tokenizer, self.dtype = loader.load(request, report)
+                self._load(request, report)
                 events.put(_END)
             except BaseException as exc:  # noqa: BLE001 - reported to the daemon
                 events.put(exc)
@@ -55,10 +55,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             yield item
         yield nnd_pb2.DispatchProgress(stage="ready", message="weights loaded")
 
+    def _load(self, request: worker_pb2.WorkerLoadRequest, report: loader.Report) -> None:
+        self.model, self.tokenizer, self.dtype = loader.load(request, report)
+
     # -- Run ----------------------------------------------------------------
     def Run(self, request: worker_pb2.WorkerRunRequest, context: grpc.ServicerContext) -> Iterator[Any]:
-        from nnd_daemon import engine
-
         if self.model is None:
             errors.abort(context, errors.FailedPrecondition("worker has no model loaded"))
         out: queue.Queue[Any] = queue.Queue()
@@ -70,10 +71,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 with self._run_lock:
                     if stop.is_set():
                         raise errors.Cancelled("request cancelled before it ran")
-                    # A Trace, a Generate or a Session, with the graphs of the edits it names.
-                    engine.run_worker(
-                        self.model, self.tokenizer, request, emit=out.put, cancelled=stop.is_set, limits=self.limits
-                    )
+                    self._execute(request, out.put, stop.is_set)
                 out.put(_END)
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
                 out.put(exc)
@@ -89,6 +87,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     item = errors.NndError(f"internal error in worker: {type(item).__name__}: {item}")
                 errors.abort(context, item)
             yield item
+
+    def _execute(
+        self, request: worker_pb2.WorkerRunRequest, emit: Callable[[Any], None], cancelled: Callable[[], bool]
+    ) -> None:
+        from nnd_daemon import engine
+
+        # A Trace, a Generate or a Session, with the graphs of the edits it names.
+        engine.run_worker(self.model, self.tokenizer, request, emit=emit, cancelled=cancelled, limits=self.limits)
 
     # -- Status -------------------------------------------------------------
     def Status(self, request: worker_pb2.WorkerStatusRequest, context: grpc.ServicerContext) -> Any:

@@ -1,0 +1,342 @@
+"""A tensor-parallel worker group: N ranks started by torchrun run one model in lockstep.
+
+Rank 0 serves the private Worker service to the daemon, exactly like a
+single-process worker. Every Load and Run it receives is broadcast to the other
+ranks (a small int64 header -- kind, sequence number, seed, length -- and the
+request's protobuf bytes, over gloo); all ranks then load or run the engine
+together, and only rank 0 emits results.
+
+Lockstep is kept by construction and checked after every request:
+- every rank seeds torch with the seed rank 0 sends along (a fresh one per
+  request), so sampling and unseeded random ops agree;
+- cancellation is decided by all ranks together (an all-reduce of rank 0's flag
+  at each point the engine polls), so no rank leaves a collective the others
+  are in;
+- at the end, a monitored barrier with a timeout and an exchange of outcomes:
+  a rank that does not arrive in time, or that ended differently from rank 0,
+  means the group is no longer in lockstep. Rank 0 then answers UNAVAILABLE
+  with the reason, writes it next to its socket for the daemon, and exits;
+  torchrun stops the other ranks, and the daemon returns the model to META.
+A rank that dies is seen by torchrun, which stops the whole group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from datetime import timedelta
+from typing import Any
+
+import grpc
+import psutil
+import torch
+import torch.distributed as dist
+
+from nnd.v1 import worker_pb2, worker_pb2_grpc
+from nnd_daemon import errors
+from nnd_daemon.engine import sharding
+from nnd_daemon.worker import loader, tplaunch, tplayout
+from nnd_daemon.worker.service import WorkerService
+
+log = logging.getLogger("nnd.worker.tp")
+
+LOAD, RUN, STOP = 1, 2, 3
+# Requests wait idle between rank 0's broadcasts for as long as the model stays dispatched.
+IDLE_TIMEOUT = timedelta(days=365)
+
+
+def _code(exc: BaseException | None) -> int:
+    if exc is None:
+        return 0
+    if isinstance(exc, errors.NndError):
+        return int(exc.code.value[0]) if hasattr(exc.code, "value") else 2
+    return 2  # grpc UNKNOWN: anything unforeseen
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class Group:
+    """This rank's view of the group: its rank, the control groups, and the lockstep protocol."""
+
+    def __init__(self) -> None:
+        self.rank = int(os.environ["RANK"])
+        self.world = int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self.timeout_s = tplaunch.timeout_s()
+        self.gpu = torch.cuda.is_available()
+        timeout = timedelta(seconds=self.timeout_s)
+        if self.gpu:
+            torch.cuda.set_device(self.local_rank)
+            dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", self.local_rank))
+        else:
+            dist.init_process_group("gloo", timeout=timeout)
+        # Requests travel on `idle`: the other ranks may wait there days for the next one, but rank 0's
+        # send gives up after the hang timeout (a timeout is each process's own). The per-request
+        # handshakes and cancellation votes go on `sync`, whose timeout is the hang timeout everywhere.
+        self.idle = dist.new_group(backend="gloo", timeout=timeout if self.rank == 0 else IDLE_TIMEOUT)
+        self.sync = dist.new_group(backend="gloo", timeout=timeout)
+        self.seq = 0
+        self.lock = threading.Lock()
+        self.broken = ""
+        self.pids = self._exchange_pids()
+
+    def _exchange_pids(self) -> list[int]:
+        parts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(parts, torch.tensor([os.getpid()], dtype=torch.int64), group=self.sync)
+        return [int(p) for p in parts]
+
+    def bound_collectives(self) -> None:
+        """Give every process group but `idle` the hang timeout: the device mesh transformers builds for
+        the model makes its own groups, with torch's default timeout (30 min on gloo)."""
+        from torch.distributed import distributed_c10d as c10d
+
+        timeout = timedelta(seconds=self.timeout_s)
+        for pg in list(c10d._world.pg_map):
+            if pg is self.idle and self.rank != 0:
+                continue
+            try:
+                c10d._set_pg_timeout(timeout, pg)
+            except Exception as exc:  # noqa: BLE001 - a private API; without it hangs last longer
+                log.warning("cannot set the collective timeout of a process group: %s", exc)
+
+    # -- messages (rank 0 -> all)
+    def publish(self, kind: int, seed: int, payload: bytes) -> None:
+        header = torch.tensor([kind, self.seq, seed, len(payload)], dtype=torch.int64)
+        dist.broadcast(header, src=0, group=self.idle)
+        if payload:
+            dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=self.idle)
+
+    def receive(self) -> tuple[int, int, bytes]:
+        header = torch.zeros(4, dtype=torch.int64)
+        dist.broadcast(header, src=0, group=self.idle)
+        kind, seq, seed, size = (int(x) for x in header)
+        self.seq = seq
+        payload = b""
+        if size:
+            buf = torch.empty(size, dtype=torch.uint8)
+            dist.broadcast(buf, src=0, group=self.idle)
+            payload = buf.numpy().tobytes()
+        return kind, seed, payload
+
+    # -- lockstep
+    def vote(self, local: Callable[[], bool]) -> Callable[[], bool]:
+        """A `cancelled` every rank answers alike: true when rank 0's own flag is set."""
+
+        def cancelled() -> bool:
+            flag = torch.tensor([1 if (self.rank == 0 and local()) else 0], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.sync)
+            return bool(flag.item())
+
+        return cancelled
+
+    def finish(self, outcome: BaseException | None) -> str:
+        """End-of-request handshake; returns why the group is out of lockstep, or ''."""
+        try:
+            dist.monitored_barrier(group=self.sync, timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
+            parts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+            dist.all_gather(parts, torch.tensor([_code(outcome)], dtype=torch.int64), group=self.sync)
+        except Exception as exc:  # noqa: BLE001 - a missing rank is the answer
+            return f"a rank did not finish request {self.seq} within {self.timeout_s:.0f} s ({_first_line(exc)})"
+        codes = [int(p) for p in parts]
+        odd = [r for r, c in enumerate(codes) if c != codes[0]]
+        if odd:
+            return (
+                f"rank {odd[0]} ended request {self.seq} differently from rank 0 (status {codes[odd[0]]} vs "
+                f"{codes[0]}); the ranks are no longer in lockstep (see the worker log)"
+            )
+        return ""
+
+    def lead(self, kind: int, payload: bytes, work: Callable[[int], None]) -> None:
+        """Rank 0: send a request to all ranks, do it here too, check the group afterwards."""
+        with self.lock:
+            if self.broken:
+                raise errors.Unavailable(f"the tensor-parallel group is stopping: {self.broken}")
+            self.seq += 1
+            seed = secrets.randbits(62)
+            try:
+                self.publish(kind, seed, payload)
+            except Exception as exc:  # noqa: BLE001 - a rank that does not take the request is stuck or gone
+                reason = f"a rank did not take request {self.seq} within {self.timeout_s:.0f} s ({_first_line(exc)})"
+                self.fail(reason)
+                raise errors.Unavailable(f"tensor-parallel group stopped: {reason}") from None
+            error: BaseException | None = None
+            try:
+                work(seed)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below once the group agrees
+                error = exc
+            reason = self.finish(error)
+            if reason:
+                self.fail(reason)
+                raise errors.Unavailable(f"tensor-parallel group stopped: {reason}") from error
+            if error is not None:
+                raise error
+
+    def follow(self, runner: Runner) -> None:
+        """Ranks > 0: do what rank 0 sends until told to stop."""
+        while True:
+            try:
+                kind, seed, payload = self.receive()
+            except Exception as exc:  # noqa: BLE001 - rank 0 is gone; torchrun ends us
+                log.error("rank %d: lost rank 0 (%s); exiting", self.rank, exc)
+                os._exit(1)
+            if kind == STOP:
+                return
+            error: BaseException | None = None
+            try:
+                runner.handle(kind, seed, payload)
+            except BaseException as exc:  # noqa: BLE001
+                error = exc
+                if not isinstance(exc, errors.NndError):
+                    log.exception("rank %d: request %d failed", self.rank, self.seq)
+            reason = self.finish(error)
+            if reason:
+                self.fail(reason, grace=0.0)
+
+    def fail(self, reason: str, *, grace: float = 1.0) -> None:
+        """Record why the group ends, then end this rank (rank 0: after its answer has had time to leave)."""
+        self.broken = reason
+        log.error("stopping the tensor-parallel group: %s", reason)
+        sock = os.environ.get("NND_TP_SOCKET", "")
+        if sock:
+            try:  # the first rank to tell wins
+                with open(tplaunch.reason_path(sock), "x") as f:
+                    f.write(f"rank {self.rank}: {reason}")
+            except OSError:
+                pass
+        if grace <= 0:
+            os._exit(1)
+        threading.Timer(grace, lambda: os._exit(1)).start()
+
+
+class Runner:
+    """What every rank does with a request: the same load, the same engine run."""
+
+    def __init__(self, group: Group, limits: Any = None) -> None:
+        self.group = group
+        self.limits = limits
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.dtype = ""
+
+    def handle(self, kind: int, seed: int, payload: bytes) -> None:
+        if kind == LOAD:
+            self.load(worker_pb2.WorkerLoadRequest.FromString(payload), lambda *_: None)
+        elif kind == RUN:
+            self.run(worker_pb2.WorkerRunRequest.FromString(payload), seed, lambda _: None, lambda: False)
+
+    def load(self, request: worker_pb2.WorkerLoadRequest, report: loader.Report) -> None:
+        model, tokenizer, dtype = loader.load(request, report)
+        self.group.bound_collectives()
+        started = time.perf_counter()
+        tp = tplayout.measure(model, self.group.rank, self.group.world, control=self.group.sync)
+        sharding.attach(model, tp)
+        if self.group.rank == 0:
+            log.info("sharded values (measured in %.2f s):", time.perf_counter() - started)
+            for key, text in tp.describe().items():
+                log.info("  %s: %s", key, text)
+        self.model, self.tokenizer, self.dtype = model, tokenizer, dtype
+
+    def run(
+        self,
+        request: worker_pb2.WorkerRunRequest,
+        seed: int,
+        emit: Callable[[Any], None],
+        cancelled: Callable[[], bool],
+    ) -> None:
+        from nnd_daemon import engine
+
+        if self.model is None:
+            raise errors.FailedPrecondition("worker has no model loaded")
+        torch.manual_seed(seed)  # the same on every rank: sampling and unseeded random ops agree
+        # A Trace, a Generate or a Session, with the graphs of the edits it names.
+        engine.run_worker(
+            self.model, self.tokenizer, request, emit=emit, cancelled=self.group.vote(cancelled), limits=self.limits
+        )
+
+
+class LeaderService(WorkerService):
+    """Rank 0's Worker service: the single-process one, with every request led through the group."""
+
+    def __init__(self, group: Group, runner: Runner) -> None:
+        super().__init__()
+        self.group = group
+        self.runner = runner
+        # Every run must go through the group (lead): no cross-client batching past it.
+        self.batcher = None
+
+    def _load(self, request: worker_pb2.WorkerLoadRequest, report: loader.Report) -> None:
+        self.group.lead(LOAD, request.SerializeToString(), lambda seed: self.runner.load(request, report))
+        self.model, self.tokenizer, self.dtype = self.runner.model, self.runner.tokenizer, self.runner.dtype
+
+    def _execute(
+        self, request: worker_pb2.WorkerRunRequest, emit: Callable[[Any], None], cancelled: Callable[[], bool]
+    ) -> None:
+        self.runner.limits = self.limits
+        self.group.lead(RUN, request.SerializeToString(), lambda seed: self.runner.run(request, seed, emit, cancelled))
+
+    def Status(self, request: worker_pb2.WorkerStatusRequest, context: grpc.ServicerContext) -> Any:
+        status = super().Status(request, context)
+        total = 0
+        for pid in self.group.pids:  # resident memory of the whole group
+            try:
+                total += psutil.Process(pid).memory_info().rss
+            except psutil.Error:
+                pass
+        status.rss_bytes = total or status.rss_bytes
+        return status
+
+
+def _watch_daemon(parent: int) -> None:
+    """Under torchrun our parent is the agent: end when the daemon or the agent goes."""
+    agent = os.getppid()
+    try:
+        daemon = psutil.Process(parent) if parent else None
+    except psutil.Error:
+        os._exit(1)
+
+    def alive(p: psutil.Process | None) -> bool:
+        try:
+            return p is None or (p.is_running() and p.status() != psutil.STATUS_ZOMBIE)
+        except psutil.Error:
+            return False
+
+    def watch() -> None:
+        while os.getppid() == agent and alive(daemon):
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def main(ns: argparse.Namespace, options: list[tuple[str, int]], limits: Any = None) -> None:
+    """Entry of one rank (`python -m nnd_daemon.worker` under torchrun)."""
+    _watch_daemon(ns.parent)
+    os.environ["NND_TP_SOCKET"] = ns.socket
+    group = Group()
+    runner = Runner(group, limits)
+    log.info("rank %d of %d up (pid %d, %s)", group.rank, group.world, os.getpid(), "nccl" if group.gpu else "gloo")
+    if group.rank != 0:
+        group.follow(runner)
+        return
+    with open(tplaunch.pids_path(ns.socket) + ".tmp", "w") as f:
+        f.write(" ".join(map(str, group.pids)))
+    os.replace(tplaunch.pids_path(ns.socket) + ".tmp", tplaunch.pids_path(ns.socket))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=options)
+    service = LeaderService(group, runner)
+    service.limits = limits
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+    server.add_insecure_port("unix://" + ns.socket)
+    server.start()
+    signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=2))
+    server.wait_for_termination()
+    os._exit(0)  # the other ranks wait in a broadcast; torchrun ends them when we are gone
