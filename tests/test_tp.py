@@ -1,0 +1,339 @@
+"""Tensor parallel through a real daemon: a tiny Llama split over two torchrun ranks (gloo, CPU)
+gives what the same weights give in one process, for reads, edits across the shard boundary,
+steering, skips and seeded sampling; bad degrees are refused before anything starts; a rank
+that dies takes its group down cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+
+import grpc
+import psutil
+import pytest
+import torch
+from daemonproc import start_daemon
+
+import nnd
+from nnd.v1 import nnd_pb2
+from nnd_daemon import errors
+from nnd_daemon.worker import tplaunch
+
+PROMPT = "Hello world, this is"
+ATOL = 1e-5
+MAX_DIFF: dict[str, float] = {}  # what each comparison measured, printed at the end (-s)
+
+
+@pytest.fixture(scope="module")
+def paths(tiny_models, tmp_path_factory):
+    """Three copies of the tiny Llama (one per daemon entry: tp=2, tp=1, refusals)."""
+    root = tmp_path_factory.mktemp("tp")
+    out = {}
+    for name in ("tp2", "tp1", "tp3"):
+        out[name] = str(root / name)
+        shutil.copytree(tiny_models["llama"], out[name])
+    return out
+
+
+@pytest.fixture(scope="module")
+def tpd(tmp_path_factory):
+    """A daemon of this module's own: its groups get killed here. Hangs count after 30 s."""
+    old = os.environ.get("NND_TP_TIMEOUT_S")
+    os.environ["NND_TP_TIMEOUT_S"] = "30"
+    try:
+        d = start_daemon(tmp_path_factory.mktemp("tpd"))
+    finally:
+        if old is None:
+            del os.environ["NND_TP_TIMEOUT_S"]
+        else:
+            os.environ["NND_TP_TIMEOUT_S"] = old
+    yield d
+    d.stop()
+    if MAX_DIFF:
+        print("\nmax |tp=2 - tp=1|: " + ", ".join(f"{k} {v:.2e}" for k, v in MAX_DIFF.items()))
+
+
+@pytest.fixture(scope="module")
+def tp2(tpd, paths):
+    m = nnd.TransformersModel(paths["tp2"], address=tpd.address, tp_size=2, keep_alive=-1)
+    m.dispatch()
+    yield m
+
+
+@pytest.fixture(scope="module")
+def tp1(tpd, paths):
+    m = nnd.TransformersModel(paths["tp1"], address=tpd.address, keep_alive=-1)
+    m.dispatch()
+    yield m
+    m.release()
+
+
+def _ps(d) -> dict[str, dict]:
+    return {m["name"]: m for m in json.loads(d.cli("ps", "--json").stdout)}
+
+
+def _same(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape, (name, a.shape, b.shape)
+    diff = float((a - b).abs().max())
+    MAX_DIFF[name] = max(MAX_DIFF.get(name, 0.0), diff)
+    assert diff <= ATOL, f"{name}: tp=2 differs from tp=1 by {diff}"
+
+
+def _both(tp2, tp1, block):
+    """Run `block(model)` (a trace returning a dict of saved values) on both models."""
+    return block(tp2), block(tp1)
+
+
+def test_group_is_two_ranks_and_an_agent(tpd, tp2, paths):
+    info = _ps(tpd)[paths["tp2"]]
+    assert info["state"] == "DISPATCHED" and info["dispatched_placement"]["tp_size"] == 2
+    pids = info["worker_pids"]
+    assert len(pids) == 3 and all(psutil.pid_exists(p) for p in pids)
+    agent = psutil.Process(pids[-1])
+    assert "torch.distributed.run" in " ".join(agent.cmdline())
+    assert {c.pid for c in agent.children()} == set(pids[:2])
+
+
+def test_reads_match_one_process(tp2, tp1):
+    def block(m):
+        with m.trace(PROMPT):
+            gate = m.model.layers[0].mlp.gate_proj.output.save()
+            o_in = m.model.layers[0].self_attn.o_proj.input.save()
+            act = m.model.layers[1].mlp.act_fn.output.save()
+            logits = m.lm_head.output.save()
+        return gate, o_in, act, logits
+
+    (g2, o2, a2, l2), (g1, o1, a1, l1) = _both(tp2, tp1, block)
+    assert g2.shape[-1] == 128 and o2.shape[-1] == 64  # whole widths, not one rank's half
+    _same("gate_proj.output", g2, g1)
+    _same("o_proj.input", o2, o1)
+    _same("act_fn.output", a2, a1)
+    _same("logits", l2, l1)
+
+
+@pytest.mark.parametrize("k", [10, 100], ids=["inside-shard", "across-boundary"])
+def test_edit_gate_output(tp2, tp1, k):
+    def block(m):
+        with m.trace(PROMPT):
+            m.model.layers[0].mlp.gate_proj.output[..., :k] = 0
+            gate = m.model.layers[0].mlp.gate_proj.output.save()
+            down_in = m.model.layers[0].mlp.down_proj.input.save()
+            logits = m.lm_head.output.save()
+        return gate, down_in, logits
+
+    (g2, d2, l2), (g1, d1, l1) = _both(tp2, tp1, block)
+    assert torch.all(g2[..., :k] == 0) and torch.all(g2[..., k:] != 0)
+    _same(f"edited gate (k={k})", g2, g1)
+    _same(f"down_proj.input after edit (k={k})", d2, d1)
+    _same(f"logits after edit (k={k})", l2, l1)
+    # and the edit reached both ranks' halves of the forward: without it the logits differ
+    with tp2.trace(PROMPT):
+        plain = tp2.lm_head.output.save()
+    assert not torch.allclose(plain, l2, atol=1e-4)
+
+
+def test_edit_row_parallel_input(tp2, tp1):
+    def block(m):
+        with m.trace(PROMPT):
+            o_in = m.model.layers[0].self_attn.o_proj.input
+            o_in[:, -1, 20:40] = 3.0  # spans the two ranks' halves (32 each)
+            logits = m.lm_head.output.save()
+        return logits
+
+    l2, l1 = _both(tp2, tp1, block)
+    _same("logits after o_proj.input edit", l2, l1)
+
+
+def test_steering_a_decoder_layer(tp2, tp1):
+    def block(m):
+        with m.trace(PROMPT):
+            h = m.model.layers[0].output
+            h[:, -1, :] += 4 * torch.ones(64)
+            steered = m.model.layers[1].output.save()
+            logits = m.lm_head.output.save()
+        return steered, logits
+
+    (s2, l2), (s1, l1) = _both(tp2, tp1, block)
+    _same("steered layer 1", s2, s1)
+    _same("logits after steering", l2, l1)
+
+
+def test_skip_a_layers_mlp(tp2, tp1):
+    def block(m):
+        with m.trace(PROMPT):
+            x = m.model.layers[0].mlp.input
+            m.model.layers[0].mlp.skip(x * 0)
+            logits = m.lm_head.output.save()
+        return logits
+
+    l2, l1 = _both(tp2, tp1, block)
+    _same("logits with layer 0's mlp skipped", l2, l1)
+
+
+def test_skip_a_column_parallel_module(tp2, tp1):
+    def block(m):
+        with m.trace(PROMPT):
+            x = m.model.layers[0].mlp.gate_proj.input
+            m.model.layers[0].mlp.gate_proj.skip(torch.cat([x, -x], dim=-1))  # whole width 128
+            logits = m.lm_head.output.save()
+        return logits
+
+    l2, l1 = _both(tp2, tp1, block)
+    _same("logits with gate_proj skipped", l2, l1)
+
+
+def test_logit_lens_calls_a_sharded_module(tp2, tp1):
+    def block(m):
+        with m.trace(PROMPT):
+            h = m.model.layers[0].mlp.up_proj.input
+            g = m.model.layers[0].mlp.gate_proj(h).save()  # column-parallel, called out of place
+            o = m.model.layers[0].self_attn.o_proj(torch.ones(1, 1, 64)).save()  # row-parallel
+        return g, o
+
+    (g2, o2), (g1, o1) = _both(tp2, tp1, block)
+    _same("gate_proj(h) out of place", g2, g1)
+    _same("o_proj(ones) out of place", o2, o1)
+
+
+def test_seeded_sampling_matches(tp2, tp1):
+    def sample(m, seed):
+        with m.generate(PROMPT, max_new_tokens=8, do_sample=True, temperature=1.5, seed=seed) as tracer:
+            ids = tracer.result.save()
+        return ids[0].tolist()
+
+    assert sample(tp2, 11) == sample(tp1, 11)
+    assert sample(tp2, 12) == sample(tp1, 12)
+    # unseeded: rank 0 picks one seed for all ranks, so the ranks agree and nothing hangs
+    with tp2.generate(PROMPT, max_new_tokens=4, do_sample=True, temperature=1.5) as tracer:
+        ids = tracer.result.save()
+    assert ids.shape[-1] == len(tp2.tokenizer(PROMPT)["input_ids"]) + 4
+
+
+def test_generation_with_per_step_reads(tp2, tp1):
+    def block(m):
+        with m.generate(PROMPT, max_new_tokens=3) as tracer:
+            for _ in tracer.iter[:]:
+                gate = m.model.layers[1].mlp.gate_proj.output[:, -1].save()
+            ids = tracer.result.save()
+        return gate, ids
+
+    (g2, i2), (g1, i1) = _both(tp2, tp1, block)
+    assert i2.tolist() == i1.tolist() and len(g2) == 3
+    for step, (a, b) in enumerate(zip(g2, g1, strict=True)):
+        _same(f"gate_proj per step {step}", a, b)
+
+
+def test_gradients_of_whole_values_work_and_split_ones_are_refused(tp2, tp1):
+    def block(m):
+        with m.trace(PROMPT):
+            h0 = m.model.layers[0].output
+            loss = m.lm_head.output[0, -1].sum()
+            with loss.backward():
+                g0 = h0.grad.save()
+        return g0
+
+    g2, g1 = _both(tp2, tp1, block)
+    assert float((g2 - g1).abs().max()) <= 1e-4 * max(1.0, float(g1.abs().max()))
+    with pytest.raises(nnd.NndError, match="split across the tensor-parallel ranks") as info:
+        with tp2.trace(PROMPT):
+            gate = tp2.model.layers[0].mlp.gate_proj.output
+            loss = tp2.lm_head.output[0, -1].sum()
+            with loss.backward():
+                gate.grad.save()
+    assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
+    with tp2.trace(PROMPT):  # the group is still in lockstep
+        tp2.lm_head.output.save()
+
+
+def test_degree_that_does_not_divide_is_refused_before_starting(tpd, paths):
+    path = paths["tp3"]
+    tpd.cli("load", path)
+    before = {p.pid for p in psutil.Process(tpd.proc.pid).children(recursive=True)}
+    res = tpd.cli("dispatch", path, "--tp", "3", check=False)
+    assert res.returncode != 0
+    assert "INVALID_ARGUMENT" in res.stderr or "does not divide" in res.stderr
+    assert "num_attention_heads=4" in res.stderr and "num_key_value_heads=2" in res.stderr
+    assert "intermediate_size=128" in res.stderr
+    info = _ps(tpd)[path]
+    assert info["state"] == "META" and not info.get("worker_pids")
+    after = {p.pid for p in psutil.Process(tpd.proc.pid).children(recursive=True)}
+    assert after <= before  # no torchrun, no rank
+
+
+def test_refusals_without_a_daemon(tmp_path):
+    from transformers import GPT2Config, LlamaConfig, MixtralConfig
+
+    llama = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, hidden_size=64)
+    with pytest.raises(errors.InvalidArgument, match="does not divide num_attention_heads=4"):
+        tplaunch.check(llama, nnd_pb2.Placement(tp_size=3), gpus=0)
+    tplaunch.check(llama, nnd_pb2.Placement(tp_size=2), gpus=0)  # fine on CPU
+    wide = LlamaConfig(num_attention_heads=8, num_key_value_heads=4, intermediate_size=128, hidden_size=64)
+    tplaunch.check(wide, nnd_pb2.Placement(tp_size=4, device="cpu"), gpus=2)
+    with pytest.raises(errors.InvalidArgument, match="needs 4 GPUs, but this machine has 2"):
+        tplaunch.check(wide, nnd_pb2.Placement(tp_size=4, device="cuda"), gpus=2)
+    with pytest.raises(errors.InvalidArgument, match="needs 4 GPUs"):
+        tplaunch.check(wide, nnd_pb2.Placement(tp_size=4), gpus=2)  # GPUs present: the default is GPU
+    with pytest.raises(errors.Unimplemented, match="mixture-of-experts.*num_local_experts=8"):
+        tplaunch.check(MixtralConfig(), nnd_pb2.Placement(tp_size=2), gpus=0)
+    with pytest.raises(errors.Unimplemented, match="no tensor-parallel plan for gpt2"):
+        tplaunch.check(GPT2Config(), nnd_pb2.Placement(tp_size=2), gpus=0)
+    with pytest.raises(errors.Unimplemented, match="quantized"):
+        tplaunch.check(llama, nnd_pb2.Placement(tp_size=2, dtype="nf4"), gpus=0)
+    with pytest.raises(errors.InvalidArgument, match="device_map"):
+        tplaunch.check(llama, nnd_pb2.Placement(tp_size=2, device_map='{"": 0}'), gpus=0)
+
+
+def test_moe_refused_through_the_daemon(tpd, tmp_path):
+    import tinymodels
+
+    path = tinymodels.write_config_only(
+        tmp_path / "moe",
+        {
+            "model_type": "mixtral",
+            "architectures": ["MixtralForCausalLM"],
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_local_experts": 4,
+            "vocab_size": 320,
+        },
+    )
+    tpd.cli("load", str(path))
+    res = tpd.cli("dispatch", str(path), "--tp", "2", check=False)
+    assert res.returncode != 0 and "mixture-of-experts" in res.stderr and "num_local_experts=4" in res.stderr
+    assert not _ps(tpd)[str(path)].get("worker_pids")
+
+
+def test_a_killed_rank_takes_the_group_down_cleanly(tpd, tp2, paths):
+    """Last: it ends the shared group."""
+    path = paths["tp2"]
+    pids = _ps(tpd)[path]["worker_pids"]
+    procs = [psutil.Process(p) for p in pids]
+    stream = tp2.stream(PROMPT, max_new_tokens=1000)
+    next(stream)  # the request is running on both ranks
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(nnd.NndError) as info:
+        for _ in stream:
+            pass
+    print("\nkilled rank 1:", info.value)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
+    assert "rank 1" in str(info.value) and "SIGKILL" in str(info.value)
+    psutil.wait_procs(procs, timeout=20)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs)
+    deadline = time.monotonic() + 20
+    while (model := _ps(tpd)[path])["state"] != "META" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert model["state"] == "META" and "rank 1" in model["last_error"] and "SIGKILL" in model["last_error"]
+    assert not model.get("worker_pids")
+    assert tpd.proc.poll() is None  # the daemon stays up
+    # and a later dispatch works again
+    tpd.cli("dispatch", path)
+    with tp2.trace(PROMPT):
+        logits = tp2.lm_head.output.save()
+    assert logits.shape[-1] == 320 and len(_ps(tpd)[path]["worker_pids"]) == 3
+    tp2.release()
