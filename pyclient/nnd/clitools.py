@@ -91,22 +91,20 @@ def to_plain(value: values_pb2.Value, blobs: dict[int, bytearray]) -> Any:
 
 
 def scan_table(conn: Any, model: str, prompt: str, *, as_json: bool) -> int:
+    """Every module's output shape and dtype for `prompt`, from one Scan with a
+    Cache node: modules the input never reaches are listed as not called."""
     info = conn.call("GetModel", nnd_pb2.GetModelRequest(model=model))
     graph = graph_pb2.Graph()
-    # Containers are never called themselves: there is no output to show.
-    paths = [m.path for m in info.modules if m.type not in ("ModuleList", "ModuleDict")]
-    types = {m.path: m.type for m in info.modules}
-    nid = 0
-    save_ids: dict[int, str] = {}
-    for path in paths:
-        nid += 1
-        graph.nodes.add(id=nid, module=graph_pb2.ModuleValue(path=path, point=graph_pb2.OUTPUT))
-        nid += 1
-        graph.nodes.add(id=nid, save=graph_pb2.Save(value=graph_pb2.Arg(ref=nid - 1)))
-        save_ids[nid] = path
+    graph.nodes.add(id=1, cache=graph_pb2.Cache(outputs=True))  # a cache node returns itself
     req = nnd_pb2.TraceRequest(model=model, invokes=[nnd_pb2.Invoke(text=prompt)], graph=graph)
     saved, _, _ = collect(conn.stream("Scan", req))
-    rows = [(save_ids[i] or "(model)", types[save_ids[i]], describe(v)) for i, v in sorted(saved.items())]
+    calls = saved[1].map.items if 1 in saved else {}
+    rows = []
+    for m in info.modules:
+        entries = calls[m.path].list.items if m.path in calls else []
+        outputs = [e.map.items["output"] for e in entries if "output" in e.map.items]
+        shown = ", ".join(describe(o) for o in outputs) if outputs else "(not called)"
+        rows.append((m.path or "(model)", m.type, shown))
     if as_json:
         print(json.dumps([{"module": p, "type": t, "output": d} for p, t, d in rows], indent=2))
         return 0
@@ -115,8 +113,8 @@ def scan_table(conn: Any, model: str, prompt: str, *, as_json: bool) -> int:
     print(f"{'MODULE'.ljust(width)}  {'TYPE'.ljust(twidth)}  OUTPUT")
     for path, typ, desc in rows:
         print(f"{path.ljust(width)}  {typ.ljust(twidth)}  {desc}")
-    called = len(rows)
-    print(f"\n{called} of {len(paths)} modules ran for this input (no weights were read)")
+    called = sum(1 for r in rows if r[2] != "(not called)")
+    print(f"\n{called} of {len(rows)} modules ran for this input (no weights were read)")
     return 0
 
 
