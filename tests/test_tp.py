@@ -309,6 +309,17 @@ def test_moe_refused_through_the_daemon(tpd, tmp_path):
     assert not _ps(tpd)[str(path)].get("worker_pids")
 
 
+def test_a_cancelled_stream_leaves_the_group_up(tpd, tp2, paths):
+    pids = _ps(tpd)[paths["tp2"]]["worker_pids"]
+    stream = tp2.stream(PROMPT, max_new_tokens=1000)
+    next(stream)
+    stream.close()  # the client goes away: every rank stops at its next step, together
+    with tp2.trace(PROMPT):
+        logits = tp2.lm_head.output.save()
+    assert logits.shape[-1] == 320
+    assert _ps(tpd)[paths["tp2"]]["worker_pids"] == pids
+
+
 def test_a_killed_rank_takes_the_group_down_cleanly(tpd, tp2, paths):
     """Last: it ends the shared group."""
     path = paths["tp2"]
@@ -320,7 +331,6 @@ def test_a_killed_rank_takes_the_group_down_cleanly(tpd, tp2, paths):
     with pytest.raises(nnd.NndError) as info:
         for _ in stream:
             pass
-    print("\nkilled rank 1:", info.value)
     assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
     assert "rank 1" in str(info.value) and "SIGKILL" in str(info.value)
     psutil.wait_procs(procs, timeout=20)

@@ -166,9 +166,10 @@ class Worker:
     def translate(self, err: grpc.RpcError) -> errors.NndError:
         """A worker's status, re-raised for the client; a vanished worker is UNAVAILABLE."""
         code = err.code()
-        if self.tp_size > 1 and self.proc and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        if self.tp_size > 1 and self.proc and (code == grpc.StatusCode.UNAVAILABLE or self._rank_gone()):
             # A group goes down as a whole: torchrun stops the other ranks when one dies; wait for it to
             # finish, and finish it ourselves if a rank hangs (torchrun would wait 30 s on a stuck one).
+            # (A CANCELLED with every rank alive is a cancelled request, not a failing group.)
             try:
                 self.proc.wait(tplaunch.GROUP_EXIT_WAIT_S)
             except subprocess.TimeoutExpired:
@@ -211,6 +212,15 @@ class Worker:
 
     def info(self) -> dict[str, Any]:
         return {"pid": self.pid, "socket": self.socket}
+
+    def _rank_gone(self) -> bool:
+        for rank in self._ranks:
+            try:
+                if not rank.is_running() or rank.status() == psutil.STATUS_ZOMBIE:
+                    return True
+            except psutil.Error:
+                return True
+        return False
 
     def _kill_ranks(self) -> None:
         for rank in self._ranks:
