@@ -108,3 +108,13 @@ def test_cli_scan_prints_every_module(daemon, tiny_models):
     by_module = {r["module"]: r for r in rows}
     assert by_module["lm_head"]["output"].endswith("320] float32")
     assert len(rows) >= 20
+
+
+def test_inputs_of_a_block_come_back_with_unsendable_parts_as_none(gpt2):
+    """`.inputs` is (args, kwargs); a KV cache object among them cannot travel
+    and arrives as None, the hidden state as a tensor."""
+    with gpt2.trace(PROMPT):
+        args, kwargs = gpt2.transformer.h[0].inputs.save()
+        first = gpt2.transformer.h[0].input.save()
+    assert isinstance(args, tuple) and torch.equal(args[0], first)
+    assert isinstance(kwargs, dict)

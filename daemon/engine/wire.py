@@ -199,11 +199,18 @@ class Encoder:
         if isinstance(x, Mapping):  # dicts and HF ModelOutputs: tensor-like fields only
             items = {str(k): self.value(v) for k, v in x.items() if _encodable(v)}
             return values_pb2.Value(map=values_pb2.ValueMap(items=items))
-        if isinstance(x, list):
-            return values_pb2.Value(list=values_pb2.ValueList(items=[self.value(v) for v in x]))
-        if isinstance(x, tuple):
-            return values_pb2.Value(tuple=values_pb2.ValueList(items=[self.value(v) for v in x]))
+        if isinstance(x, (list, tuple)):
+            # Inside a sequence, what the wire cannot carry (a KV cache among a
+            # block's inputs) becomes None so positions keep their meaning.
+            items = [self.value(v) if _carried(v) else values_pb2.Value(none=values_pb2.Empty()) for v in x]
+            kind = "list" if isinstance(x, list) else "tuple"
+            return values_pb2.Value(**{kind: values_pb2.ValueList(items=items)})
         raise errors.InvalidArgument(f"a value of type {type(x).__name__} cannot be returned")
+
+
+def _carried(x: Any) -> bool:
+    """Whether `value` can encode x itself (containers are judged item by item)."""
+    return isinstance(x, (list, tuple, Mapping, torch.device, slice)) or x is Ellipsis or _encodable(x)
 
 
 def _encodable(x: Any) -> bool:
