@@ -48,6 +48,7 @@ def settings_from_args(ns: argparse.Namespace) -> Settings:
         allow_remote_code=ns.allow_remote_code,
         allow_models=ns.allow_model or [],
         socket_group=ns.socket_group,
+        batch_window_ms=max(0.0, getattr(ns, "batch_window_ms", 2.0)),
     )
 
 

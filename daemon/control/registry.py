@@ -177,6 +177,7 @@ class Registry:
             self._worker_exited,
             limits=self._engine_limits(),
             placement=placement,
+            batch_window_ms=self.settings.batch_window_ms,
         )
         try:
             yield nnd_pb2.DispatchProgress(stage="starting", message="starting worker process")

@@ -40,6 +40,9 @@ class Settings:
     allow_models: list[str] = field(default_factory=list)
     socket_group: str | None = None
     worker_start_timeout_s: float = 120.0
+    # Workers gather concurrent compatible Traces this long (ms) and run them
+    # as one batched forward (worker/batching.py). 0: every request alone.
+    batch_window_ms: float = 2.0
 
     @property
     def state_file(self) -> str:

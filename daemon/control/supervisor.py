@@ -51,9 +51,11 @@ class Worker:
         *,
         limits: dict[str, int] | None = None,
         placement: nnd_pb2.Placement | None = None,
+        batch_window_ms: float = 0.0,
     ) -> None:
         self.name = name
         self.limits = limits or {}
+        self.batch_window_ms = batch_window_ms  # the worker's cross-client batching window (batching.py)
         # Tensor parallel: `proc` is torchrun's agent, `rank_pids` its ranks (rank 0 serves the socket).
         self.placement = placement or nnd_pb2.Placement()
         self.tp_size = tplaunch.tp_size(placement)
@@ -87,6 +89,8 @@ class Worker:
         logf = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
         cmd = [sys.executable, "-m", "nnd_daemon.worker", "--socket", self.socket, "--name", self.name]
         cmd += ["--parent", str(os.getpid()), "--limits", json.dumps(self.limits)]
+        if self.batch_window_ms > 0 and self.tp_size <= 1:
+            cmd += ["--batch-window-ms", str(self.batch_window_ms)]
         env = None
         if self.tp_size > 1:  # a torchrun group of tp_size ranks, each running the same worker module
             gpus = tplaunch.gpu_count()

@@ -28,6 +28,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # One forward at a time: the daemon queues, the worker runs.
         self._run_lock = threading.Lock()
         self.limits: Any = None
+        # Cross-client batching of compatible Traces (batching.py); None: every request runs alone.
+        self.batcher: Any = None
 
     # -- Load ---------------------------------------------------------------
     def Load(self, request: worker_pb2.WorkerLoadRequest, context: grpc.ServicerContext) -> Iterator[Any]:
@@ -68,10 +70,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
         def work() -> None:
             try:
-                with self._run_lock:
-                    if stop.is_set():
-                        raise errors.Cancelled("request cancelled before it ran")
-                    self._execute(request, out.put, stop.is_set)
+                batched = self.batcher is not None and self.batcher.offer(
+                    request, self.tokenizer, out.put, stop.is_set, lambda: None
+                )
+                if not batched:
+                    with self._run_lock:
+                        if stop.is_set():
+                            raise errors.Cancelled("request cancelled before it ran")
+                        self._execute(request, out.put, stop.is_set)
                 out.put(_END)
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
                 out.put(exc)

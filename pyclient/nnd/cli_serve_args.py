@@ -62,4 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM, seconds in-flight requests may take to finish before workers are stopped "
         "(a second signal cuts it short)",
     )
+    p.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=2.0,
+        metavar="MS",
+        help="a worker gathers concurrent compatible traces this long and runs them as one batched "
+        "forward (0: every request runs alone)",
+    )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
