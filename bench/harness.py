@@ -287,17 +287,6 @@ def rss(pid: int) -> int:
     return psutil.Process(pid).memory_info().rss
 
 
-def hwm(pid: int) -> int:
-    """The kernel's peak RSS of a live process (VmHWM), bytes; 0 where unknown."""
-    try:
-        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 class RssSampler:
     """Samples the RSS of a process (or of whatever `find()` returns) every `interval` s in a thread."""
 
