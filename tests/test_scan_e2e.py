@@ -114,7 +114,8 @@ def test_inputs_of_a_block_come_back_with_unsendable_parts_as_none(gpt2):
     """`.inputs` is (args, kwargs); a KV cache object among them cannot travel
     and arrives as None, the hidden state as a tensor."""
     with gpt2.trace(PROMPT):
-        args, kwargs = gpt2.transformer.h[0].inputs.save()
+        inputs = gpt2.transformer.h[0].inputs.save()
         first = gpt2.transformer.h[0].input.save()
+    args, kwargs = inputs
     assert isinstance(args, tuple) and torch.equal(args[0], first)
     assert isinstance(kwargs, dict)
