@@ -300,7 +300,7 @@ class GenerateOptions(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stream_text: _Optional[bool] = ...) -> None: ...
 
 class TraceRequest(_message.Message):
-    __slots__ = ("model", "invokes", "graph", "generate", "no_auto_dispatch", "keep_alive", "edits")
+    __slots__ = ("model", "invokes", "graph", "generate", "no_auto_dispatch", "keep_alive", "edits", "shm")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INVOKES_FIELD_NUMBER: _ClassVar[int]
     GRAPH_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +308,7 @@ class TraceRequest(_message.Message):
     NO_AUTO_DISPATCH_FIELD_NUMBER: _ClassVar[int]
     KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
     EDITS_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     model: str
     invokes: _containers.RepeatedCompositeFieldContainer[Invoke]
     graph: _graph_pb2.Graph
@@ -315,7 +316,8 @@ class TraceRequest(_message.Message):
     no_auto_dispatch: bool
     keep_alive: str
     edits: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., invokes: _Optional[_Iterable[_Union[Invoke, _Mapping]]] = ..., graph: _Optional[_Union[_graph_pb2.Graph, _Mapping]] = ..., generate: _Optional[_Union[GenerateOptions, _Mapping]] = ..., no_auto_dispatch: _Optional[bool] = ..., keep_alive: _Optional[str] = ..., edits: _Optional[_Iterable[str]] = ...) -> None: ...
+    shm: bool
+    def __init__(self, model: _Optional[str] = ..., invokes: _Optional[_Iterable[_Union[Invoke, _Mapping]]] = ..., graph: _Optional[_Union[_graph_pb2.Graph, _Mapping]] = ..., generate: _Optional[_Union[GenerateOptions, _Mapping]] = ..., no_auto_dispatch: _Optional[bool] = ..., keep_alive: _Optional[str] = ..., edits: _Optional[_Iterable[str]] = ..., shm: _Optional[bool] = ...) -> None: ...
 
 class SessionTrace(_message.Message):
     __slots__ = ("request", "generate")

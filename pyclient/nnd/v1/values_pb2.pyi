@@ -33,20 +33,22 @@ UINT8: DType
 BOOL: DType
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data", "blob", "meta", "device")
+    __slots__ = ("dtype", "shape", "data", "blob", "meta", "device", "shm")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     BLOB_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     blob: int
     meta: bool
     device: str
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., blob: _Optional[int] = ..., meta: _Optional[bool] = ..., device: _Optional[str] = ...) -> None: ...
+    shm: str
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., blob: _Optional[int] = ..., meta: _Optional[bool] = ..., device: _Optional[str] = ..., shm: _Optional[str] = ...) -> None: ...
 
 class Slice(_message.Message):
     __slots__ = ("start", "stop", "step")
