@@ -105,6 +105,10 @@ class _ReportingBar:
 
 def load(req: worker_pb2.WorkerLoadRequest, report: Report) -> tuple[torch.nn.Module, Any, str]:
     """Load weights; returns (model, tokenizer, dtype name)."""
+    from nnd_daemon.worker import exported
+
+    if exported.is_program_dir(req.model):  # an uploaded torch.export program (control/uploads.py)
+        return exported.load(req, report)
     from transformers import AutoConfig, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
