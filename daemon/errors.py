@@ -12,6 +12,8 @@ import grpc
 
 # Trailing-metadata key carrying `exc_type` to the client.
 EXC_TYPE_KEY = "nnd-exception-type"
+# Initial-metadata key a worker sends once a request has the model (it runs, no longer waits).
+STARTED_KEY = "nnd-started"
 
 
 class NndError(Exception):

@@ -48,6 +48,10 @@ def settings_from_args(ns: argparse.Namespace) -> Settings:
         allow_remote_code=ns.allow_remote_code,
         allow_models=ns.allow_model or [],
         socket_group=ns.socket_group,
+        watchdog_interval_s=ns.watchdog_interval,
+        watchdog_timeout_s=ns.watchdog_timeout,
+        watchdog_misses=max(1, ns.watchdog_misses),
+        restart_limit=max(0, ns.restart_limit),
         batch_window_ms=max(0.0, getattr(ns, "batch_window_ms", 2.0)),
     )
 

@@ -3,6 +3,12 @@
 States: META -> DISPATCHING -> DISPATCHED -> (release, keep-alive expiry,
 worker death) -> META; unload forgets. All transitions happen under one lock;
 slow work (building meta models, loading weights) happens outside it.
+
+A worker that dies puts its model back to META with the reason (`last_error`,
+the NOTE of `nnd ps`); the next dispatch without a placement of its own (the
+next request's automatic one, or `nnd dispatch`) brings it back with the
+placement it had. A worker the watchdog finds hung is killed and its model
+re-dispatched at once, at most `restart_limit` times per `restart_window_s`.
 """
 
 from __future__ import annotations
@@ -155,6 +161,10 @@ class Registry:
         if keep_alive:
             _keep_alive_seconds(keep_alive)
             entry.keep_alive = keep_alive
+        # After a worker death: the placement it had, and why it is back.
+        again = entry.extra.pop("redispatch", None) if override is None else None
+        if again is not None:
+            override = again[0]
         placement = _merge(entry.placement, override)
         # Refuse a tensor-parallel degree this model or machine cannot run, before any process starts.
         tplaunch.check(entry.meta.config, placement, tplaunch.gpu_count())
@@ -169,7 +179,7 @@ class Registry:
             self._check_budget(entry, placement)
             self._make_room(entry)
             entry.state = DISPATCHING
-            entry.last_error = ""
+            entry.last_error = f"re-dispatched {time.strftime('%H:%M:%S')} after: {again[1]}" if again else ""
         worker = Worker(
             entry.name,
             self.run_dir,
@@ -194,6 +204,8 @@ class Registry:
                 if progress.stage != "ready":
                     yield progress
             status = worker.status()
+            s = self.settings
+            worker.watch(s.watchdog_interval_s, s.watchdog_timeout_s, s.watchdog_misses)
         except BaseException as exc:
             worker.stop()
             with self._lock:
@@ -280,20 +292,61 @@ class Registry:
         entry.dtype = ""
         if reason:
             entry.last_error = reason
+        entry.extra.pop("redispatch", None)
         self._changed.notify_all()
         if worker is not None:
             worker.stop()
 
     def _worker_exited(self, worker: Worker, reason: str) -> None:
+        """A worker ended without being asked (crash, kill, or killed by the watchdog as hung)."""
+        hung: Entry | None = None
         with self._lock:
             for entry in self._entries.values():
                 if entry.worker is worker:
                     entry.worker = None
+                    entry.last_error = f"worker {reason}" if worker.fault else f"worker died: {reason}"
                     if entry.state == DISPATCHED:
                         entry.state = META
-                    entry.last_error = f"worker died: {reason}"
+                        entry.extra["redispatch"] = (entry.dispatched_placement, entry.last_error)
+                        entry.dispatched_placement = None
+                        entry.dtype = ""
+                        if worker.fault and self._may_restart(entry):
+                            hung = entry
                     self._changed.notify_all()
         self.save()
+        if hung is not None:
+            self._replace(hung)
+
+    def _may_restart(self, entry: Entry) -> bool:
+        """Whether a hung model may be re-dispatched now (under --restart-limit); if not, say so."""
+        now = time.time()
+        window, limit = self.settings.restart_window_s, self.settings.restart_limit
+        recent = [t for t in entry.extra.get("restarts", []) if now - t < window]
+        if len(recent) >= limit:
+            entry.last_error += (
+                f"; not re-dispatched: {len(recent)} restart(s) in the last {window / 60:g} min"
+                if limit
+                else "; not re-dispatched (--restart-limit 0)"
+            ) + "; a request or `nnd dispatch` brings it back"
+            return False
+        entry.extra["restarts"] = [*recent, now]
+        return True
+
+    def _replace(self, entry: Entry) -> None:
+        """Re-dispatch a model whose worker hung, in the background."""
+
+        def redispatch() -> None:
+            with self._lock:
+                if entry.state != META or "redispatch" not in entry.extra:
+                    return  # released, or dispatched by a request meanwhile
+            log.warning("re-dispatching %s (%s)", entry.name, entry.last_error)
+            try:
+                for _ in self.dispatch(entry.name):
+                    pass
+            except Exception as exc:  # noqa: BLE001 - recorded as the model's last_error by dispatch
+                log.error("could not re-dispatch %s: %s", entry.name, exc)
+
+        threading.Thread(target=redispatch, name=f"redispatch-{entry.name}", daemon=True).start()
 
     # -- requests -----------------------------------------------------------
     def acquire(self, name: str, *, auto_dispatch: bool, keep_alive: str = "") -> Entry:

@@ -30,6 +30,11 @@ OPTIONS = [
     ("grpc.max_send_message_length", 512 * 2**20),
     ("grpc.so_reuseport", 0),
 ]
+# gRPC handler threads. Every request waiting for a model holds one, so with
+# too few, requests queued behind a long one leave none for `nnd ps`, health
+# checks or a Release. More than a model's default queue (64) several times
+# over; threads start on demand. (Each worker has more: worker/service.py.)
+HANDLER_THREADS = 256
 # These stream a worker's serialized responses through unchanged.
 _RAW_RESPONSES = {"Scan", "Trace", "Generate"}
 
@@ -81,7 +86,7 @@ def _answers(path: str) -> bool:
 
 
 class Daemon:
-    def __init__(self, settings: Settings, access: Access | None = None, *, workers: int = 32) -> None:
+    def __init__(self, settings: Settings, access: Access | None = None, *, workers: int = HANDLER_THREADS) -> None:
         self.settings = settings
         self.access = access or Access()
         self.registry = Registry(settings)

@@ -168,13 +168,8 @@ class NndServicer:
             worker = entry.worker
             if worker is None:
                 raise errors.Unavailable(f"model {entry.name} lost its worker: {entry.last_error}")
-            call = worker.run_raw(run, timeout=timeout or None)
-            try:
-                yield from call
-            except grpc.RpcError as err:
-                raise worker.translate(err) from None
-            finally:
-                call.cancel()
+            # A client that goes away cancels the worker's call at once (not at its next response).
+            yield from worker.run(run, timeout=timeout or None, client=context)
         finally:
             self.registry.done(entry)
 

@@ -40,6 +40,21 @@ class Settings:
     allow_models: list[str] = field(default_factory=list)
     socket_group: str | None = None
     worker_start_timeout_s: float = 120.0
+    # The worker watchdog: every `watchdog_interval_s` the daemon asks each
+    # dispatched worker for its Status and waits `watchdog_timeout_s` for the
+    # answer; after `watchdog_misses` unanswered pings in a row the worker
+    # counts as hung: it is killed, and its model re-dispatched at once.
+    # Detection takes about misses * (interval + timeout). 0 interval: off.
+    # (A worker that dies is noticed at once, without pings; its model is
+    # dispatched again by the next request.)
+    watchdog_interval_s: float = 10.0
+    watchdog_timeout_s: float = 10.0
+    watchdog_misses: int = 3
+    # A model whose worker hung is re-dispatched at most `restart_limit` times
+    # per `restart_window_s`; after that it stays META with the reason until
+    # a request or `nnd dispatch` asks for it. 0: never re-dispatched eagerly.
+    restart_limit: int = 3
+    restart_window_s: float = 600.0
     # Workers gather concurrent compatible Traces this long (ms) and run them
     # as one batched forward (worker/batching.py). 0: every request alone.
     batch_window_ms: float = 2.0

@@ -1,5 +1,21 @@
 """Worker processes: start one per dispatched model, talk to it over a private
-unix socket, notice when it dies, end it on release."""
+unix socket, notice when it dies or hangs, end it on release.
+
+Faults, as a client sees them (docs/reliability.md has the whole story):
+- a worker that dies (a crash, an OOM kill, `kill -9`) fails every request sent
+  to it with UNAVAILABLE and the reason: the one it was running ("while running
+  this request") and the ones queued behind it ("before this request ran ...
+  safe to retry"). Queued requests are not re-run on a new worker: the daemon
+  cannot tell whether one of them is what killed the worker, and a silent
+  re-run would hide the crash and double their latency. Its model goes back to
+  META with the reason (`nnd ps`, NOTE column); the next request dispatches it
+  again, with the same placement.
+- a worker that stops answering (stopped, deadlocked) is found by the watchdog
+  (`watch`): a Status ping every interval; after N pings in a row without an
+  answer it is killed, and the same happens as for a death, except that the
+  registry re-dispatches the model at once.
+- a client that goes away cancels its request in the worker (`run`).
+"""
 
 from __future__ import annotations
 
@@ -71,6 +87,9 @@ class Worker:
         self.channel: grpc.Channel | None = None
         self.stub: worker_pb2_grpc.WorkerStub | None = None
         self.exit_reason = ""
+        # Why the daemon killed this worker itself (the watchdog found it hung); empty otherwise.
+        self.fault = ""
+        self._ended = threading.Event()
 
     @property
     def pid(self) -> int:
@@ -127,6 +146,8 @@ class Worker:
         code = self.proc.poll() if self.proc else None
         if code is None:
             return "still running"
+        if self.fault:
+            return self.fault
         what = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         if self.tp_size > 1:
             reason = tplaunch.group_exit_reason(self.socket, self._log_since_start())
@@ -139,9 +160,60 @@ class Worker:
         assert self.proc is not None
         self.proc.wait()
         self.exit_reason = self.describe_exit()
+        self._ended.set()
         if not self._stopping:
-            log.warning("worker for %s died: %s", self.name, self.exit_reason)
+            log.warning("worker for %s %s: %s", self.name, "hung" if self.fault else "died", self.exit_reason)
             self._on_exit(self, self.exit_reason)
+
+    def watch(self, interval: float, timeout: float, misses: int) -> None:
+        """The watchdog: ping the worker (Status) every `interval` s; after `misses`
+        pings in a row without an answer within `timeout` s, kill it as hung.
+        Its exit is then reported like any death, with `fault` saying why."""
+        if interval <= 0:
+            return
+
+        def loop() -> None:
+            missed = 0
+            while not self._ended.wait(interval):
+                if self._stopping:
+                    return
+                if self.ping(timeout):
+                    missed = 0
+                    continue
+                if self._ended.is_set() or self._stopping:
+                    return
+                missed += 1
+                log.warning(
+                    "worker for %s did not answer a ping within %g s (%d/%d)", self.name, timeout, missed, misses
+                )
+                if missed >= misses:
+                    self.kill(
+                        f"hung: {misses} status ping(s) in a row got no answer within {timeout:g} s, so the "
+                        "daemon killed it"
+                    )
+                    return
+
+        threading.Thread(target=loop, name=f"watchdog-{self.name}", daemon=True).start()
+
+    def ping(self, timeout: float) -> bool:
+        """True if the worker answers a Status call within `timeout` s."""
+        if self.stub is None:
+            return False
+        try:
+            self.stub.Status(worker_pb2.WorkerStatusRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return True
+
+    def kill(self, reason: str) -> None:
+        """Kill the worker (every process of it) at once, recording `reason` as its fault."""
+        self.fault = reason
+        for proc in [*getattr(self, "_ranks", []), self.proc]:
+            try:
+                if proc is not None:
+                    proc.kill()
+            except Exception:  # noqa: BLE001 - already gone
+                pass
 
     def load(self, request: worker_pb2.WorkerLoadRequest) -> Iterator[nnd_pb2.DispatchProgress]:
         assert self.stub is not None
@@ -150,12 +222,29 @@ class Worker:
         except grpc.RpcError as err:
             raise self.translate(err) from None
 
-    def run(self, request: nnd_pb2.TraceRequest, *, generate: bool, timeout: float | None) -> Iterator[bytes]:
-        call = self.run_raw(worker_pb2.WorkerRunRequest(request=request, generate=generate), timeout=timeout)
+    def run(
+        self,
+        request: nnd_pb2.TraceRequest | worker_pb2.WorkerRunRequest,
+        *,
+        generate: bool = False,
+        timeout: float | None,
+        client: grpc.ServicerContext | None = None,
+    ) -> Iterator[bytes]:
+        """Run `request` on the worker, passing its serialized responses through.
+
+        With `client` (the caller's context), a client that goes away cancels
+        the worker's call at once, not only when the next response is due: a
+        Trace sends nothing until it is done, and the engine stops at its next
+        hook."""
+        if not isinstance(request, worker_pb2.WorkerRunRequest):
+            request = worker_pb2.WorkerRunRequest(request=request, generate=generate)
+        call = self.run_raw(request, timeout=timeout)
+        if client is not None and not client.add_callback(call.cancel):
+            call.cancel()  # the client is already gone
         try:
             yield from call
         except grpc.RpcError as err:
-            raise self.translate(err) from None
+            raise self.translate(err, started=_started(call)) from None
         finally:
             call.cancel()
 
@@ -167,9 +256,14 @@ class Worker:
         except grpc.RpcError:
             return None
 
-    def translate(self, err: grpc.RpcError) -> errors.NndError:
-        """A worker's status, re-raised for the client; a vanished worker is UNAVAILABLE."""
+    def translate(self, err: grpc.RpcError, *, started: bool | None = None) -> errors.NndError:
+        """A worker's status, re-raised for the client; a vanished worker is UNAVAILABLE.
+
+        `started`: whether the worker had begun running the request (None: unknown)."""
         code = err.code()
+        if self.fault and self.proc:
+            self._wait_exit(2.0)
+            return self.lost(self.fault, started)
         if self.tp_size > 1 and self.proc and (code == grpc.StatusCode.UNAVAILABLE or self._rank_gone()):
             # A group goes down as a whole: torchrun stops the other ranks when one dies; wait for it to
             # finish, and finish it ourselves if a rank hangs (torchrun would wait 30 s on a stuck one).
@@ -185,9 +279,10 @@ class Worker:
                     self.proc.kill()
                     self.proc.wait()
         if code == grpc.StatusCode.UNAVAILABLE or (self.proc and self.proc.poll() is not None):
-            time.sleep(0.05)  # let the watcher record why it died
-            reason = self.describe_exit() if self.proc and self.proc.poll() is not None else err.details()
-            return errors.Unavailable(f"worker for {self.name} died: {reason}")
+            self._wait_exit(0.5)  # a dropped connection: the process is going, let it be reaped
+            died = self.proc is not None and self.proc.poll() is not None
+            reason = self.describe_exit() if died else err.details()
+            return self.lost(f"died: {reason}" if died else f"cannot be reached: {reason}", started)
         exc_type = ""
         for key, value in err.trailing_metadata() or ():
             if key == errors.EXC_TYPE_KEY:
@@ -195,6 +290,28 @@ class Worker:
         mapped = errors.NndError(err.details() or str(code), exc_type=exc_type)
         mapped.code = code
         return mapped
+
+    def _wait_exit(self, timeout: float) -> None:
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def lost(self, reason: str, started: bool | None) -> errors.Unavailable:
+        """UNAVAILABLE for a request the worker could not finish, saying why and whether it ran."""
+        if started is False:
+            when = "before this request ran (it was queued behind another one): none of it ran, so it is safe to retry"
+        elif started:
+            when = "while running this request"
+        else:
+            when = "during this request"
+        again = (
+            "the daemon is dispatching the model again"
+            if self.fault
+            else "the next request dispatches the model again (`nnd ps` shows why it stopped)"
+        )
+        return errors.Unavailable(f"the worker of {self.name} {reason}; this happened {when}; {again}")
 
     def stop(self, grace: float = 5.0) -> None:
         self._stopping = True
@@ -247,4 +364,13 @@ def _process(pid: int) -> psutil.Process | None:
     try:
         return psutil.Process(pid)
     except psutil.Error:
+        return None
+
+
+def _started(call: Any) -> bool | None:
+    """Whether the worker had begun running `call`'s request when it failed (it sends
+    errors.STARTED_KEY once the request has the model)."""
+    try:
+        return any(key == errors.STARTED_KEY for key, _ in call.initial_metadata() or ())
+    except Exception:  # noqa: BLE001 - only a hint for the error message
         return None

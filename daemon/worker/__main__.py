@@ -18,7 +18,7 @@ from concurrent import futures
 import grpc
 
 from nnd.v1 import worker_pb2_grpc
-from nnd_daemon.worker.service import WorkerService
+from nnd_daemon.worker.service import RPC_THREADS, WorkerService
 
 
 def _die_with_parent(parent: int) -> None:
@@ -72,7 +72,7 @@ def main() -> None:
 
         tp.main(ns, OPTIONS, limits)
         return
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=RPC_THREADS), options=OPTIONS)
     service = WorkerService()
     service.limits = limits
     if ns.batch_window_ms > 0:

@@ -18,6 +18,12 @@ from nnd_daemon.worker import loader
 
 log = logging.getLogger("nnd.worker")
 _END = object()
+_STARTED = object()  # the request has the model: tell the daemon it is no longer queued
+# gRPC threads of a worker. Every request waiting for the model holds one, and
+# the daemon sends at most one per handler thread of its own (control/server.py,
+# 256); Status pings must always find one more: a watchdog ping stuck behind
+# queued requests would make a busy worker look hung. Threads start on demand.
+RPC_THREADS = 320
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -71,12 +77,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         def work() -> None:
             try:
                 batched = self.batcher is not None and self.batcher.offer(
-                    request, self.tokenizer, out.put, stop.is_set, lambda: None
+                    request, self.tokenizer, out.put, stop.is_set, lambda: out.put(_STARTED)
                 )
                 if not batched:
                     with self._run_lock:
                         if stop.is_set():
                             raise errors.Cancelled("request cancelled before it ran")
+                        out.put(_STARTED)
                         self._execute(request, out.put, stop.is_set)
                 out.put(_END)
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
@@ -87,6 +94,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             item = out.get()
             if item is _END:
                 return
+            if item is _STARTED:
+                # If the worker dies from here on, the daemon tells the client its request was running.
+                context.send_initial_metadata(((errors.STARTED_KEY, "1"),))
+                continue
             if isinstance(item, BaseException):
                 if not isinstance(item, errors.NndError):
                     log.exception("engine failure", exc_info=item)

@@ -63,6 +63,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(a second signal cuts it short)",
     )
     p.add_argument(
+        "--watchdog-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how often each dispatched worker is pinged (0: no watchdog); a worker that misses "
+        "--watchdog-misses pings in a row is killed and its model re-dispatched",
+    )
+    p.add_argument(
+        "--watchdog-timeout", type=float, default=10.0, metavar="SECONDS", help="how long one ping waits for an answer"
+    )
+    p.add_argument("--watchdog-misses", type=int, default=3, metavar="N", help="unanswered pings that mean hung")
+    p.add_argument(
+        "--restart-limit",
+        type=int,
+        default=3,
+        metavar="N",
+        help="re-dispatch a model whose worker hung at most N times per 10 minutes (0: leave it META "
+        "until a request or `nnd dispatch` asks for it)",
+    )
+    p.add_argument(
         "--batch-window-ms",
         type=float,
         default=2.0,
