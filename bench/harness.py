@@ -9,6 +9,7 @@ Fairness rules, applied here once:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -182,7 +183,11 @@ def workdir() -> pathlib.Path:
     global _ROOT
     if _ROOT is None:
         given = os.environ.get("NND_BENCH_WORKDIR")
-        _ROOT = pathlib.Path(given) if given else pathlib.Path(tempfile.mkdtemp(prefix="nnd-bench-"))
+        if given:
+            _ROOT = pathlib.Path(given)
+        else:  # our own: removed when this process ends, whoever forgets cleanup()
+            _ROOT = pathlib.Path(tempfile.mkdtemp(prefix="nnd-bench-"))
+            atexit.register(shutil.rmtree, _ROOT, True)
     return _ROOT
 
 
