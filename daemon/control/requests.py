@@ -8,6 +8,42 @@ from nnd.v1 import nnd_pb2
 from nnd_daemon import errors
 from nnd_daemon.control.settings import Limits
 
+# Protobuf parsers refuse messages nested more than 100 deep, and the daemon
+# wraps a request up to 3 levels deeper for its worker (a session's trace, a
+# stored edit's graph). A request nested deeper than this is refused here, as
+# INVALID_ARGUMENT, instead of failing to parse in the worker (INTERNAL).
+MAX_DEPTH = 90
+# Messages that hold no recursive fields: never walked into.
+_LEAVES = {"nnd.v1." + n for n in ("Tensor", "Slice", "Empty", "Shape", "SourceLocation", "ModuleValue", "TokenIds")}
+
+
+def check_depth(message: Any, what: str = "the request") -> None:
+    """Refuse `message` if it nests messages (lists in lists...) more than MAX_DEPTH deep."""
+    stack = [(message, 1)]
+    while stack:
+        msg, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise errors.InvalidArgument(
+                f"{what} nests values more than {MAX_DEPTH} levels deep (lists in lists...); flatten it"
+            )
+        if msg.DESCRIPTOR.full_name in _LEAVES:
+            continue
+        for fd in msg.DESCRIPTOR.fields:
+            if fd.message_type is None:
+                continue
+            if fd.message_type.GetOptions().map_entry:
+                if fd.message_type.fields_by_name["value"].message_type is not None:
+                    stack.extend((v, depth + 2) for v in getattr(msg, fd.name).values())
+            elif _repeated(fd):
+                stack.extend((v, depth + 1) for v in getattr(msg, fd.name))
+            elif msg.HasField(fd.name):
+                stack.append((getattr(msg, fd.name), depth + 1))
+
+
+def _repeated(fd: Any) -> bool:
+    flag = getattr(fd, "is_repeated", None)  # protobuf >= 5.29; `label` is deprecated there
+    return bool(flag) if flag is not None else fd.label == fd.LABEL_REPEATED
+
 
 def check(request: nnd_pb2.TraceRequest, limits: Limits, *, generate: bool) -> None:
     if not request.model:
@@ -24,6 +60,7 @@ def check(request: nnd_pb2.TraceRequest, limits: Limits, *, generate: bool) -> N
             raise errors.ResourceExhausted(
                 f"the request is {size} bytes, over the daemon's limit max_request_bytes={limits.max_request_bytes}"
             )
+    check_depth(request)
     if generate:
         n = request.generate.max_new_tokens
         if n < 0:

@@ -10,13 +10,16 @@ import signal
 import socket
 import stat
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from nnd import _address
 from nnd.v1 import nnd_pb2
+from nnd_daemon import errors
 from nnd_daemon.control.auth import Access
 from nnd_daemon.control.registry import Registry
 from nnd_daemon.control.servicer import NndServicer
@@ -50,8 +53,37 @@ def _handlers(servicer: NndServicer) -> grpc.GenericRpcHandler:
         if fn is None:  # not implemented yet: gRPC answers UNIMPLEMENTED
             continue
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
-        handlers[method.name] = make(fn, request_deserializer=req.FromString, response_serializer=serialize)
+        handlers[method.name] = make(
+            _refuse_malformed(fn), request_deserializer=_parser(req), response_serializer=serialize
+        )
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+class _Malformed:
+    """A request whose bytes do not parse; its handler answers INVALID_ARGUMENT."""
+
+    def __init__(self, message_type: str, error: Exception) -> None:
+        self.text = f"the request is not a valid nnd.v1.{message_type} message ({error}); nothing ran"
+
+
+def _parser(message: Any) -> Callable[[bytes], Any]:
+    # gRPC answers INTERNAL when a deserializer raises; a client's garbage is its own error.
+    def parse(data: bytes) -> Any:
+        try:
+            return message.FromString(data)
+        except (DecodeError, RecursionError, ValueError) as exc:
+            return _Malformed(message.__name__, exc)
+
+    return parse
+
+
+def _refuse_malformed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def handle(request: Any, context: grpc.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            errors.abort(context, errors.InvalidArgument(request.text))
+        return fn(request, context)
+
+    return handle
 
 
 def _prepare_socket(path: str, group: str | None) -> None:

@@ -222,6 +222,7 @@ class NndServicer:
                 f"the edit is {graph.ByteSize()} bytes, over the limit max_request_bytes="
                 f"{self.settings.limits.max_request_bytes}"
             )
+        requests.check_depth(graph, "the edit")
         plan.check_edit(graph, entry.meta.module)
         edit = entry.meta.edits.create(graph, name=request.name, base=request.base, replace=request.replace)
         return edit.info(entry.name)
