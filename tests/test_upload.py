@@ -74,7 +74,7 @@ def test_seed_sequential_trace_scan_and_edits(daemon, state):
     assert _ps(daemon)["seq"]["state"] == "DISPATCHED"
     assert "seq" in daemon.cli("ps").stdout
     wrapped.release()
-    state["seq"] = (net, x)
+    state["seq"] = (net, x, wrapped.upload_info.sha256)
 
 
 class MLP(torch.nn.Module):
@@ -126,8 +126,12 @@ def _local(net: Net, x: torch.Tensor) -> dict[str, torch.Tensor]:
     def keep(module, args, output):
         got["block1"] = output.clone()
 
+    def skip(module, args, output):
+        return args[0]
+
     handles = [
         net.blocks[0].mlp.register_forward_hook(zero),
+        net.blocks[0].norm.register_forward_hook(skip),
         net.blocks[1].mlp.fc2.register_forward_hook(plus_one),
         net.blocks[1].register_forward_hook(keep),
     ]
@@ -151,6 +155,7 @@ def test_nested_module_reads_edits_and_scan(daemon):
     x = torch.rand(2, 7, 4)  # another batch and sequence length than the example
     with wrapped.trace(x):
         wrapped.blocks[0].mlp.output[:] = 0
+        wrapped.blocks[0].norm.skip(wrapped.blocks[0].norm.input)  # not run: its input goes on
         wrapped.blocks[1].mlp.fc2.output += 1
         fc2_in = wrapped.blocks[1].mlp.fc2.input.save()
         block1 = wrapped.blocks[1].output.save()
@@ -250,11 +255,13 @@ def test_restart_restores_uploads_and_no_uploads_refuses_new_ones(daemon, state)
             logits = restored.lm_head.output.save()
         assert torch.allclose(logits, want, atol=1e-4)
 
-        net, x = state["seq"]
+        net, x, seq_sha = state["seq"]
         seq = nnd.NNsight("seq", address=d.address)  # an uploaded module, opened by name
         with seq.scan(x):
             shape = seq[0].output.shape.save()
         assert tuple(shape) == (1, 10)
+        seq.unload()  # its last user: the files go
+        assert seq_sha not in _uploads(d) and sha in _uploads(d)
         with pytest.raises(nnd.Unauthenticated, match="--no-uploads"):
             nnd.NNsight(torch.nn.Linear(3, 3), torch.rand(2, 3), address=d.address)
     finally:

@@ -158,6 +158,7 @@ _SYMPY_KEYWORDS = {
     "precision",
 }
 _SYMBOL = re.compile(r"[a-z]{1,4}[0-9]+")
+_NUMBER = re.compile(r"[-+]?[0-9]+(\.[0-9]+)?(e[-+]?[0-9]+)?")
 _EXPR_TOKEN = re.compile(
     r"\s*(?:([A-Za-z_][A-Za-z0-9_]*)|([0-9]+(?:\.[0-9]+)?(?:e[-+]?[0-9]+)?)|'([A-Za-z0-9_.+-]*)'"
     r"|(\*\*|//|[-+*/%(),<>=!&|~]))"
@@ -207,9 +208,12 @@ def _check_expr(text: Any) -> None:
             if text[pos:].strip() == "":
                 break
             raise _refuse(f"shape expression {text[:80]!r} holds something other than sizes and arithmetic")
-        name = m.group(1)
+        name, quoted = m.group(1), m.group(3)
         if name is not None and not (_SYMBOL.fullmatch(name) or name in _SYMPY_NAMES or name in _SYMPY_KEYWORDS):
             raise _refuse(f"shape expression {text[:80]!r} names {name!r}")
+        # A quoted string is a symbol's name or a number (Symbol('s0'), Float('1.5')), nothing sympy would parse further.
+        if quoted is not None and not (_SYMBOL.fullmatch(quoted) or _NUMBER.fullmatch(quoted)):
+            raise _refuse(f"shape expression {text[:80]!r} quotes {quoted!r}")
         pos = m.end()
 
 
