@@ -103,7 +103,7 @@ def test_deadline_is_honoured(daemon, tiny_models):
 
     def run():
         try:
-            for _ in model.stream(PROMPT, max_new_tokens=1000, timeout=0.5):
+            for _ in model.stream(PROMPT, max_new_tokens=1000, min_new_tokens=1000, timeout=0.5):
                 pass
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
@@ -130,3 +130,10 @@ def test_cli_generate_prints_text(daemon, tiny_models):
     daemon.cli("load", path)
     out = daemon.cli("generate", path, PROMPT, "--max-new-tokens", "5").stdout
     assert out.startswith(PROMPT) and len(out.strip()) > len(PROMPT)
+
+
+def test_min_new_tokens_outlasts_an_early_end_of_sequence(gpt2):
+    with gpt2.generate(PROMPT, max_new_tokens=12, min_new_tokens=12) as tracer:
+        ids = tracer.result.save()
+    n = len(gpt2.tokenizer(PROMPT)["input_ids"])
+    assert ids.shape[1] == n + 12

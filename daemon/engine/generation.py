@@ -41,6 +41,12 @@ def options(msg: nnd_pb2.GenerateOptions, limits: EngineLimits) -> Options:
     if not 0 <= msg.top_p <= 1:
         raise errors.InvalidArgument(f"generate.top_p must be in (0, 1], got {msg.top_p}")
     kwargs: dict[str, Any] = {"max_new_tokens": n, "do_sample": msg.do_sample}
+    if msg.min_new_tokens:
+        if not 0 < msg.min_new_tokens <= n:
+            raise errors.InvalidArgument(
+                f"generate.min_new_tokens must be between 1 and max_new_tokens={n}, got {msg.min_new_tokens}"
+            )
+        kwargs["min_new_tokens"] = msg.min_new_tokens
     if msg.do_sample:  # sampling settings only mean something when sampling (HF warns otherwise)
         if msg.temperature:
             kwargs["temperature"] = msg.temperature

@@ -14,9 +14,15 @@ if TYPE_CHECKING:
     from nnd._model import TransformersModel
 
 
+GENERATE_OPTIONS = frozenset(
+    {"max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stream_text"}
+)
+
+
 def generate_options(**opts: Any) -> nnd_pb2.GenerateOptions:
     gen = nnd_pb2.GenerateOptions(
         max_new_tokens=int(opts.get("max_new_tokens") or 0),
+        min_new_tokens=int(opts.get("min_new_tokens") or 0),
         do_sample=bool(opts.get("do_sample") or False),
         temperature=float(opts.get("temperature") or 0.0),
         top_k=int(opts.get("top_k") or 0),
@@ -31,10 +37,16 @@ def generate_options(**opts: Any) -> nnd_pb2.GenerateOptions:
 def stream(model: TransformersModel, prompt: Any, **opts: Any) -> Iterator[StepToken]:
     """Yield each step's tokens as the daemon produces them. Closing the
     iterator (or leaving the loop early) cancels the generation."""
+    timeout = opts.pop("timeout", None)
+    unknown = set(opts) - GENERATE_OPTIONS
+    if unknown:
+        raise TypeError(
+            f"unknown option(s) {', '.join(sorted(unknown))}; stream takes: timeout, {', '.join(sorted(GENERATE_OPTIONS))}"
+        )
     request = nnd_pb2.TraceRequest(
         model=model.name, invokes=_inputs.to_invokes(prompt), graph=graph_pb2.Graph(), generate=generate_options(**opts)
     )
-    responses = model._conn.stream("Generate", request)
+    responses = model._conn.stream("Generate", request, timeout=timeout)
     try:
         for msg in responses:
             if msg.WhichOneof("kind") == "step":
