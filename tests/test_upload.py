@@ -145,7 +145,7 @@ def _local(net: Net, x: torch.Tensor) -> dict[str, torch.Tensor]:
     return got
 
 
-def test_nested_module_reads_edits_and_scan(daemon):
+def test_nested_module_reads_edits_gradients_and_scan(daemon):
     torch.manual_seed(1)
     net = Net().eval()
     wrapped = nnd.NNsight(net, torch.rand(1, 6, 4), address=daemon.address, name="net", device="cpu")
@@ -167,6 +167,25 @@ def test_nested_module_reads_edits_and_scan(daemon):
     assert torch.allclose(lens, local["lens"], atol=1e-5) and torch.allclose(lens, out, atol=1e-5)
     with torch.no_grad():
         assert not torch.allclose(out, net(x), atol=1e-3)  # the edits did something
+
+    # Gradients flow through the exported graph as through the module.
+    with wrapped.trace(x):
+        h0 = wrapped.blocks[0].output
+        with wrapped.output.sum().backward():
+            grad = h0.grad.save()
+    kept: dict[str, torch.Tensor] = {}
+
+    def retain(module, args, output):
+        output.retain_grad()
+        kept["h0"] = output
+
+    handle = net.blocks[0].register_forward_hook(retain)
+    try:
+        net(x.clone().requires_grad_(True)).sum().backward()
+    finally:
+        handle.remove()
+        net.zero_grad(set_to_none=True)
+    assert torch.allclose(grad, kept["h0"].grad, atol=1e-5)
 
     with wrapped.scan(torch.rand(5, 3, 4)):
         hidden = wrapped.blocks[1].mlp.fc1.output.save()
