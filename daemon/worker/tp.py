@@ -43,7 +43,7 @@ from nnd.v1 import worker_pb2, worker_pb2_grpc
 from nnd_daemon import errors
 from nnd_daemon.engine import sharding
 from nnd_daemon.worker import loader, tplaunch, tplayout
-from nnd_daemon.worker.service import WorkerService
+from nnd_daemon.worker.service import RPC_THREADS, WorkerService
 
 log = logging.getLogger("nnd.worker.tp")
 
@@ -331,7 +331,8 @@ def main(ns: argparse.Namespace, options: list[tuple[str, int]], limits: Any = N
     with open(tplaunch.pids_path(ns.socket) + ".tmp", "w") as f:
         f.write(" ".join(map(str, group.pids)))
     os.replace(tplaunch.pids_path(ns.socket) + ".tmp", tplaunch.pids_path(ns.socket))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=options)
+    # As many threads as a single worker: the watchdog's pings must not starve behind queued requests.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=RPC_THREADS), options=options)
     service = LeaderService(group, runner)
     service.limits = limits
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
