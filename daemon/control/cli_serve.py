@@ -38,6 +38,7 @@ def settings_from_args(ns: argparse.Namespace) -> Settings:
         default_deadline_s=ns.deadline,
         max_queue_depth=ns.max_queue_depth,
         max_dispatched_models=ns.max_dispatched,
+        max_upload_bytes=-1 if ns.no_uploads else parse_bytes(ns.max_upload_bytes),
     )
     return Settings(
         address=address,

@@ -27,7 +27,7 @@ import psutil
 
 from nnd.v1 import nnd_pb2, worker_pb2
 from nnd_daemon import errors
-from nnd_daemon.control import metamodel, statefile
+from nnd_daemon.control import metamodel, statefile, uploads
 from nnd_daemon.control.settings import Settings, parse_duration
 from nnd_daemon.control.supervisor import Worker
 from nnd_daemon.worker import tplaunch
@@ -107,7 +107,8 @@ class Registry:
         name = req.model.strip()
         if not name:
             raise errors.InvalidArgument("LoadModel needs a model: a repo id or a local directory")
-        self._check_allowed(name, req.trust_remote_code)
+        if not req.upload:  # an upload (control/uploads.py) is gated by --no-uploads, not the allow-list
+            self._check_allowed(name, req.trust_remote_code)
         if req.keep_alive:
             _keep_alive_seconds(req.keep_alive)
         while True:
@@ -120,7 +121,12 @@ class Registry:
                     break
             pending.wait()
         try:
-            meta = metamodel.build(name, revision=req.revision, task=req.task, trust_remote_code=req.trust_remote_code)
+            if req.upload:
+                meta = uploads.build_meta(self.settings, req)
+            else:
+                meta = metamodel.build(
+                    name, revision=req.revision, task=req.task, trust_remote_code=req.trust_remote_code
+                )
             entry = Entry(
                 name=name,
                 meta=meta,
@@ -128,6 +134,8 @@ class Registry:
                 trust_remote_code=req.trust_remote_code,
                 keep_alive=req.keep_alive,
             )
+            if req.upload:
+                entry.extra["upload"] = req.upload  # the registry file records it (statefile.py)
             with self._lock:
                 self._entries[name] = entry
             self.save()
@@ -152,6 +160,7 @@ class Registry:
         with self._lock:
             self._entries.pop(entry.name, None)
         self.save()
+        uploads.forget(self.settings, entry, self.entries())  # its files, unless another model uses them
 
     # -- dispatch / release -------------------------------------------------
     def dispatch(self, name: str, override: nnd_pb2.Placement | None = None, keep_alive: str = "") -> Iterator[Any]:

@@ -52,6 +52,11 @@ def _handlers(servicer: NndServicer) -> grpc.GenericRpcHandler:
         fn = getattr(servicer, method.name, None)
         if fn is None:  # not implemented yet: gRPC answers UNIMPLEMENTED
             continue
+        if method.client_streaming:  # Upload: messages in, one answer out (control/uploads.py refuses malformed ones)
+            handlers[method.name] = grpc.stream_unary_rpc_method_handler(
+                fn, request_deserializer=_parser(req), response_serializer=serialize
+            )
+            continue
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[method.name] = make(
             _refuse_malformed(fn), request_deserializer=_parser(req), response_serializer=serialize

@@ -16,7 +16,7 @@ import grpc
 from nnd import __version__
 from nnd.v1 import graph_pb2, nnd_pb2, worker_pb2
 from nnd_daemon import errors
-from nnd_daemon.control import requests
+from nnd_daemon.control import requests, uploads
 from nnd_daemon.control.registry import Registry
 from nnd_daemon.control.settings import Settings
 
@@ -80,6 +80,7 @@ class NndServicer:
     # -- models -------------------------------------------------------------
     @_guard
     def LoadModel(self, request: nnd_pb2.LoadModelRequest, context: grpc.ServicerContext) -> nnd_pb2.ModelInfo:
+        uploads.before_load(self.settings, self.registry, request)  # LoadModel(upload=): allowed, named
         entry = self.registry.load(request)
         if request.rename:  # nnsight's rename=: extra module names, for every client of the model
             entry.meta.rename(request.rename)
@@ -111,6 +112,15 @@ class NndServicer:
     def Unload(self, request: nnd_pb2.UnloadRequest, context: grpc.ServicerContext) -> nnd_pb2.UnloadResponse:
         self.registry.unload(request.model)
         return nnd_pb2.UnloadResponse()
+
+    # -- uploads (control/uploads.py) ---------------------------------------
+    @_guard
+    def Upload(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> nnd_pb2.UploadResponse:
+        return uploads.upload(self.settings, request_iterator, context)
+
+    @_guard
+    def HasUpload(self, request: nnd_pb2.HasUploadRequest, context: grpc.ServicerContext) -> Any:
+        return uploads.has_upload(self.settings, request)
 
     # -- tracing ------------------------------------------------------------
     @_guard

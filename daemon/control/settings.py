@@ -22,6 +22,8 @@ class Limits:
     default_deadline_s: float = 600.0
     max_queue_depth: int = 64
     max_dispatched_models: int = 8
+    # Bytes one Upload may carry (all its files); -1: uploads disabled (--no-uploads).
+    max_upload_bytes: int = 20 * 1024 * 1024 * 1024
 
     def to_proto(self) -> nnd_pb2.Limits:
         return nnd_pb2.Limits(**self.__dict__)

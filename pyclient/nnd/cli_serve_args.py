@@ -45,6 +45,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="restrict LoadModel to these repo ids/paths (a trailing * matches a prefix; repeatable)",
     )
     p.add_argument("--allow-remote-code", action="store_true", help="let clients load models with trust_remote_code")
+    p.add_argument(
+        "--max-upload-bytes",
+        default="20GiB",
+        help="largest model a client may upload (nnd.TransformersModel(hf_model), nnd.NNsight(module)); 0: no limit",
+    )
+    p.add_argument(
+        "--no-uploads", action="store_true", help="refuse uploaded models: only repo ids and paths can be loaded"
+    )
     p.add_argument("--socket-group", help="group owning the socket (mode 0660, in a 0750 directory), e.g. a lab group")
     p.add_argument(
         "--token-file",
