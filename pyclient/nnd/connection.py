@@ -100,7 +100,10 @@ class Connection:
 
     def _translate(self, err: grpc.RpcError) -> Exception:
         exc = from_rpc_error(err)
-        if isinstance(exc, DaemonUnavailable) and "connect" in str(exc).lower():
+        # gRPC's own words for "nothing listens there" (a daemon's UNAVAILABLE,
+        # e.g. a worker's death, quotes logs and must pass through unchanged).
+        text = str(exc)
+        if isinstance(exc, DaemonUnavailable) and text.startswith(("failed to connect", "DNS resolution failed")):
             return DaemonUnavailable(f"cannot reach the nnd daemon at {self.address} (is `nnd serve` running?)")
         return exc
 
