@@ -8,6 +8,7 @@ the wire bytes.
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,12 @@ from nnd.v1 import nnd_pb2, values_pb2
 from .. import errors
 
 INLINE_LIMIT = 64 * 1024
+# Where result tensors of INLINE_LIMIT bytes or more go instead of blobs, when
+# set: a callable that writes the tensor's wire bytes somewhere and returns the
+# name to put in `Tensor.shm` (the worker's shared-memory path, worker/shm.py).
+blob_sink: contextvars.ContextVar[Callable[[torch.Tensor], str] | None] = contextvars.ContextVar(
+    "blob_sink", default=None
+)
 # Under gRPC's default 4 MiB receive limit with room for framing, so clients
 # with default channel settings (Go, Rust, Node) receive any result.
 CHUNK_SIZE = 4 * 1024 * 1024 - 64 * 1024
@@ -159,6 +166,11 @@ class Encoder:
             msg.device = "meta"
             return msg
         msg.device = str(t.device)
+        sink = blob_sink.get()
+        if sink is not None and t.numel() * t.element_size() >= INLINE_LIMIT:
+            msg.shm = sink(t)
+            self.total_bytes += t.numel() * t.element_size()
+            return msg
         raw = tensor_bytes(t)
         self.total_bytes += len(raw)
         if len(raw) < INLINE_LIMIT:

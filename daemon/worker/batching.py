@@ -20,7 +20,7 @@ Merging
     held until the merged run has finished, so a failure emits nothing.
 
 Compatibility rule (anything else runs alone, exactly as before)
-    - a Trace: not a Generate, Scan or Session; no stored edits;
+    - a Trace: not a Generate, Scan or Session; no stored edits; no `shm`;
     - nodes are module values, constants, ops, saves and sets only: no
       skip, stop, backward/grad/set_grad or cache nodes (those act on the
       whole batch or the whole request);
@@ -79,7 +79,7 @@ def token_length(request: worker_pb2.WorkerRunRequest, tokenizer: Any) -> tuple[
     if request.generate or request.HasField("session") or request.edits:
         return None
     trace = request.request
-    if trace.edits or not trace.invokes or trace.HasField("generate"):
+    if trace.edits or trace.shm or not trace.invokes or trace.HasField("generate"):
         return None
     for node in trace.graph.nodes:
         kind = node.WhichOneof("kind")

@@ -110,8 +110,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     ) -> None:
         from nnd_daemon import engine
 
-        # A Trace, a Generate or a Session, with the graphs of the edits it names.
-        engine.run_worker(self.model, self.tokenizer, request, emit=emit, cancelled=cancelled, limits=self.limits)
+        from nnd_daemon.worker import shm
+
+        # A Trace, a Generate or a Session, with the graphs of the edits it names; with
+        # `request.shm`, big saved tensors go to shared-memory segments (shm.py).
+        with shm.results(request):
+            engine.run_worker(self.model, self.tokenizer, request, emit=emit, cancelled=cancelled, limits=self.limits)
 
     # -- Status -------------------------------------------------------------
     def Status(self, request: worker_pb2.WorkerStatusRequest, context: grpc.ServicerContext) -> Any:

@@ -8,6 +8,7 @@ since numpy has no bfloat16.
 from __future__ import annotations
 
 import math
+import mmap
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -169,12 +170,21 @@ class Decoder:
             if self.torch is not None:
                 return self.torch.empty(shape, dtype=getattr(self.torch, name), device="meta")
             return _meta.MetaTensor(shape, name)
-        data = self.blobs.get(t.blob, b"") if t.blob else t.data
         expected = math.prod(shape) * _dtypes.itemsize(name)
+        data: Any
+        if t.shm:  # results through shared memory: a zero-copy view of the segment (_shm.py)
+            from nnd import _shm
+
+            data = _shm.take(t.shm, expected)
+        else:
+            data = self.blobs.get(t.blob, b"") if t.blob else t.data
         if len(data) != expected:
             raise ValueError(f"tensor of shape {list(shape)} {name} needs {expected} bytes, got {len(data)}")
         # A bytearray makes the array writable (torch warns on read-only buffers).
-        arr = np.frombuffer(bytearray(data), dtype=np.dtype(_dtypes.numpy_view(name))).reshape(shape)
+        # (Buffers already writable and owned here, reassembled blobs and segments, are used as they are.)
+        buf = data if isinstance(data, (bytearray, mmap.mmap)) else bytearray(data)
+        arr = np.frombuffer(buf, dtype=np.dtype(_dtypes.numpy_view(name)), count=math.prod(shape))
+        arr = arr.reshape(shape)
         if not _LITTLE:
             arr = arr.byteswap()
         if self.torch is not None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nnd import _codec
+from nnd import _codec, _dtypes
 from nnd.v1 import nnd_pb2, values_pb2
 
 
@@ -31,6 +32,53 @@ class StepToken:
         return self.texts[0] if self.texts else ""
 
 
+class _Blobs:
+    """Chunked tensors reassembled with one copy: each chunk goes straight into a buffer of the
+    tensor's size, allocated when the Saved message naming the blob arrives (the decoder then
+    wraps that buffer without copying it again)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[int, bytearray] = {}
+        self.filled: dict[int, int] = {}
+        self.parts: dict[int, list[bytes]] = {}  # blobs of unknown size (never from nnd): joined at the end
+
+    def expect(self, value: values_pb2.Value) -> None:
+        kind = value.WhichOneof("kind")
+        if kind == "tensor":
+            t = value.tensor
+            if t.blob and t.blob not in self.buffers:
+                self.buffers[t.blob] = bytearray(math.prod(t.shape) * _dtypes.itemsize(_dtypes.name_of(t.dtype)))
+                self.filled[t.blob] = 0
+        elif kind in ("list", "tuple"):
+            for item in getattr(value, kind).items:
+                self.expect(item)
+        elif kind == "map":
+            for item in value.map.items.values():
+                self.expect(item)
+
+    def add(self, blob: int, data: bytes) -> None:
+        buf = self.buffers.get(blob)
+        start = self.filled.get(blob, 0)
+        if buf is None or start + len(data) > len(buf):
+            self.parts.setdefault(blob, []).append(data)
+            return
+        buf[start : start + len(data)] = data
+        self.filled[blob] = start + len(data)
+
+    def joined(self) -> dict[int, Any]:
+        out: dict[int, Any] = {}
+        for blob, buf in self.buffers.items():
+            if blob in self.parts:  # more bytes than the shape says: let the decoder report it
+                out[blob] = bytes(buf[: self.filled[blob]]) + b"".join(self.parts[blob])
+            elif self.filled[blob] != len(buf):
+                out[blob] = bytes(buf[: self.filled[blob]])
+            else:
+                out[blob] = buf
+        for blob, parts in self.parts.items():
+            out.setdefault(blob, b"".join(parts))
+        return out
+
+
 @dataclass
 class Results:
     """Everything a response stream carried, decoded."""
@@ -49,14 +97,15 @@ def collect(
     """Read a whole response stream. Chunks of a blob are concatenated in
     arrival order; values are decoded once every chunk is in."""
     raw: dict[int, values_pb2.Value] = {}
-    chunks: dict[int, list[bytes]] = {}
+    blobs = _Blobs()
     out = Results()
     for msg in responses:
         kind = msg.WhichOneof("kind")
         if kind == "saved":
             raw[msg.saved.node] = msg.saved.value
+            blobs.expect(msg.saved.value)
         elif kind == "chunk":
-            chunks.setdefault(msg.chunk.blob, []).append(msg.chunk.data)
+            blobs.add(msg.chunk.blob, msg.chunk.data)
         elif kind == "step":
             step = StepToken(msg.step.step, tuple(msg.step.ids), tuple(msg.step.text), msg.step.trace)
             out.steps.append(step)
@@ -64,6 +113,6 @@ def collect(
                 on_step(step)
         elif kind == "done":
             out.compute_s = msg.done.compute_s
-    decoder = _codec.Decoder({blob: b"".join(parts) for blob, parts in chunks.items()}, use_torch=use_torch)
+    decoder = _codec.Decoder(blobs.joined(), use_torch=use_torch)
     out.saved = {node: decoder.value(value) for node, value in raw.items()}
     return out

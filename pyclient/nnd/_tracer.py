@@ -58,7 +58,8 @@ class Tracer:
     """
 
     _method = "Trace"
-    _options_allowed: frozenset[str] = frozenset({"keep_alive"})
+    # shm=True: big saved tensors come back through shared memory (same host, unix socket; _shm.py).
+    _options_allowed: frozenset[str] = frozenset({"keep_alive", "shm"})
     _sessionable = True  # may be part of `with model.session():`
 
     def __init__(self, model: TransformersModel, data: Any = _NO_INPUT, **options: Any) -> None:
@@ -253,6 +254,12 @@ class Tracer:
             from nnd._placement import keep_alive_string
 
             request.keep_alive = keep_alive_string(keep_alive)
+        if self._options.get("shm"):
+            from nnd import _shm
+
+            if not _shm.available(self.model._conn.address):
+                raise ValueError("shm=True needs a daemon on this host's unix socket (and Linux's /dev/shm)")
+            request.shm = True
         return request
 
     def _run(self) -> None:
@@ -303,7 +310,7 @@ class GenerateTracer(Tracer):
 
     _method = "Generate"
     _options_allowed = frozenset(
-        {"keep_alive", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stream_text"}
+        {"keep_alive", "shm", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stream_text"}
     )
 
     def _request(self) -> nnd_pb2.TraceRequest:
