@@ -109,7 +109,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.WorkerRunRequest, emit: Callable[[Any], None], cancelled: Callable[[], bool]
     ) -> None:
         from nnd_daemon import engine
-
         from nnd_daemon.worker import shm
 
         # A Trace, a Generate or a Session, with the graphs of the edits it names; with
