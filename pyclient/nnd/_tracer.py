@@ -59,7 +59,7 @@ class Tracer:
 
     _method = "Trace"
     # shm=True: big saved tensors come back through shared memory (same host, unix socket; _shm.py).
-    _options_allowed: frozenset[str] = frozenset({"keep_alive", "shm"})
+    _options_allowed: frozenset[str] = frozenset({"keep_alive", "shm", "timeout"})
     _sessionable = True  # may be part of `with model.session():`
 
     def __init__(self, model: TransformersModel, data: Any = _NO_INPUT, **options: Any) -> None:
@@ -264,7 +264,7 @@ class Tracer:
 
     def _run(self) -> None:
         request = self._request()
-        stream = self.model._conn.stream(self._method, request)
+        stream = self.model._conn.stream(self._method, request, timeout=self._options.get("timeout"))
         results = _results.collect(stream, on_step=self.tokens.append)
         self._deliver(results)
 
@@ -310,7 +310,19 @@ class GenerateTracer(Tracer):
 
     _method = "Generate"
     _options_allowed = frozenset(
-        {"keep_alive", "shm", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stream_text"}
+        {
+            "keep_alive",
+            "shm",
+            "timeout",
+            "max_new_tokens",
+            "min_new_tokens",
+            "do_sample",
+            "temperature",
+            "top_k",
+            "top_p",
+            "seed",
+            "stream_text",
+        }
     )
 
     def _request(self) -> nnd_pb2.TraceRequest:
