@@ -85,7 +85,7 @@ def test_seeded_sampling_repeats(gpt2):
 
 
 def test_cancelled_generation_frees_the_worker(gpt2):
-    it = gpt2.stream(PROMPT, max_new_tokens=1000)
+    it = gpt2.stream(PROMPT, max_new_tokens=120, min_new_tokens=120)
     next(it)
     it.close()  # cancels the call
     t0 = time.perf_counter()
@@ -137,3 +137,12 @@ def test_min_new_tokens_outlasts_an_early_end_of_sequence(gpt2):
         ids = tracer.result.save()
     n = len(gpt2.tokenizer(PROMPT)["input_ids"])
     assert ids.shape[1] == n + 12
+
+
+def test_generating_past_learned_positions_is_refused_up_front(gpt2):
+    # the tiny GPT-2 has 128 learned positions
+    with pytest.raises(nnd.errors.InvalidRequest) as info:
+        with gpt2.generate(PROMPT, max_new_tokens=500):
+            pass
+    text = str(info.value)
+    assert "128 learned positions" in text and "at most" in text

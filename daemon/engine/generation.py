@@ -94,6 +94,20 @@ class StepStreamer(BaseStreamer):
         pass
 
 
+def _position_table_size(model: torch.nn.Module) -> int:
+    """Rows of the model's learned position-embedding table (GPT-2's wpe,
+    BERT's position_embeddings), or 0 when positions are not learned."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return 0
+    for name, module in model.named_modules():
+        last = name.rpartition(".")[2]
+        learned = isinstance(module, torch.nn.Embedding) and module.num_embeddings == limit
+        if learned and ("pos" in last or last == "wpe"):
+            return limit
+    return 0
+
+
 def generate(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -108,6 +122,15 @@ def generate(
     if not callable(getattr(model, "generate", None)):
         raise errors.InvalidArgument(f"{type(model).__name__} cannot generate")
     inputs = {k: v for k, v in batch.kwargs.items() if k != "position_ids"}  # HF derives them from the mask
+    # A learned position table ends somewhere (rotary positions do not): say so
+    # before the forward fails with an opaque index error past the end.
+    limit = _position_table_size(model)
+    prompt = int(inputs["input_ids"].shape[1])
+    if limit and prompt + opts.max_new_tokens > limit:
+        raise errors.InvalidArgument(
+            f"the prompt ({prompt} tokens) plus max_new_tokens={opts.max_new_tokens} exceeds the "
+            f"model's {limit} learned positions; ask for at most {max(0, limit - prompt)} new tokens"
+        )
     streamer = StepStreamer(emit, batch.rows, tokenizer, opts.stream_text, cancelled)
     if opts.seed is not None:
         torch.manual_seed(opts.seed)
