@@ -19,19 +19,14 @@ NEW = 32
 
 def run(quick: bool) -> list[Row]:
     harness.one_thread()
-    import nnsight
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import nnd
 
     layers, width = (4, 256) if quick else (12, 768)
     warmup, repeats = (1, 3) if quick else (1, 7)
-    path = harness.model("gpt2", layers=layers, width=width)
+    path, tok, hf, lm = harness.gpt2_subjects(layers, width)
     mid = layers // 2
-    tok = AutoTokenizer.from_pretrained(path)
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
-    lm = nnsight.LanguageModel(path, tokenizer=tok, device_map="cpu", dispatch=True)
 
     def plain() -> torch.Tensor:
         with torch.no_grad():

@@ -360,3 +360,17 @@ def machine() -> dict[str, str]:
     with contextlib.suppress(OSError):
         info["load"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
     return info
+
+
+def gpt2_subjects(layers: int, width: int) -> tuple[str, Any, Any, Any]:
+    """One GPT-2-shaped model, three ways: its directory (for nnd), an HF model
+    with its tokenizer (plain PyTorch), and an nnsight LanguageModel on the same
+    weights. Returns (path, tokenizer, hf_model, nnsight_model)."""
+    import nnsight
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = model("gpt2", layers=layers, width=width)
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    lm = nnsight.LanguageModel(path, tokenizer=tok, device_map="cpu", dispatch=True)
+    return path, tok, hf, lm
