@@ -4,6 +4,7 @@ errors to statuses in one place (`_guard`)."""
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import platform
@@ -45,8 +46,6 @@ def _guard(method: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as exc:
             log.exception("%s failed", method.__name__)
             errors.abort(context, errors.NndError(f"internal error: {type(exc).__name__}: {exc}"))
-
-    import inspect
 
     return streaming if inspect.isgeneratorfunction(method) else unary
 
