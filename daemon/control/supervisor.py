@@ -41,6 +41,7 @@ from nnd_daemon.worker import tplaunch
 log = logging.getLogger("nnd.supervisor")
 _serial = itertools.count(1)
 
+# (Not SingleThreadedUnaryStream: with it, concurrent calls to one worker were not concurrent.)
 OPTIONS = [("grpc.max_receive_message_length", 512 * 2**20), ("grpc.max_send_message_length", 512 * 2**20)]
 
 

@@ -70,21 +70,38 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def Run(self, request: worker_pb2.WorkerRunRequest, context: grpc.ServicerContext) -> Iterator[Any]:
         if self.model is None:
             errors.abort(context, errors.FailedPrecondition("worker has no model loaded"))
-        out: queue.Queue[Any] = queue.Queue()
         stop = threading.Event()
         context.add_callback(stop.set)
 
+        def started() -> None:
+            # If the worker dies from here on, the daemon tells the client its request was running.
+            context.send_initial_metadata(((errors.STARTED_KEY, "1"),))
+
+        if request.generate or request.HasField("session"):
+            yield from self._run_streaming(request, context, stop, started)
+            return
+        # A Trace answers only when it is done, so it runs on this gRPC thread: no thread or
+        # queue of its own (a per-request cost that bounds how many small traces a second fit).
+        out: list[Any] = []
+        try:
+            self._work(request, out.append, stop, started)
+        except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
+            _abort(context, exc)
+        yield from out
+
+    def _run_streaming(
+        self,
+        request: worker_pb2.WorkerRunRequest,
+        context: grpc.ServicerContext,
+        stop: threading.Event,
+        started: Callable[[], None],
+    ) -> Iterator[Any]:
+        """A Generate or a Session: responses (e.g. each step's tokens) go out while the run goes on."""
+        out: queue.Queue[Any] = queue.Queue()
+
         def work() -> None:
             try:
-                batched = self.batcher is not None and self.batcher.offer(
-                    request, self.tokenizer, out.put, stop.is_set, lambda: out.put(_STARTED)
-                )
-                if not batched:
-                    with self._run_lock:
-                        if stop.is_set():
-                            raise errors.Cancelled("request cancelled before it ran")
-                        out.put(_STARTED)
-                        self._execute(request, out.put, stop.is_set)
+                self._work(request, out.put, stop, lambda: out.put(_STARTED))
                 out.put(_END)
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
                 out.put(exc)
@@ -95,15 +112,27 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             if item is _END:
                 return
             if item is _STARTED:
-                # If the worker dies from here on, the daemon tells the client its request was running.
-                context.send_initial_metadata(((errors.STARTED_KEY, "1"),))
+                started()
                 continue
             if isinstance(item, BaseException):
-                if not isinstance(item, errors.NndError):
-                    log.exception("engine failure", exc_info=item)
-                    item = errors.NndError(f"internal error in worker: {type(item).__name__}: {item}")
-                errors.abort(context, item)
+                _abort(context, item)
             yield item
+
+    def _work(
+        self,
+        request: worker_pb2.WorkerRunRequest,
+        emit: Callable[[Any], None],
+        stop: threading.Event,
+        started: Callable[[], None],
+    ) -> None:
+        """Run `request` merged with concurrent ones (batching.py) or alone, one forward at a time."""
+        if self.batcher is not None and self.batcher.offer(request, self.tokenizer, emit, stop.is_set, started):
+            return
+        with self._run_lock:
+            if stop.is_set():
+                raise errors.Cancelled("request cancelled before it ran")
+            started()
+            self._execute(request, emit, stop.is_set)
 
     def _execute(
         self, request: worker_pb2.WorkerRunRequest, emit: Callable[[Any], None], cancelled: Callable[[], bool]
@@ -124,6 +153,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 status.weights.add(device=device, bytes=nbytes)
             status.devices.update(loader.devices(self.model))
         return status
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
+    if not isinstance(exc, errors.NndError):
+        log.exception("engine failure", exc_info=exc)
+        exc = errors.NndError(f"internal error in worker: {type(exc).__name__}: {exc}")
+    errors.abort(context, exc)
 
 
 def _load_error(exc: BaseException) -> errors.NndError:

@@ -18,6 +18,8 @@ MAX_MESSAGE = 256 * 1024 * 1024
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.max_send_message_length", MAX_MESSAGE),
+    # Streamed results are read on the caller's thread: no helper thread per call.
+    ("SingleThreadedUnaryStream", 1),
 ]
 
 
