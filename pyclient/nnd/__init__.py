@@ -5,7 +5,9 @@
     with model.trace("The Eiffel Tower is in the city of"):
         hidden = model.transformer.h[5].output.save()
 
-Importing nnd is cheap: torch, grpc and the rest load when first used.
+Importing nnd is cheap: grpc and the rest load when first used, and torch
+never unless your code imports it: results are torch tensors when torch is
+imported, else numpy arrays (see `nnd.set_tensor_type`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ _LAZY = {
     "NNsight": ("nnd._nnsight", "NNsight"),
     "LanguageModel": ("nnd._model", "LanguageModel"),
     "save": ("nnd._save", "save"),
+    "set_tensor_type": ("nnd._torchmod", "set_tensor_type"),
     "connect": ("nnd.connection", "connect"),
     "Proxy": ("nnd._proxy", "Proxy"),
     "Envoy": ("nnd._envoy", "Envoy"),
@@ -60,6 +63,7 @@ if TYPE_CHECKING:  # static types for the lazy names (redundant aliases re-expor
     from nnd._save import save as save
     from nnd._session import Session as Session
     from nnd._tokenizer import RemoteTokenizer as RemoteTokenizer
+    from nnd._torchmod import set_tensor_type as set_tensor_type
     from nnd._usage import OutsideTrace as OutsideTrace
     from nnd._usage import ValueNotKnown as ValueNotKnown
     from nnd.connection import connect as connect
