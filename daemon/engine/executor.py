@@ -21,7 +21,7 @@ import torch
 from nnd.v1 import graph_pb2
 
 from .. import errors
-from . import grads, sharding, values
+from . import grads, modules, sharding, values
 from .failures import where, wrap
 from .hooks import HookSet
 from .plan import POST, PRE, RESULT, Const, Plan, PlanNode, Ref, Seq
@@ -66,7 +66,7 @@ class Executor:
         constant: Callable[[Any], Any] = lambda v: v,
     ) -> None:
         self.plan = plan
-        self.modules = dict(model.named_modules())
+        self.modules = modules.table(model)
         self.rows = batch_rows
         self.batch_size = batch_size
         self.total_steps = total_steps

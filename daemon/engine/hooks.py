@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .modules import table as module_table
+
 PreHandler = Callable[[str, int, tuple[Any, ...], dict[str, Any]], "tuple[tuple[Any, ...], dict[str, Any]] | None"]
 PostHandler = Callable[[str, int, Any], Any]
 SkipLookup = Callable[[str], "tuple[bool, Any]"]
@@ -29,7 +31,7 @@ class HookSet:
         on_post: PostHandler,
         take_skip: SkipLookup,
     ) -> None:
-        modules = dict(model.named_modules())
+        modules = module_table(model)
         self.modules = {p: modules[p] for p in paths}
         self.skip_paths = skip_paths
         self.on_pre = on_pre

@@ -10,15 +10,8 @@ those are left to the executor's run-time check.
 
 from __future__ import annotations
 
-import torch
-
 PRE, POST, RESULT = "pre", "post", "result"
 HookKey = tuple[str, str, int]  # (module path, PRE | POST | RESULT, call)
-
-
-def ordered_containers(model: torch.nn.Module) -> set[str]:
-    """Paths of containers whose numbered children run in index order."""
-    return {path for path, m in model.named_modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))}
 
 
 def _contains(outer: str, inner: str) -> bool:

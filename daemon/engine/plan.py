@@ -30,7 +30,7 @@ import torch
 from nnd.v1 import graph_pb2
 
 from .. import errors
-from . import ops, order, wire
+from . import modules, ops, order, wire
 from .failures import where
 from .order import POST, PRE, RESULT, HookKey
 
@@ -166,8 +166,8 @@ class _Builder:
         self.graph = graph
         self.edits = list(edits)
         self.external = dict(external or {})
-        self.modules = dict(model.named_modules())
-        self.containers = order.ordered_containers(model)
+        self.modules = modules.table(model)
+        self.containers = modules.containers(model)
         self.n_invokes = n_invokes
         self.nodes: dict[int, PlanNode] = {}
         self.paths: set[str] = {""}

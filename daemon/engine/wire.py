@@ -22,8 +22,9 @@ from .. import errors
 INLINE_LIMIT = 64 * 1024
 # Where result tensors of INLINE_LIMIT bytes or more go instead of blobs, when
 # set: a callable that writes the tensor's wire bytes somewhere and returns the
-# name to put in `Tensor.shm` (the worker's shared-memory path, worker/shm.py).
-blob_sink: contextvars.ContextVar[Callable[[torch.Tensor], str] | None] = contextvars.ContextVar(
+# name and offset to put in `Tensor.shm` / `Tensor.shm_offset` (the worker's
+# shared-memory path, worker/shm.py).
+blob_sink: contextvars.ContextVar[Callable[[torch.Tensor], tuple[str, int]] | None] = contextvars.ContextVar(
     "blob_sink", default=None
 )
 # Under gRPC's default 4 MiB receive limit with room for framing, so clients
@@ -134,14 +135,23 @@ def constant_bytes(msg: values_pb2.Value) -> int:
 # ------------------------------------------------------------------ encoding
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """Little-endian element bytes of `t` (bfloat16 through a 16-bit view)."""
+def tensor_view(t: torch.Tensor) -> memoryview:
+    """Little-endian element bytes of `t` as a flat byte view (bfloat16 through a 16-bit view).
+
+    No copy for a contiguous CPU tensor: a big result's bytes are copied once,
+    into the messages that carry them, not first into a `bytes` of their own
+    (fresh memory, which costs a page fault per 4 KiB)."""
     t = t.detach().to("cpu").contiguous()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
-    if t.dtype == torch.bool:
-        t = t.to(torch.uint8)
-    return t.numpy().tobytes()
+    elif t.dtype == torch.bool:
+        t = t.view(torch.uint8)
+    return memoryview(t.numpy()).cast("B")
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """Little-endian element bytes of `t`, as bytes."""
+    return tensor_view(t).tobytes()
 
 
 def is_meta(t: torch.Tensor) -> bool:
@@ -156,7 +166,8 @@ class Encoder:
     """Turns saved values into Value messages; big tensors become blobs."""
 
     next_blob: int = 1
-    blobs: list[tuple[int, bytes]] = field(default_factory=list)
+    # Blob id -> a view of the saved tensor's bytes (valid while the run's saved values stay unchanged).
+    blobs: list[tuple[int, memoryview]] = field(default_factory=list)
     total_bytes: int = 0
 
     def tensor(self, t: torch.Tensor) -> values_pb2.Tensor:
@@ -168,13 +179,13 @@ class Encoder:
         msg.device = str(t.device)
         sink = blob_sink.get()
         if sink is not None and t.numel() * t.element_size() >= INLINE_LIMIT:
-            msg.shm = sink(t)
+            msg.shm, msg.shm_offset = sink(t)
             self.total_bytes += t.numel() * t.element_size()
             return msg
-        raw = tensor_bytes(t)
+        raw = tensor_view(t)
         self.total_bytes += len(raw)
         if len(raw) < INLINE_LIMIT:
-            msg.data = raw
+            msg.data = raw.tobytes()
         else:
             msg.blob = self.next_blob
             self.blobs.append((self.next_blob, raw))
@@ -232,13 +243,18 @@ def _encodable(x: Any) -> bool:
 
 
 def saved_messages(
-    node: int, value: values_pb2.Value, blobs: Iterable[tuple[int, bytes]]
+    node: int, value: values_pb2.Value, blobs: Iterable[tuple[int, bytes | memoryview]]
 ) -> Iterable[nnd_pb2.TraceResponse]:
     """The Saved message for `node` followed by the chunks of its blobs, in order."""
     yield nnd_pb2.TraceResponse(saved=nnd_pb2.Saved(node=node, value=value))
     for blob, raw in blobs:
-        for start in range(0, len(raw), CHUNK_SIZE):
-            yield nnd_pb2.TraceResponse(chunk=nnd_pb2.Chunk(blob=blob, data=raw[start : start + CHUNK_SIZE]))
+        view = memoryview(raw)
+        for start in range(0, len(view), CHUNK_SIZE):
+            # Fields set in place: a Chunk built apart would be copied once more into the response.
+            msg = nnd_pb2.TraceResponse()
+            msg.chunk.blob = blob
+            msg.chunk.data = view[start : start + CHUNK_SIZE].tobytes()
+            yield msg
 
 
 # ------------------------------------------------------------------ results (for tests and Python callers)
