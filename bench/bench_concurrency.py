@@ -11,6 +11,10 @@ at a time; concurrent compatible traces are merged into one batched forward
 batching off (`--batch-window-ms 0`), and each run reports CPU time per trace
 of the clients, the daemon and the worker: on a small machine the clients'
 own CPU (recording, gRPC, decoding) bounds what batching in the worker can give.
+The row also prints that bound, from figures measured in the same run: the
+plain forward of 1 row and of 8 rows in-process, and one client's CPU per
+trace; with every trace merged and every core busy, k clients reach at most
+cores ÷ (CPU per trace alone − forward(1) + forward(k) ÷ k).
 
 Run as a script (`python bench_concurrency.py ADDRESS MODEL N`) it is one client.
 """
@@ -18,6 +22,7 @@ Run as a script (`python bench_concurrency.py ADDRESS MODEL N`) it is one client
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -132,6 +137,29 @@ def _split(m: dict[str, float]) -> str:
     return f"CPU/trace: client {m['client_ms']:.1f} ms, daemon {m['daemon_ms']:.1f} ms, worker {m['worker_ms']:.1f} ms"
 
 
+def _forward_ms(path: str, rows: int, repeats: int) -> float:
+    """Median ms of the plain HF forward of PROMPT repeated in `rows` batch rows (in this process)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = transformers.AutoTokenizer.from_pretrained(path)(PROMPT, return_tensors="pt").input_ids.repeat(rows, 1)
+    with torch.no_grad():
+        return 1e3 * harness.median_time(lambda: model(ids), warmup=10, repeats=repeats)
+
+
+def _ceiling(one: dict[str, float], k: int, forward_1: float, forward_k: float) -> tuple[float, float]:
+    """Traces/s k clients could reach at best on this machine, and that ÷ one client's rate.
+
+    Best case: every trace is merged with k-1 others (its forward costs forward_k / k instead of
+    forward_1) and every core is busy; the rest of a trace's CPU (client, daemon, worker) is what one
+    client measured. On a machine with fewer cores than processes, this bounds the ratio."""
+    alone = one["client_ms"] + one["daemon_ms"] + one["worker_ms"]
+    merged = alone - forward_1 + forward_k / k
+    tps = (os.cpu_count() or 1) * 1e3 / merged
+    return tps, tps / one["tps"]
+
+
 def run(quick: bool) -> list[Row]:
     import nnd
 
@@ -145,7 +173,10 @@ def run(quick: bool) -> list[Row]:
                 results["one"] = _measure(d, path, 1, n)
             results[label] = _measure(d, path, k, n)
     one, off, on = results["one"], results["off"], results["on"]
+    forward_1, forward_k = (_forward_ms(path, rows, 30 if quick else 200) for rows in (1, k))
+    best_tps, best_ratio = _ceiling(one, k, forward_1, forward_k)
     raw = {"clients": k, "traces_per_client": n, **{f"{a}_{b}": v for a, r in results.items() for b, v in r.items()}}
+    raw |= {"forward_1_ms": forward_1, f"forward_{k}_ms": forward_k, "ceiling_tps": best_tps}
     ratio = on["tps"] / one["tps"]
     return [
         Row(
@@ -160,7 +191,9 @@ def run(quick: bool) -> list[Row]:
             f"concurrency: traces/s, tiny GPT-2 2×64, {n} traces per client, {k} clients, batching on (2 ms)",
             "1 client",
             f"{one['tps']:.0f}/s",
-            f"{on['tps']:.0f}/s ({on['merged_share']:.0%} of traces merged; {_split(on)})",
+            f"{on['tps']:.0f}/s ({on['merged_share']:.0%} of traces merged; {_split(on)}; ceiling on this machine "
+            f"{best_tps:.0f}/s = {best_ratio:.2f}×: forward {forward_1:.2f} ms for 1 row, {forward_k:.2f} ms for {k}, "
+            f"on {os.cpu_count()} cores)",
             ratio,
             target=harness.target("≥ 3", ratio >= 3),
         ),
