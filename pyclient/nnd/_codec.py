@@ -132,9 +132,18 @@ class Decoder:
     arrays; meta tensors become tensors on the "meta" device or `MetaTensor`.
     """
 
-    def __init__(self, blobs: Mapping[int, bytes] | None = None, *, use_torch: bool | None = None) -> None:
+    def __init__(
+        self,
+        blobs: Mapping[int, Any] | None = None,
+        *,
+        use_torch: bool | None = None,
+        regions: Mapping[str, Any] | None = None,
+    ) -> None:
         self.blobs = blobs or {}
         self.torch = _torchmod.available() if use_torch is None or use_torch else None
+        # Shared-memory regions this request's results may lie in, by name (`_shm.Lease`s).
+        self.regions = regions or {}
+        self.shm_bytes = 0  # what the shm results took, for sizing the next region
 
     def value(self, v: values_pb2.Value) -> Any:
         kind = v.WhichOneof("kind")
@@ -172,18 +181,27 @@ class Decoder:
             return _meta.MetaTensor(shape, name)
         expected = math.prod(shape) * _dtypes.itemsize(name)
         data: Any
-        if t.shm:  # results through shared memory: a zero-copy view of the segment (_shm.py)
+        if t.shm:  # results through shared memory: zero-copy views (_shm.py)
             from nnd import _shm
 
-            data = _shm.take(t.shm, expected)
+            self.shm_bytes += _shm.aligned(expected)
+            lease = self.regions.get(t.shm)
+            if lease is not None:
+                data = lease.view(t.shm_offset, expected)
+            else:
+                data = _shm.take_fresh(t.shm, t.shm_offset, expected)
         else:
             data = self.blobs.get(t.blob, b"") if t.blob else t.data
         if len(data) != expected:
             raise ValueError(f"tensor of shape {list(shape)} {name} needs {expected} bytes, got {len(data)}")
-        # A bytearray makes the array writable (torch warns on read-only buffers).
-        # (Buffers already writable and owned here, reassembled blobs and segments, are used as they are.)
-        buf = data if isinstance(data, (bytearray, mmap.mmap)) else bytearray(data)
-        arr = np.frombuffer(buf, dtype=np.dtype(_dtypes.numpy_view(name)), count=math.prod(shape))
+        view = np.dtype(_dtypes.numpy_view(name))
+        if isinstance(data, np.ndarray):  # a uint8 view of a region: the region's array stays the base
+            arr = data.view(view)
+        else:
+            # A bytearray makes the array writable (torch warns on read-only buffers).
+            # (Buffers already writable and owned here, reassembled blobs and segments, are used as they are.)
+            buf = data if isinstance(data, (bytearray, mmap.mmap)) else bytearray(data)
+            arr = np.frombuffer(buf, dtype=view, count=math.prod(shape))
         arr = arr.reshape(shape)
         if not _LITTLE:
             arr = arr.byteswap()

@@ -95,24 +95,43 @@ def collect(
     on_step: Callable[[StepToken], None] | None = None,
 ) -> Results:
     """Read a whole response stream. Chunks of a blob are concatenated in
-    arrival order; values are decoded once every chunk is in."""
+    arrival order; values are decoded once every chunk is in.
+
+    Shared-memory regions `_shm.attach` leased on this thread for the request
+    behind `responses` are settled here: back to the pool when the stream
+    failed to finish or no result lies in them, else once the results that view
+    them are garbage."""
+    from nnd import _shm
+
+    leases = _shm.take_leases()
     raw: dict[int, values_pb2.Value] = {}
     blobs = _Blobs()
     out = Results()
-    for msg in responses:
-        kind = msg.WhichOneof("kind")
-        if kind == "saved":
-            raw[msg.saved.node] = msg.saved.value
-            blobs.expect(msg.saved.value)
-        elif kind == "chunk":
-            blobs.add(msg.chunk.blob, msg.chunk.data)
-        elif kind == "step":
-            step = StepToken(msg.step.step, tuple(msg.step.ids), tuple(msg.step.text), msg.step.trace)
-            out.steps.append(step)
-            if on_step is not None:
-                on_step(step)
-        elif kind == "done":
-            out.compute_s = msg.done.compute_s
-    decoder = _codec.Decoder(blobs.joined(), use_torch=use_torch)
-    out.saved = {node: decoder.value(value) for node, value in raw.items()}
+    ok = False
+    decoder = None
+    try:
+        for msg in responses:
+            kind = msg.WhichOneof("kind")
+            if kind == "saved":
+                raw[msg.saved.node] = msg.saved.value
+                blobs.expect(msg.saved.value)
+            elif kind == "chunk":
+                blobs.add(msg.chunk.blob, msg.chunk.data)
+            elif kind == "step":
+                step = StepToken(msg.step.step, tuple(msg.step.ids), tuple(msg.step.text), msg.step.trace)
+                out.steps.append(step)
+                if on_step is not None:
+                    on_step(step)
+            elif kind == "done":
+                out.compute_s = msg.done.compute_s
+        decoder = _codec.Decoder(
+            blobs.joined(), use_torch=use_torch, regions={lease.region.name: lease for lease in leases}
+        )
+        out.saved = {node: decoder.value(value) for node, value in raw.items()}
+        ok = True
+    finally:
+        if decoder is not None and decoder.shm_bytes:
+            _shm.pool().learn(decoder.shm_bytes)  # the next region is made to fit
+        for lease in leases:
+            lease.finish(ok)
     return out

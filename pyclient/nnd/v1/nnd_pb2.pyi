@@ -302,7 +302,7 @@ class GenerateOptions(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stream_text: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ...) -> None: ...
 
 class TraceRequest(_message.Message):
-    __slots__ = ("model", "invokes", "graph", "generate", "no_auto_dispatch", "keep_alive", "edits", "shm")
+    __slots__ = ("model", "invokes", "graph", "generate", "no_auto_dispatch", "keep_alive", "edits", "shm", "shm_region")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INVOKES_FIELD_NUMBER: _ClassVar[int]
     GRAPH_FIELD_NUMBER: _ClassVar[int]
@@ -311,6 +311,7 @@ class TraceRequest(_message.Message):
     KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
     EDITS_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    SHM_REGION_FIELD_NUMBER: _ClassVar[int]
     model: str
     invokes: _containers.RepeatedCompositeFieldContainer[Invoke]
     graph: _graph_pb2.Graph
@@ -319,7 +320,8 @@ class TraceRequest(_message.Message):
     keep_alive: str
     edits: _containers.RepeatedScalarFieldContainer[str]
     shm: bool
-    def __init__(self, model: _Optional[str] = ..., invokes: _Optional[_Iterable[_Union[Invoke, _Mapping]]] = ..., graph: _Optional[_Union[_graph_pb2.Graph, _Mapping]] = ..., generate: _Optional[_Union[GenerateOptions, _Mapping]] = ..., no_auto_dispatch: _Optional[bool] = ..., keep_alive: _Optional[str] = ..., edits: _Optional[_Iterable[str]] = ..., shm: _Optional[bool] = ...) -> None: ...
+    shm_region: str
+    def __init__(self, model: _Optional[str] = ..., invokes: _Optional[_Iterable[_Union[Invoke, _Mapping]]] = ..., graph: _Optional[_Union[_graph_pb2.Graph, _Mapping]] = ..., generate: _Optional[_Union[GenerateOptions, _Mapping]] = ..., no_auto_dispatch: _Optional[bool] = ..., keep_alive: _Optional[str] = ..., edits: _Optional[_Iterable[str]] = ..., shm: _Optional[bool] = ..., shm_region: _Optional[str] = ...) -> None: ...
 
 class SessionTrace(_message.Message):
     __slots__ = ("request", "generate")

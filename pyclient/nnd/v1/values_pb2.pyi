@@ -33,7 +33,7 @@ UINT8: DType
 BOOL: DType
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data", "blob", "meta", "device", "shm")
+    __slots__ = ("dtype", "shape", "data", "blob", "meta", "device", "shm", "shm_offset")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class Tensor(_message.Message):
     META_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
@@ -48,7 +49,8 @@ class Tensor(_message.Message):
     meta: bool
     device: str
     shm: str
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., blob: _Optional[int] = ..., meta: _Optional[bool] = ..., device: _Optional[str] = ..., shm: _Optional[str] = ...) -> None: ...
+    shm_offset: int
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., blob: _Optional[int] = ..., meta: _Optional[bool] = ..., device: _Optional[str] = ..., shm: _Optional[str] = ..., shm_offset: _Optional[int] = ...) -> None: ...
 
 class Slice(_message.Message):
     __slots__ = ("start", "stop", "step")
