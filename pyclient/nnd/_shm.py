@@ -16,7 +16,8 @@ Sizes: a client's first shm request names no region, so the worker uses fresh
 segments of its own (`take_fresh`: map, then unlink: the acknowledgement); the
 bytes that took tell the pool how big a region to make. A later result that
 outgrows its region spills into fresh segments the same way, and the next
-region is made big enough.
+region is made big enough. A process has at most `MAX_REGIONS` regions; while
+all are in use by live results, requests take fresh segments too.
 
 Cleanup whatever happens: regions are unlinked at normal exit (atexit); the
 regions of a process that is gone (SIGKILL) are unlinked by the daemon's worker
@@ -49,6 +50,9 @@ ALIGN = 64  # offsets of results in a region: cache-line aligned, for any dtype
 REGION_NAME = re.compile(r"nnd-c([0-9]{1,10})-([0-9]{1,20})-([0-9]{1,12})-([0-9a-f]{8})")
 _FRESH_NAME = re.compile(r"nnd-[0-9]+-[0-9]+-[0-9a-f]+")  # segments the worker creates (worker/shm.py)
 KEEP_FREE = 2  # free regions kept mapped between requests; more are unlinked
+# Regions a process has at once. Past that (results kept alive, or freed only by a later garbage
+# collection), requests take fresh segments: making a region costs more than a fresh segment.
+MAX_REGIONS = 2
 
 
 def available(address: str) -> bool:
@@ -209,6 +213,8 @@ class Pool:
         self.free: list[Region] = []
         self.hint = 0  # bytes the biggest request so far put in shared memory
         self.serial = itertools.count(1)
+        self.created = 0  # regions made so far (a warm pool makes none)
+        self.busy = 0  # requests that took fresh segments because every region was in use
         self.reaped = False
 
     def lease(self) -> Lease | None:
@@ -223,10 +229,13 @@ class Pool:
             return lease
         with self.lock:
             want = self.hint
-            # Nothing fits: drop what is free (too small or tampered with) and make one.
+            # Nothing fits: drop what is free (too small or tampered with) and make one, if allowed.
             stale, self.free = self.free, []
             for region in stale:
                 self._drop(region)
+            if len(self.regions) >= MAX_REGIONS:
+                self.busy += 1
+                return None
             reap = not self.reaped
             self.reaped = True
         if reap:
@@ -237,6 +246,7 @@ class Pool:
             return None
         with self.lock:
             self.regions[region.name] = region
+            self.created += 1
         return Lease(self, region)
 
     def _reuse(self) -> Lease | None:
