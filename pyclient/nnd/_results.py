@@ -38,7 +38,7 @@ class StepToken:
 
 
 WARM_MIN = 16 * 2**20  # results this big are reassembled in recycled memory
-WARM_KEEP = 2  # free buffers kept for the next results
+WARM_KEEP = 1  # free buffers kept: enough for `x = trace()` in a loop (the old x dies after the new one is made)
 WARM_MAX = 2**30  # bigger buffers are not kept
 
 
