@@ -122,6 +122,8 @@ class Session:
             for tracer in self._traces:
                 replacements.update(tracer._replacements())
             _rebind.rebind(frame, replacements)
+        for tracer in self._traces:
+            tracer._saved.clear()  # see Tracer.__exit__
 
     def _run(self) -> None:
         traces = self._traces

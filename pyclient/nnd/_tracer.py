@@ -243,6 +243,9 @@ class Tracer:
         frame = _source.user_frame()
         if frame is not None:
             _rebind.rebind(frame, self._replacements())
+        # Tracer -> proxy -> tracer is a cycle: without this, results (and the shared-memory
+        # regions or buffers they view) would live until a full garbage collection, not until `del`.
+        self._saved.clear()
 
     def _request(self) -> nnd_pb2.TraceRequest:
         if not self._invokes:
@@ -259,7 +262,7 @@ class Tracer:
 
             if not _shm.available(self.model._conn.address):
                 raise ValueError("shm=True needs a daemon on this host's unix socket (and Linux's /dev/shm)")
-            request.shm = True
+            _shm.attach(request)  # into a region of this process's pool when one is free (_shm.py)
         return request
 
     def _run(self) -> None:
