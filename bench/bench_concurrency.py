@@ -5,9 +5,8 @@ process would share one GIL and measure the client, not the daemon). Clients
 start, warm up, say "ready", and all get "go" together; each runs its traces
 (one `.save()` of a layer output each) and reports its monotonic start and end.
 Throughput = all traces ÷ (last end − first start). The worker runs one forward
-at a time; the daemon gathers concurrent compatible traces and sends them as
-one batch, merged into one forward (daemon/control/gather.py,
-daemon/worker/batching.py, `--batch-window-ms`, default 2 ms), which targets
+at a time; concurrent compatible traces are merged into one batched forward
+(daemon/worker/batching.py, `--batch-window-ms`, default 2 ms), which targets
 ≥ 3× with 8 clients. The same clients also run against a daemon started with
 batching off (`--batch-window-ms 0`), and each run reports CPU time per trace
 of the clients, the daemon and the worker: on a small machine the clients'

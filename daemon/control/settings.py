@@ -57,9 +57,8 @@ class Settings:
     # a request or `nnd dispatch` asks for it. 0: never re-dispatched eagerly.
     restart_limit: int = 3
     restart_window_s: float = 600.0
-    # The daemon gathers concurrent compatible Traces of a model this long (ms)
-    # and sends them to its worker as one batch, run as one forward
-    # (control/gather.py, worker/batching.py). 0: every request alone.
+    # Workers gather concurrent compatible Traces this long (ms) and run them
+    # as one batched forward (worker/batching.py). 0: every request alone.
     batch_window_ms: float = 2.0
 
     @property

@@ -36,8 +36,7 @@ import psutil
 
 from nnd.v1 import nnd_pb2, worker_pb2, worker_pb2_grpc
 from nnd_daemon import errors
-from nnd_daemon.control import gather
-from nnd_daemon.worker import batching, tplaunch
+from nnd_daemon.worker import tplaunch
 
 log = logging.getLogger("nnd.supervisor")
 _serial = itertools.count(1)
@@ -73,8 +72,7 @@ class Worker:
     ) -> None:
         self.name = name
         self.limits = limits or {}
-        self.batch_window_ms = batch_window_ms  # cross-client batching's gathering window (gather.py)
-        self.gatherer: gather.Gatherer | None = None
+        self.batch_window_ms = batch_window_ms  # the worker's cross-client batching window (batching.py)
         # Tensor parallel: `proc` is torchrun's agent, `rank_pids` its ranks (rank 0 serves the socket).
         self.placement = placement or nnd_pb2.Placement()
         self.tp_size = tplaunch.tp_size(placement)
@@ -111,6 +109,8 @@ class Worker:
         logf = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
         cmd = [sys.executable, "-m", "nnd_daemon.worker", "--socket", self.socket, "--name", self.name]
         cmd += ["--parent", str(os.getpid()), "--limits", json.dumps(self.limits)]
+        if self.batch_window_ms > 0 and self.tp_size <= 1:
+            cmd += ["--batch-window-ms", str(self.batch_window_ms)]
         env = None
         if self.tp_size > 1:  # a torchrun group of tp_size ranks, each running the same worker module
             gpus = tplaunch.gpu_count()
@@ -142,19 +142,6 @@ class Worker:
             request_serializer=worker_pb2.WorkerRunRequest.SerializeToString,
             response_deserializer=None,
         )
-        if self.batch_window_ms > 0 and self.tp_size <= 1:  # a TP group runs every request through its lead rank
-            run_batch = self.channel.unary_stream(
-                "/nnd.v1.Worker/RunBatch",
-                request_serializer=worker_pb2.WorkerBatchRequest.SerializeToString,
-                response_deserializer=worker_pb2.WorkerBatchResponse.FromString,
-            )
-            self.gatherer = gather.Gatherer(
-                lambda request, timeout, client: self._run_alone(request, timeout=timeout, client=client),
-                lambda batch, timeout: run_batch(batch, timeout=timeout),
-                lambda err, started: self.translate(err, started=started),
-                window_s=self.batch_window_ms / 1000,
-                max_batch=batching.MAX_MEMBERS,
-            )
 
     def describe_exit(self) -> str:
         code = self.proc.poll() if self.proc else None
@@ -256,13 +243,6 @@ class Worker:
         hook."""
         if not isinstance(request, worker_pb2.WorkerRunRequest):
             request = worker_pb2.WorkerRunRequest(request=request, generate=generate)
-        if self.gatherer is not None and batching.qualifies(request):
-            return self.gatherer.run(request, timeout=timeout, client=client)
-        return self._run_alone(request, timeout=timeout, client=client)
-
-    def _run_alone(
-        self, request: worker_pb2.WorkerRunRequest, *, timeout: float | None, client: grpc.ServicerContext | None
-    ) -> Iterator[bytes]:
         call = self.run_raw(request, timeout=timeout)
         if client is not None and not client.add_callback(call.cancel):
             call.cancel()  # the client is already gone

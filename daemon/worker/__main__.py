@@ -47,6 +47,9 @@ def main() -> None:
     parser.add_argument("--parent", type=int, default=0, help="daemon pid; the worker dies with it")
     parser.add_argument("--limits", default="", help="engine limits as JSON (from the daemon's settings)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    parser.add_argument(
+        "--batch-window-ms", type=float, default=0.0, help="gather compatible Traces this long into one forward (0: off)"
+    )
     ns = parser.parse_args()
     # Under torchrun (tensor parallel) this process is one rank of a group; tp.py runs it.
     rank = os.environ.get("RANK", "") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
@@ -72,6 +75,10 @@ def main() -> None:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=RPC_THREADS), options=OPTIONS)
     service = WorkerService()
     service.limits = limits
+    if ns.batch_window_ms > 0:
+        from nnd_daemon.worker import batching
+
+        service.batcher = batching.for_service(service, ns.batch_window_ms)
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     server.add_insecure_port("unix://" + ns.socket)
     server.start()

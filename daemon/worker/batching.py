@@ -1,13 +1,11 @@
 """Cross-client batching: concurrent Trace requests for one model run as ONE forward.
 
-The daemon gathers concurrent Traces of a model that may be merged
-(`qualifies`; control/gather.py) and sends them in one `RunBatch` call; here
-the worker takes the model once for the whole batch, groups the requests by
-tokenized length, merges each group into one `TraceRequest` whose invokes are
-all of theirs, runs it once through `engine.run` (the engine's API is
-unchanged), and routes the emitted responses back to each request. One call
-per batch, not per client: the per-call cost of gRPC (a large part of a small
-trace's cost) is paid once.
+The worker runs one request at a time. While it is busy (and for a short
+gathering window, `--batch-window-ms`, when it is idle) compatible Trace
+requests pile up; the next one to get the model takes every compatible
+request waiting with it, merges them into one `TraceRequest` whose invokes
+are all of theirs, runs it once through `engine.run` (the engine's API is
+unchanged), and routes the emitted responses back to each request.
 
 Merging
     Request k's node ids are shifted by an offset (past every id of the
@@ -40,22 +38,28 @@ Compatibility rule (anything else runs alone, exactly as before)
     to the floating-point differences a larger matmul may bring (kernels may
     block the work differently by batch size).
 
+The window: a request waits up to `--batch-window-ms` for companions only when
+the model is idle and requests have overlapped within the last second; a lone
+sequential client never waits, and a busy model gathers by itself.
+
 Errors stay apart: if the merged run fails for any reason, each member is run
 again alone, so only the faulty one fails and the others get their normal
-results. A member the daemon finds cancelled before sending the batch never
-reaches the worker; once sent, the batch runs for all (a trace merged with
-others takes one forward's time) unless the daemon cancels the whole call.
+results. A member cancelled before the merged run starts is dropped from it;
+one cancelled during the run is not waited on (the run continues for the
+others and its results are dropped), unless every member is cancelled.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from nnd.v1 import graph_pb2, nnd_pb2, values_pb2, worker_pb2
+from nnd_daemon.engine import batch
 
 log = logging.getLogger("nnd.worker.batching")
 
@@ -66,33 +70,25 @@ RunAlone = Callable[[worker_pb2.WorkerRunRequest, Emit, Callable[[], bool]], Non
 _ALLOWED_KINDS = frozenset({"module", "constant", "op", "save", "set"})
 MAX_MEMBERS = 64
 _MAX_ID = 2**32 - 1
-
-
-def qualifies(request: worker_pb2.WorkerRunRequest) -> bool:
-    """Whether `request` may be merged with others, as far as its structure says (the rule above,
-    all but the tokenized length). The daemon gathers only such requests (control/gather.py)."""
-    if request.generate or request.HasField("session") or request.edits:
-        return False
-    trace = request.request
-    if trace.edits or trace.shm or not trace.invokes or trace.HasField("generate"):
-        return False
-    for node in trace.graph.nodes:
-        kind = node.WhichOneof("kind")
-        if kind not in _ALLOWED_KINDS:
-            return False
-        mv = node.module if kind == "module" else node.set.target if kind == "set" else None
-        if mv is not None and (not mv.HasField("invoke") or not mv.path or mv.point == graph_pb2.RESULT):
-            return False
-    return all(not inv.args and inv.WhichOneof("input") in ("text", "tokens") for inv in trace.invokes)
+_POLL_S = 0.002
+# The gathering window applies for this long after requests last overlapped.
+_OVERLAP_MEMORY_S = 1.0
 
 
 def token_length(request: worker_pb2.WorkerRunRequest, tokenizer: Any) -> tuple[int, list[list[int]]] | None:
     """The common tokenized length of a qualifying request and its invokes' ids; None if it does not qualify."""
-    from nnd_daemon.engine import batch  # (not at the top: the daemon imports `qualifies` without torch)
-
-    if not qualifies(request):
+    if request.generate or request.HasField("session") or request.edits:
         return None
     trace = request.request
+    if trace.edits or trace.shm or not trace.invokes or trace.HasField("generate"):
+        return None
+    for node in trace.graph.nodes:
+        kind = node.WhichOneof("kind")
+        if kind not in _ALLOWED_KINDS:
+            return None
+        mv = node.module if kind == "module" else node.set.target if kind == "set" else None
+        if mv is not None and (not mv.HasField("invoke") or not mv.path or mv.point == graph_pb2.RESULT):
+            return None
     seqs: list[list[int]] = []
     for inv in trace.invokes:
         if inv.args:
@@ -122,6 +118,9 @@ class Member:
     ids: list[list[int]]
     emit: Emit
     cancelled: Callable[[], bool]
+    started: Callable[[], None]
+    claimed: bool = False
+    finished: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     # Set while merging: where its node ids start, how many it has.
     offset: int = 0
@@ -132,7 +131,7 @@ class Member:
 
 def _tokenized(m: Member) -> worker_pb2.WorkerRunRequest:
     """The member's request with its text invokes replaced by the ids tokenized for it (the same input)."""
-    if m.length < 0 or not any(inv.WhichOneof("input") == "text" for inv in m.request.request.invokes):
+    if not any(inv.WhichOneof("input") == "text" for inv in m.request.request.invokes):
         return m.request
     request = worker_pb2.WorkerRunRequest()
     request.CopyFrom(m.request)
@@ -241,7 +240,7 @@ class Router:
 
 
 class Batcher:
-    """Runs a batch of requests the daemon gathered; see the module docstring."""
+    """Gathers compatible Trace requests and runs them as one; see the module docstring."""
 
     def __init__(
         self,
@@ -249,32 +248,59 @@ class Batcher:
         run_merged: Callable[[nnd_pb2.TraceRequest, Emit, Callable[[], bool]], None],
         run_alone: RunAlone,
         *,
+        window_s: float,
         max_invokes: int = 0,
     ) -> None:
         self.run_lock = run_lock
         self.run_merged = run_merged
         self.run_alone = run_alone
+        self.window_s = window_s
         self.max_invokes = max_invokes
-        # Counters (read by tests through the log).
+        self._cond = threading.Condition()
+        self._pending: list[Member] = []
+        self._overlap_at = -1e9  # when a request last arrived while another was in the worker
+        # Counters (read by tests through the log and by status reports).
         self.merged_runs = 0
         self.merged_requests = 0
 
-    def run_batch(self, members: list[Member]) -> None:
-        """Run every member (the caller holds `run_lock`): those of one tokenized length merged into
-        one forward per group, the others alone, in arrival order of each group's first member."""
-        pending = list(members)
-        while pending:
-            group = self._claim(pending[0], pending)
-            self._run_group(group)
+    def submit(self, member: Member) -> None:
+        """Run `member` (alone or merged with others); returns when its responses are all emitted."""
+        with self._cond:
+            now = time.monotonic()
+            busy = self.run_lock.locked()
+            if busy or self._pending:
+                self._overlap_at = now
+            self._pending.append(member)
+            # Gather only when requests have lately overlapped and the model is idle: a busy model
+            # gathers by itself (whoever takes it next takes every compatible waiting request),
+            # and a lone sequential client never waits.
+            gather = self.window_s > 0 and not busy and now - self._overlap_at < _OVERLAP_MEMORY_S
+        if gather:
+            time.sleep(self.window_s)
+        while True:
+            with self._cond:
+                if member.claimed:
+                    break
+            if not self.run_lock.acquire(timeout=_POLL_S * 5):
+                continue
+            try:
+                with self._cond:
+                    if member.claimed:
+                        break
+                    group = self._claim(member)
+                self._run_group(group)
+            finally:
+                self.run_lock.release()
+            break
+        member.finished.wait()
+        if member.error is not None:
+            raise member.error
 
-    def _claim(self, leader: Member, pending: list[Member]) -> list[Member]:
-        """Take the leader and every member that may join it off `pending`."""
-        if leader.length < 0:  # does not qualify: runs alone
-            pending.remove(leader)
-            return [leader]
+    def _claim(self, leader: Member) -> list[Member]:
+        """Take the leader and every compatible pending member off the queue (under the condition)."""
         group: list[Member] = []
         invokes = 0
-        for m in list(pending):
+        for m in list(self._pending):
             if m is not leader and (m.length != leader.length or len(group) >= MAX_MEMBERS):
                 continue
             n = len(m.request.request.invokes)
@@ -282,7 +308,8 @@ class Batcher:
                 continue
             group.append(m)
             invokes += n
-            pending.remove(m)
+            m.claimed = True
+            self._pending.remove(m)
         return group
 
     def _run_group(self, group: list[Member]) -> None:
@@ -302,6 +329,8 @@ class Batcher:
             for m in live:
                 self._alone(m)
             return
+        for m in live:
+            m.started()
         router = Router(live)
         try:
             self.run_merged(merged, router, lambda: all(m.cancelled() for m in live))
@@ -309,7 +338,7 @@ class Batcher:
             log.info("batched run of %d requests failed (%s); running each alone", len(live), type(exc).__name__)
             for m in live:
                 m.buffer.clear()
-                self._alone(m)
+                self._alone(m, started=True)
             return
         self.merged_runs += 1
         self.merged_requests += len(live)
@@ -327,26 +356,39 @@ class Batcher:
             except BaseException as exc:  # noqa: BLE001 - reported to that member only
                 m.error = exc
             m.buffer.clear()
+            m.finished.set()
 
-    def _alone(self, m: Member) -> None:
+    def _alone(self, m: Member, *, started: bool = False) -> None:
         from nnd_daemon import errors
 
         try:
             if m.cancelled():
                 raise errors.Cancelled("request cancelled before it ran")
+            if not started:
+                m.started()
             self.run_alone(_tokenized(m), m.emit, m.cancelled)
         except BaseException as exc:  # noqa: BLE001 - reported to that member only
             m.error = exc
+        m.finished.set()
+
+    def offer(
+        self,
+        request: worker_pb2.WorkerRunRequest,
+        tokenizer: Any,
+        emit: Emit,
+        cancelled: Callable[[], bool],
+        started: Callable[[], None],
+    ) -> bool:
+        """Run `request` through the batcher if it qualifies (True: done, its error raised); False: not taken."""
+        found = token_length(request, tokenizer)
+        if found is None:
+            return False
+        length, ids = found
+        self.submit(Member(request, length, ids, emit, cancelled, started))
+        return True
 
 
-def member(request: worker_pb2.WorkerRunRequest, tokenizer: Any, emit: Emit, cancelled: Callable[[], bool]) -> Member:
-    """A request of a batch, with its tokenized length (-1: it runs alone)."""
-    found = token_length(request, tokenizer)
-    length, ids = found if found is not None else (-1, [])
-    return Member(request, length, ids, emit, cancelled)
-
-
-def for_service(service: Any) -> Batcher:
+def for_service(service: Any, window_ms: float) -> Batcher:
     """A batcher for a WorkerService: merged runs go through `engine.run`, lone ones through its `_execute`."""
 
     def run_merged(merged: nnd_pb2.TraceRequest, emit: Emit, cancelled: Callable[[], bool]) -> None:
@@ -363,4 +405,4 @@ def for_service(service: Any) -> Batcher:
         )
 
     max_invokes = getattr(service.limits, "max_invokes", 0) or 0
-    return Batcher(service._run_lock, run_merged, service._execute, max_invokes=max_invokes)
+    return Batcher(service._run_lock, run_merged, service._execute, window_s=window_ms / 1000, max_invokes=max_invokes)

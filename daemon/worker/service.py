@@ -34,10 +34,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # One forward at a time: the daemon queues, the worker runs.
         self._run_lock = threading.Lock()
         self.limits: Any = None
-        # Merges the compatible Traces of a RunBatch (batching.py).
-        from nnd_daemon.worker import batching
-
-        self.batcher = batching.for_service(self)
+        # Cross-client batching of compatible Traces (batching.py); None: every request runs alone.
+        self.batcher: Any = None
 
     # -- Load ---------------------------------------------------------------
     def Load(self, request: worker_pb2.WorkerLoadRequest, context: grpc.ServicerContext) -> Iterator[Any]:
@@ -120,35 +118,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 _abort(context, item)
             yield item
 
-    # -- RunBatch -------------------------------------------------------------
-    def RunBatch(self, request: worker_pb2.WorkerBatchRequest, context: grpc.ServicerContext) -> Iterator[Any]:
-        """Several Traces the daemon gathered (control/gather.py), run as one unit; see batching.py."""
-        from nnd_daemon.worker import batching
-
-        if self.model is None:
-            errors.abort(context, errors.FailedPrecondition("worker has no model loaded"))
-        if self.batcher is None:  # a tensor-parallel group: every run goes through its lead rank
-            errors.abort(context, errors.Unimplemented("this worker does not run batches"))
-        stop = threading.Event()
-        context.add_callback(stop.set)
-        outputs: list[list[Any]] = [[] for _ in request.requests]
-        members = [
-            batching.member(r, self.tokenizer, out.append, stop.is_set)
-            for r, out in zip(request.requests, outputs, strict=True)
-        ]
-        with self._run_lock:
-            # Sent while the lock is held: if the worker dies from here on, every member was running.
-            yield worker_pb2.WorkerBatchResponse(started=True)
-            self.batcher.run_batch(members)
-        for index, (m, out) in enumerate(zip(members, outputs, strict=True)):
-            if m.error is not None:
-                err = _as_nnd_error(m.error)
-                failed = worker_pb2.WorkerFailure(code=err.code.value[0], message=err.message, exc_type=err.exc_type)
-                yield worker_pb2.WorkerBatchResponse(index=index, failed=failed)
-                continue
-            for response in out:
-                yield worker_pb2.WorkerBatchResponse(index=index, response=response.SerializeToString())
-
     def _work(
         self,
         request: worker_pb2.WorkerRunRequest,
@@ -156,7 +125,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         stop: threading.Event,
         started: Callable[[], None],
     ) -> None:
-        """Run `request` alone, one forward at a time."""
+        """Run `request` merged with concurrent ones (batching.py) or alone, one forward at a time."""
+        if self.batcher is not None and self.batcher.offer(request, self.tokenizer, emit, stop.is_set, started):
+            return
         with self._run_lock:
             if stop.is_set():
                 raise errors.Cancelled("request cancelled before it ran")
@@ -184,15 +155,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return status
 
 
-def _as_nnd_error(exc: BaseException) -> errors.NndError:
-    if isinstance(exc, errors.NndError):
-        return exc
-    log.exception("engine failure", exc_info=exc)
-    return errors.NndError(f"internal error in worker: {type(exc).__name__}: {exc}")
-
-
 def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
-    errors.abort(context, _as_nnd_error(exc))
+    if not isinstance(exc, errors.NndError):
+        log.exception("engine failure", exc_info=exc)
+        exc = errors.NndError(f"internal error in worker: {type(exc).__name__}: {exc}")
+    errors.abort(context, exc)
 
 
 def _load_error(exc: BaseException) -> errors.NndError:

@@ -95,7 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=2.0,
         metavar="MS",
-        help="when a model is idle and its clients overlap, gather concurrent compatible traces this long "
-        "and send them to its worker as one batch, run as one forward (0: every request runs alone)",
+        help="a worker gathers concurrent compatible traces this long and runs them as one batched "
+        "forward (0: every request runs alone)",
     )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")

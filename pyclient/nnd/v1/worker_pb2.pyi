@@ -41,34 +41,6 @@ class WorkerRunRequest(_message.Message):
     session: _nnd_pb2.SessionRequest
     def __init__(self, request: _Optional[_Union[_nnd_pb2.TraceRequest, _Mapping]] = ..., generate: _Optional[bool] = ..., edits: _Optional[_Mapping[str, EditStack]] = ..., session: _Optional[_Union[_nnd_pb2.SessionRequest, _Mapping]] = ...) -> None: ...
 
-class WorkerBatchRequest(_message.Message):
-    __slots__ = ("requests",)
-    REQUESTS_FIELD_NUMBER: _ClassVar[int]
-    requests: _containers.RepeatedCompositeFieldContainer[WorkerRunRequest]
-    def __init__(self, requests: _Optional[_Iterable[_Union[WorkerRunRequest, _Mapping]]] = ...) -> None: ...
-
-class WorkerBatchResponse(_message.Message):
-    __slots__ = ("index", "started", "response", "failed")
-    INDEX_FIELD_NUMBER: _ClassVar[int]
-    STARTED_FIELD_NUMBER: _ClassVar[int]
-    RESPONSE_FIELD_NUMBER: _ClassVar[int]
-    FAILED_FIELD_NUMBER: _ClassVar[int]
-    index: int
-    started: bool
-    response: bytes
-    failed: WorkerFailure
-    def __init__(self, index: _Optional[int] = ..., started: _Optional[bool] = ..., response: _Optional[bytes] = ..., failed: _Optional[_Union[WorkerFailure, _Mapping]] = ...) -> None: ...
-
-class WorkerFailure(_message.Message):
-    __slots__ = ("code", "message", "exc_type")
-    CODE_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    EXC_TYPE_FIELD_NUMBER: _ClassVar[int]
-    code: int
-    message: str
-    exc_type: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., exc_type: _Optional[str] = ...) -> None: ...
-
 class EditStack(_message.Message):
     __slots__ = ("graphs",)
     GRAPHS_FIELD_NUMBER: _ClassVar[int]

@@ -45,11 +45,6 @@ class WorkerStub:
                 request_serializer=nnd_dot_v1_dot_worker__pb2.WorkerRunRequest.SerializeToString,
                 response_deserializer=nnd_dot_v1_dot_nnd__pb2.TraceResponse.FromString,
                 _registered_method=True)
-        self.RunBatch = channel.unary_stream(
-                '/nnd.v1.Worker/RunBatch',
-                request_serializer=nnd_dot_v1_dot_worker__pb2.WorkerBatchRequest.SerializeToString,
-                response_deserializer=nnd_dot_v1_dot_worker__pb2.WorkerBatchResponse.FromString,
-                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/nnd.v1.Worker/Status',
                 request_serializer=nnd_dot_v1_dot_worker__pb2.WorkerStatusRequest.SerializeToString,
@@ -76,16 +71,6 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def RunBatch(self, request, context):
-        """Run several Trace requests the daemon gathered from concurrent clients
-        (control/gather.py): compatible ones as one batched forward, the rest one
-        after another, all before any other request gets the model. One call for
-        the lot, so the per-call cost is paid once per batch, not per client.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Status(self, request, context):
         """Liveness and memory figures.
         """
@@ -105,11 +90,6 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Run,
                     request_deserializer=nnd_dot_v1_dot_worker__pb2.WorkerRunRequest.FromString,
                     response_serializer=nnd_dot_v1_dot_nnd__pb2.TraceResponse.SerializeToString,
-            ),
-            'RunBatch': grpc.unary_stream_rpc_method_handler(
-                    servicer.RunBatch,
-                    request_deserializer=nnd_dot_v1_dot_worker__pb2.WorkerBatchRequest.FromString,
-                    response_serializer=nnd_dot_v1_dot_worker__pb2.WorkerBatchResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -171,33 +151,6 @@ class Worker:
             '/nnd.v1.Worker/Run',
             nnd_dot_v1_dot_worker__pb2.WorkerRunRequest.SerializeToString,
             nnd_dot_v1_dot_nnd__pb2.TraceResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def RunBatch(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/nnd.v1.Worker/RunBatch',
-            nnd_dot_v1_dot_worker__pb2.WorkerBatchRequest.SerializeToString,
-            nnd_dot_v1_dot_worker__pb2.WorkerBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
