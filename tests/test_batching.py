@@ -15,7 +15,9 @@ import glob
 import os
 import pathlib
 import re
+import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -85,7 +87,9 @@ def _concurrently(d: Daemon, requests: list[Any]) -> list[Any]:
     barrier = threading.Barrier(len(requests))
 
     def one(i: int) -> None:
-        stub = _stub(d)
+        channel = grpc.insecure_channel(d.address)
+        grpc.channel_ready_future(channel).result(timeout=30)  # connected before the barrier: they arrive together
+        stub = nnd_pb2_grpc.NndStub(channel)
         barrier.wait()
         try:
             out[i] = wire.collect(stub.Trace(requests[i], timeout=120))
@@ -100,12 +104,46 @@ def _concurrently(d: Daemon, requests: list[Any]) -> list[Any]:
     return out
 
 
-def _batched_counts(d: Daemon) -> list[int]:
-    text = "".join(
+def _log(d: Daemon) -> str:
+    return "".join(
         pathlib.Path(p).read_text(errors="replace") for p in glob.glob(os.path.join(d.state_dir, "logs", "*"))
     )
-    return [int(m) for m in re.findall(r"batched (\d+) requests", text)]
 
+
+def _batched_counts(d: Daemon) -> list[int]:
+    return [int(m) for m in re.findall(r"batched (\d+) requests", _log(d))]
+
+
+def _slow(g: graph_pb2.Graph) -> None:
+    """Adds ~0.3 s of work in the worker: sum over h[0] expanded to 400k rows (~300 MB) and copied."""
+    n = g.nodes.add(id=50)
+    n.op.name = "expand"
+    n.op.args.add().ref = 3
+    for size in (400_000, -1, -1):
+        n.op.args.add().value.int = size
+    n = g.nodes.add(id=51)
+    n.op.name = "contiguous"
+    n.op.args.add().ref = 50
+    n = g.nodes.add(id=52)
+    n.op.name = "sum"
+    n.op.args.add().ref = 51
+    g.nodes.add(id=53).save.value.ref = 52
+
+
+def _started_slow(d: Daemon, model: str) -> Any:
+    """A slow trace in flight: the daemon's gathering queue for `model` is busy until it is done."""
+    call = _stub(d).Trace(_request(model, PROMPTS[0], extra=_slow), timeout=120)
+    time.sleep(0.15)
+    return call
+
+
+
+def _queued(d: Daemon, requests: list[Any]) -> list[Any]:
+    """`requests` sent together while a slow trace holds the model: they queue, and run merged after it."""
+    slow = _started_slow(d, requests[0].model)
+    out = _concurrently(d, requests)
+    assert wire.collect(slow)[53].shape == ()
+    return out
 
 def _same(a: dict[int, Any], b: dict[int, Any]) -> None:
     assert sorted(a) == sorted(b)
@@ -118,7 +156,7 @@ def test_concurrent_traces_are_merged_and_match_alone(batching_daemon: Daemon, t
     requests = [_request(tiny_models["gpt2"], p) for p in PROMPTS]
     alone = [_run(batching_daemon, r) for r in requests]
     before = sum(_batched_counts(batching_daemon))
-    together = _concurrently(batching_daemon, requests)
+    together = _queued(batching_daemon, requests)
     for a, t in zip(alone, together, strict=True):
         assert isinstance(a, dict) and isinstance(t, dict), (a, t)
         _same(a, t)
@@ -138,7 +176,9 @@ def test_a_failing_request_fails_alone(batching_daemon: Daemon, tiny_models: dic
     requests = [_request(model, PROMPTS[0]), _request(model, PROMPTS[1], extra=bad), _request(model, PROMPTS[2])]
     alone = [_run(batching_daemon, r) for r in requests]
     assert isinstance(alone[1], grpc.RpcError)
-    together = _concurrently(batching_daemon, requests)
+    before = _log(batching_daemon).count("batched run of 3 requests failed")
+    together = _queued(batching_daemon, requests)
+    assert _log(batching_daemon).count("batched run of 3 requests failed") == before + 1, "they were not merged"
     assert isinstance(together[1], grpc.RpcError)
     assert together[1].code() == alone[1].code()
     assert together[1].details() == alone[1].details()
@@ -168,7 +208,7 @@ def test_requests_that_do_not_qualify_still_run_concurrently(
         _request(model, PROMPTS[3]),
     ]
     alone = [_run(batching_daemon, r) for r in requests]
-    together = _concurrently(batching_daemon, requests)
+    together = _queued(batching_daemon, requests)
     for a, t in zip(alone, together, strict=True):
         assert isinstance(a, dict) and isinstance(t, dict), (a, t)
         assert sorted(a) == sorted(t)
@@ -186,5 +226,59 @@ def test_zero_window_turns_batching_off(tmp_path: pathlib.Path, tiny_models: dic
         together = _concurrently(d, [_request(tiny_models["gpt2"], p) for p in PROMPTS])
         assert all(isinstance(t, dict) for t in together)
         assert _batched_counts(d) == []
+    finally:
+        d.stop()
+
+
+def test_a_request_that_leaves_the_queue_does_not_stall_the_others(batching_daemon: Daemon, tiny_models) -> None:
+    """Requests queued behind a running one that time out or are cancelled do not hold up the queue;
+    the ones after them still run, with the numbers they have alone."""
+    model = tiny_models["gpt2"]
+    expected = _run(batching_daemon, _request(model, PROMPTS[1]))
+    assert isinstance(expected, dict)
+    slow = _started_slow(batching_daemon, model)
+    with pytest.raises(grpc.RpcError) as late:
+        list(_stub(batching_daemon).Trace(_request(model, PROMPTS[1]), timeout=0.05))
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    cancelled = _stub(batching_daemon).Trace(_request(model, PROMPTS[2]), timeout=120)
+    waiting = []
+    thread = threading.Thread(target=lambda: waiting.append(_run(batching_daemon, _request(model, PROMPTS[1]))))
+    thread.start()
+    time.sleep(0.05)
+    cancelled.cancel()
+    assert wire.collect(slow)[53].shape == ()
+    thread.join(60)
+    assert not thread.is_alive(), "a request queued behind a cancelled one never ran"
+    assert isinstance(waiting[0], dict), waiting[0]
+    _same(expected, waiting[0])
+    with pytest.raises(grpc.RpcError) as gone:
+        list(cancelled)
+    assert gone.value.code() == grpc.StatusCode.CANCELLED
+    _same(expected, _run(batching_daemon, _request(model, PROMPTS[1])))
+
+
+def test_a_killed_worker_fails_the_whole_batch_and_says_it_was_running(tmp_path, tiny_models) -> None:
+    d = start_daemon(tmp_path, "--batch-window-ms", WINDOW_MS)
+    try:
+        stub = _stub(d)
+        model = tiny_models["gpt2"]
+        stub.LoadModel(nnd_pb2.LoadModelRequest(model=model, dispatch=True), timeout=120)
+        (info,) = stub.ListModels(nnd_pb2.ListModelsRequest(), timeout=30).models
+        # Four slow requests queue behind a fifth and then run merged (~4x its time); the kill lands mid-batch.
+        slow = _started_slow(d, model)
+        outcomes: list[Any] = []
+        batch = threading.Thread(
+            target=lambda: outcomes.extend(_concurrently(d, [_request(model, p, extra=_slow) for p in PROMPTS]))
+        )
+        batch.start()
+        assert isinstance(wire.collect(slow)[53], torch.Tensor)  # the batch starts as this one ends
+        time.sleep(0.2)
+        os.kill(info.worker_pids[0], signal.SIGKILL)
+        batch.join(60)
+        assert len(PROMPTS) not in _batched_counts(d), "the slow batch finished before the worker was killed"
+        for out in outcomes:
+            assert isinstance(out, grpc.RpcError), "a request of the killed batch finished"
+            assert out.code() == grpc.StatusCode.UNAVAILABLE, out.details()
+            assert "killed by SIGKILL" in out.details() and "while running this request" in out.details(), out.details()
     finally:
         d.stop()
