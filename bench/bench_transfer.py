@@ -1,12 +1,15 @@
 """transfer: a ~256 MiB saved tensor from the worker to the client over the unix socket.
 
-The graph saves `h[0, 0, 0].expand(N).clone()` of a layer output of the tiny
-model: N float32 values computed in the worker, shipped worker → daemon → client
-and made a tensor there. Two figures per row: bytes ÷ the trace's end-to-end
-wall time, and bytes ÷ (that time − a trace computing the same N-value clone
-but saving one element of it), the rate of the transfer itself. The worker's
-clone into fresh memory is in both traces, so the second figure is what the
-target is judged on.
+The graph saves `h[0, 0, 0].expand(N)` of a layer output of the tiny model: N
+float32 values that exist in the worker only as a view, so, as for any saved
+activation, their bytes are made as they are sent (into chunks, or straight into
+the client's shared-memory region), shipped worker → daemon → client and made a
+tensor there. (A `.clone()` in the graph would add a 256 MiB copy into fresh
+memory, ~0.1 s ± 0.06 s here, to every trace: noise larger than an shm transfer.)
+Two figures per row: bytes ÷ the trace's end-to-end wall time, and bytes ÷ (that
+time − the same trace saving one element of the view), the rate of the transfer
+itself, on which the target is judged; through shared memory that difference is
+a few ms, and a figure within the timing noise is shown as a bound.
 
 Rows:
 - streamed (Chunk messages through two gRPC hops), against the ceiling of one
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -130,17 +134,17 @@ def run(quick: bool) -> list[Row]:
         def big(shm: bool = False) -> torch.Tensor:
             with model.trace(PROMPT, shm=shm):
                 h = model.transformer.h[0].output
-                out = h[0, 0, 0].expand(n).clone().save()
+                out = h[0, 0, 0].expand(n).save()
             return out
 
         def big_shm() -> torch.Tensor:
             return big(shm=True)
 
         def baseline() -> torch.Tensor:
-            """The same N-value clone computed in the worker, one element of it saved."""
+            """The same N-value view in the worker, one element of it saved."""
             with model.trace(PROMPT):
                 h = model.transformer.h[0].output
-                out = h[0, 0, 0].expand(n).clone()[:1].save()
+                out = h[0, 0, 0].expand(n)[:1].save()
             return out
 
         got = big()
@@ -158,7 +162,7 @@ def run(quick: bool) -> list[Row]:
         pool = _shm.pool()
         pooled, created, busy = bool(pool.regions), pool.created, pool.busy
         time.sleep(0.1)
-        t = harness.interleaved(
+        samples = harness.interleaved_samples(
             {
                 "memcpy": memcpy,
                 "warm_copy": warm_copy,
@@ -170,13 +174,19 @@ def run(quick: bool) -> list[Row]:
             warmup=warmup,
             repeats=repeats,
         )
+        t = {k: statistics.median(v) for k, v in samples.items()}
         model.release()
         # While timed: regions made, and traces that found every region still held by an earlier
         # result (0 and 0 when results free their region before the next trace).
         created, busy = pool.created - created, pool.busy - busy
 
     streamed = max(t["big"] - t["baseline"], 1e-9)
-    shm = max(t["big_shm"] - t["baseline"], 1e-9)
+    # Through shared memory the transfer is a few ms, a small difference of two ~100 ms times: take the
+    # median of each round's difference, and never claim more than the rounds' spread can resolve.
+    shm_measured = statistics.median(a - b for a, b in zip(samples["big_shm"], samples["baseline"], strict=True))
+    noise = statistics.median(abs(x - t["baseline"]) for x in samples["baseline"])
+    shm = max(shm_measured, noise, 1e-9)
+    shm_text = gbps(nbytes, shm) if shm_measured >= noise else f"≥ {gbps(nbytes, shm)}: within the timing noise"
     raw = {k + "_s": v for k, v in t.items()} | {"bytes": nbytes, "repeats": repeats}
     mib = f"{nbytes / 2**20:.0f} MiB"
     return [
@@ -209,9 +219,15 @@ def run(quick: bool) -> list[Row]:
             + " (end to end; beyond computing it)",
             "torch copy_ into memory already touched (ceiling)",
             f"{gbps(nbytes, t['warm_copy'])}",
-            f"{gbps(nbytes, t['big_shm'])} ({gbps(nbytes, shm)})",
+            f"{gbps(nbytes, t['big_shm'])} ({shm_text})",
             t["warm_copy"] / shm,
             target=harness.target("≥ 4 GB/s beyond computing it", nbytes / shm >= 4e9),
-            raw={"region_pool": pooled, "regions_created": created, "regions_busy": busy},
+            raw={
+                "region_pool": pooled,
+                "regions_created": created,
+                "regions_busy": busy,
+                "shm_transfer_s": shm_measured,
+                "baseline_noise_s": noise,
+            },
         ),
     ]

@@ -117,6 +117,11 @@ def median_time(fn: Callable[[], Any], *, warmup: int, repeats: int) -> float:
 
 def interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int, repeats: int) -> dict[str, float]:
     """Median seconds per function, the functions called round-robin."""
+    return {k: statistics.median(v) for k, v in interleaved_samples(fns, warmup=warmup, repeats=repeats).items()}
+
+
+def interleaved_samples(fns: dict[str, Callable[[], Any]], *, warmup: int, repeats: int) -> dict[str, list[float]]:
+    """Every call's seconds per function, the functions called round-robin (sample i of each is one round)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -126,7 +131,7 @@ def interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int, repeats: int)
             t0 = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
 
 
 def interleaved_cpu(
