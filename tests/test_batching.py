@@ -49,6 +49,19 @@ def _stub(d: Daemon) -> Any:
     return nnd_pb2_grpc.NndStub(grpc.insecure_channel(d.address))
 
 
+def _expanded_copy(g: graph_pb2.Graph, source: int, first_id: int, rows: int) -> int:
+    """Nodes first_id, first_id + 1: `source` (1, n, 64) expanded to `rows` rows and made contiguous; returns the last id."""
+    n = g.nodes.add(id=first_id)
+    n.op.name = "expand"
+    n.op.args.add().ref = source
+    for size in (rows, -1, -1):
+        n.op.args.add().value.int = size
+    n = g.nodes.add(id=first_id + 1)
+    n.op.name = "contiguous"
+    n.op.args.add().ref = first_id
+    return first_id + 1
+
+
 def _request(model: str, text: str, *, extra: Callable[[graph_pb2.Graph], None] | None = None) -> Any:
     """Save h[0]'s output, its sum, and a 100x expanded copy (chunked: blob ids are renumbered)."""
     g = graph_pb2.Graph()
@@ -59,15 +72,7 @@ def _request(model: str, text: str, *, extra: Callable[[graph_pb2.Graph], None] 
     n.op.name = "sum"
     n.op.args.add().ref = 3
     g.nodes.add(id=9).save.value.ref = 7
-    n = g.nodes.add(id=11)
-    n.op.name = "expand"
-    n.op.args.add().ref = 3
-    for size in (100, -1, -1):
-        n.op.args.add().value.int = size
-    n = g.nodes.add(id=12)
-    n.op.name = "contiguous"
-    n.op.args.add().ref = 11
-    g.nodes.add(id=13).save.value.ref = 12
+    g.nodes.add(id=13).save.value.ref = _expanded_copy(g, 3, 11, 100)
     if extra is not None:
         extra(g)
     request = nnd_pb2.TraceRequest(model=model, graph=g)
@@ -116,17 +121,10 @@ def _batched_counts(d: Daemon) -> list[int]:
 
 def _slow(g: graph_pb2.Graph) -> None:
     """Adds ~0.3 s of work in the worker: sum over h[0] expanded to 400k rows (~300 MB) and copied."""
-    n = g.nodes.add(id=50)
-    n.op.name = "expand"
-    n.op.args.add().ref = 3
-    for size in (400_000, -1, -1):
-        n.op.args.add().value.int = size
-    n = g.nodes.add(id=51)
-    n.op.name = "contiguous"
-    n.op.args.add().ref = 50
+    copy = _expanded_copy(g, 3, 50, 400_000)
     n = g.nodes.add(id=52)
     n.op.name = "sum"
-    n.op.args.add().ref = 51
+    n.op.args.add().ref = copy
     g.nodes.add(id=53).save.value.ref = 52
 
 
