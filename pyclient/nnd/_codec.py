@@ -128,8 +128,9 @@ class Decoder:
     """Turns result Values into Python objects.
 
     `blobs` maps a chunked tensor's blob id to its reassembled bytes. Tensors
-    become torch tensors when torch is installed (`use_torch`), else numpy
-    arrays; meta tensors become tensors on the "meta" device or `MetaTensor`.
+    become torch tensors when the process has imported torch (or asked for
+    them: `_torchmod.set_tensor_type`; `use_torch=False` forces numpy), else
+    numpy arrays; meta tensors become tensors on the "meta" device or `MetaTensor`.
     """
 
     def __init__(
