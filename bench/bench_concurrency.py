@@ -137,15 +137,18 @@ def _split(m: dict[str, float]) -> str:
     return f"CPU/trace: client {m['client_ms']:.1f} ms, daemon {m['daemon_ms']:.1f} ms, worker {m['worker_ms']:.1f} ms"
 
 
-def _forward_ms(path: str, rows: int, repeats: int) -> float:
-    """Median ms of the plain HF forward of PROMPT repeated in `rows` batch rows (in this process)."""
+def _forward_ms(path: str, rows: tuple[int, ...], repeats: int) -> list[float]:
+    """Median ms of the plain HF forward of PROMPT repeated in each of `rows` batch rows (in this process)."""
     import torch
-    import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    ids = transformers.AutoTokenizer.from_pretrained(path)(PROMPT, return_tensors="pt").input_ids.repeat(rows, 1)
+    tok, model = harness.hf_model(path)
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    out = []
     with torch.no_grad():
-        return 1e3 * harness.median_time(lambda: model(ids), warmup=10, repeats=repeats)
+        for r in rows:
+            batch = ids.repeat(r, 1)
+            out.append(1e3 * harness.median_time(lambda batch=batch: model(batch), warmup=10, repeats=repeats))
+    return out
 
 
 def _ceiling(one: dict[str, float], k: int, forward_1: float, forward_k: float) -> tuple[float, float]:
@@ -173,7 +176,7 @@ def run(quick: bool) -> list[Row]:
                 results["one"] = _measure(d, path, 1, n)
             results[label] = _measure(d, path, k, n)
     one, off, on = results["one"], results["off"], results["on"]
-    forward_1, forward_k = (_forward_ms(path, rows, 30 if quick else 200) for rows in (1, k))
+    forward_1, forward_k = _forward_ms(path, (1, k), 30 if quick else 200)
     best_tps, best_ratio = _ceiling(one, k, forward_1, forward_k)
     raw = {"clients": k, "traces_per_client": n, **{f"{a}_{b}": v for a, r in results.items() for b, v in r.items()}}
     raw |= {"forward_1_ms": forward_1, f"forward_{k}_ms": forward_k, "ceiling_tps": best_tps}

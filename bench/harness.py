@@ -367,15 +367,20 @@ def machine() -> dict[str, str]:
     return info
 
 
+def hf_model(path: str) -> tuple[Any, Any]:
+    """The tokenizer and the HF model (eval mode) in `path`, in this process."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
+
+
 def gpt2_subjects(layers: int, width: int) -> tuple[str, Any, Any, Any]:
     """One GPT-2-shaped model, three ways: its directory (for nnd), an HF model
     with its tokenizer (plain PyTorch), and an nnsight LanguageModel on the same
     weights. Returns (path, tokenizer, hf_model, nnsight_model)."""
     import nnsight
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = model("gpt2", layers=layers, width=width)
-    tok = AutoTokenizer.from_pretrained(path)
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok, hf = hf_model(path)
     lm = nnsight.LanguageModel(path, tokenizer=tok, device_map="cpu", dispatch=True)
     return path, tok, hf, lm

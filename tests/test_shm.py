@@ -184,9 +184,9 @@ def _request(model: str, text: str, copies: int = 600) -> nnd_pb2.TraceRequest:
 def _run(address: str, model: str, text: str, *, shm: bool) -> tuple[dict[int, torch.Tensor], str]:
     """The saved values by node id, and the region the request named ("" if none), as the tracer runs it."""
     request = _request(model, text)
-    if shm:
-        _shm.attach(request)
-    results = _results.collect(nnd.connect(address).stream("Trace", request), use_torch=True)
+    request.shm = shm
+    lease = _shm.attach(request) if shm else None
+    results = _results.collect(nnd.connect(address).stream("Trace", request), use_torch=True, lease=lease)
     return results.saved, request.shm_region
 
 

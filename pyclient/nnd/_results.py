@@ -8,12 +8,15 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from nnd import _codec, _dtypes
 from nnd.v1 import nnd_pb2, values_pb2
+
+if TYPE_CHECKING:
+    from nnd._shm import Lease
 
 
 @dataclass(frozen=True)
@@ -145,17 +148,16 @@ def collect(
     *,
     use_torch: bool | None = None,
     on_step: Callable[[StepToken], None] | None = None,
+    lease: Lease | None = None,
 ) -> Results:
     """Read a whole response stream. Chunks of a blob are concatenated in
     arrival order; values are decoded once every chunk is in.
 
-    Shared-memory regions `_shm.attach` leased on this thread for the request
-    behind `responses` are settled here: back to the pool when the stream
-    failed to finish or no result lies in them, else once the results that view
-    them are garbage."""
+    `lease`: the shared-memory region (`_shm.attach`) the request behind
+    `responses` named, settled here: back to the pool when the stream failed to
+    finish or no result lies in it, else once the results that view it are garbage."""
     from nnd import _shm
 
-    leases = _shm.take_leases()
     raw: dict[int, values_pb2.Value] = {}
     blobs = _Blobs()
     out = Results()
@@ -177,13 +179,13 @@ def collect(
             elif kind == "done":
                 out.compute_s = msg.done.compute_s
         decoder = _codec.Decoder(
-            blobs.joined(), use_torch=use_torch, regions={lease.region.name: lease for lease in leases}
+            blobs.joined(), use_torch=use_torch, regions={lease.region.name: lease} if lease is not None else None
         )
         out.saved = {node: decoder.value(value) for node, value in raw.items()}
         ok = True
     finally:
         if decoder is not None and decoder.shm_bytes:
             _shm.pool().learn(decoder.shm_bytes)  # the next region is made to fit
-        for lease in leases:
+        if lease is not None:
             lease.finish(ok)
     return out

@@ -221,8 +221,8 @@ class Pool:
         """A free region big enough for what requests have needed so far; None before anything is known."""
         lease = self._reuse()
         if lease is None and len(self.regions) > len(self.free):
-            # Results often die in reference cycles (proxies and their tracer): a young-generation
-            # collection (~0.1 ms) hands their regions back before a new one is made.
+            # A result may still sit in a reference cycle (a tracer the user keeps, a container of
+            # proxies): a young-generation collection (~0.1 ms) hands its region back before a new one is made.
             gc.collect(1)
             lease = self._reuse()
         if lease is not None or not self.hint:
@@ -231,8 +231,8 @@ class Pool:
             want = self.hint
             # Nothing fits: drop what is free (too small or tampered with) and make one, if allowed.
             stale, self.free = self.free, []
-            for region in stale:
-                self._drop(region)
+            for old in stale:
+                self._drop(old)
             if len(self.regions) >= MAX_REGIONS:
                 self.busy += 1
                 return None
@@ -290,7 +290,6 @@ class Pool:
 
 _pool: Pool | None = None
 _pool_lock = threading.Lock()
-_pending = threading.local()
 
 
 def pool() -> Pool:
@@ -302,25 +301,15 @@ def pool() -> Pool:
         return _pool
 
 
-def attach(request: Any) -> None:
-    """Ask for `request`'s big results through shared memory, into a region of the pool when one fits.
+def attach(request: Any) -> Lease | None:
+    """Have `request`'s big results written into a region of the pool, when one is free.
 
-    The lease is handed to the `_results.collect` that next runs on this thread,
-    which settles it when the stream ends."""
-    request.shm = True
+    The caller hands the lease to `_results.collect`, which settles it when the stream ends.
+    None: no region free (or none sized yet); the worker then makes fresh segments."""
     lease = pool().lease()
     if lease is not None:
         request.shm_region = lease.region.name
-        if not hasattr(_pending, "leases"):
-            _pending.leases = []
-        _pending.leases.append(lease)
-
-
-def take_leases() -> list[Lease]:
-    """The leases `attach` made on this thread and not yet handed over."""
-    leases = getattr(_pending, "leases", [])
-    _pending.leases = []
-    return leases
+    return lease
 
 
 def take_fresh(name: str, offset: int, nbytes: int) -> Any:

@@ -262,13 +262,17 @@ class Tracer:
 
             if not _shm.available(self.model._conn.address):
                 raise ValueError("shm=True needs a daemon on this host's unix socket (and Linux's /dev/shm)")
-            _shm.attach(request)  # into a region of this process's pool when one is free (_shm.py)
+            request.shm = True
         return request
 
     def _run(self) -> None:
+        from nnd import _shm
+
         request = self._request()
+        # Into a region of this process's pool when one is free (_shm.py); `collect` settles the lease.
+        lease = _shm.attach(request) if request.shm else None
         stream = self.model._conn.stream(self._method, request, timeout=self._options.get("timeout"))
-        results = _results.collect(stream, on_step=self.tokens.append)
+        results = _results.collect(stream, on_step=self.tokens.append, lease=lease)
         self._deliver(results)
 
     def _deliver(self, results: _results.Results) -> None:
