@@ -27,7 +27,7 @@ import psutil
 
 from nnd.v1 import nnd_pb2, worker_pb2
 from nnd_daemon import errors
-from nnd_daemon.control import metamodel, statefile, uploads
+from nnd_daemon.control import gpus, metamodel, statefile, uploads
 from nnd_daemon.control.settings import Settings, parse_duration
 from nnd_daemon.control.supervisor import Worker
 from nnd_daemon.worker import tplaunch
@@ -176,7 +176,8 @@ class Registry:
             override = again[0]
         placement = _merge(entry.placement, override)
         # Refuse a tensor-parallel degree this model or machine cannot run, before any process starts.
-        tplaunch.check(entry.meta.config, placement, tplaunch.gpu_count())
+        tplaunch.check(entry.meta.config, placement, gpus.count())
+        _check_gpus_visible(placement)
         with self._lock:
             while entry.state == DISPATCHING:
                 self._changed.wait()
@@ -249,6 +250,9 @@ class Registry:
         if budget is None and device == "cpu":
             budget = psutil.virtual_memory().available
             source = "free host memory"
+        elif budget is None and device.startswith("cuda"):
+            budget = gpus.free_bytes(int(device.partition(":")[2] or 0))  # None where nvidia-smi cannot say
+            source = f"free memory of {device}"
         else:
             source = f"--max-memory {device}"
         if budget is not None:
@@ -497,8 +501,34 @@ def _primary_device(placement: nnd_pb2.Placement | None) -> str:
 
 
 def _cuda_available() -> bool:
-    # Without initialising CUDA in the daemon (that would take GPU memory).
-    return os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")
+    return gpus.count() > 0
+
+
+def _check_gpus_visible(placement: nnd_pb2.Placement) -> None:
+    """Refuse a placement on a GPU the workers cannot see, before a worker starts (and fails deep in torch)."""
+    text = (placement.device or placement.device_map or "").strip()
+    if text.startswith("{"):  # an explicit device map: its values name the devices
+        import json
+
+        try:
+            values = [str(v) for v in json.loads(text).values()]
+        except (ValueError, AttributeError):
+            return  # the worker reports a malformed map with its own message
+    else:
+        values = [text]
+    wanted = [v for v in values if v.startswith("cuda") or v.isdigit()]
+    if not wanted:
+        return
+    seen = gpus.count()
+    for value in wanted:
+        index = int(value) if value.isdigit() else int(value.partition(":")[2] or 0)
+        if index >= seen:
+            hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+            why = f" (CUDA_VISIBLE_DEVICES={hidden!r})" if hidden is not None else ""
+            raise errors.FailedPrecondition(
+                f"the placement asks for {value}, but the daemon sees {seen} GPU{'s' if seen != 1 else ''}{why}; "
+                "use --device cpu, or start nnd serve where that GPU is visible"
+            )
 
 
 def _gib(n: float) -> str:

@@ -17,7 +17,7 @@ import grpc
 from nnd import __version__
 from nnd.v1 import graph_pb2, nnd_pb2, worker_pb2
 from nnd_daemon import errors
-from nnd_daemon.control import requests, uploads
+from nnd_daemon.control import gpus, requests, uploads
 from nnd_daemon.control.registry import Registry
 from nnd_daemon.control.settings import Settings
 
@@ -69,7 +69,7 @@ class NndServicer:
             ops=sorted(ops.OPS),
             attributes=sorted(ops.ATTRIBUTES),
             limits=self.settings.limits.to_proto(),
-            devices=["cpu"] + [f"cuda:{i}" for i in range(_gpu_count())],
+            devices=["cpu"] + [f"cuda:{i}" for i in range(gpus.count())],
         )
         info.libraries.update(
             {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
@@ -285,10 +285,3 @@ def _resolve_aliases(meta: Any, graphs: list[Any]) -> None:
 
     aliases.rewrite_graphs(graphs, meta.aliases)
 
-
-def _gpu_count() -> int:
-    return (
-        len([d for d in os.listdir("/dev") if d.startswith("nvidia") and d[6:].isdigit()])
-        if os.path.isdir("/dev")
-        else 0
-    )

@@ -36,6 +36,7 @@ import psutil
 
 from nnd.v1 import nnd_pb2, worker_pb2, worker_pb2_grpc
 from nnd_daemon import errors
+from nnd_daemon.control import gpus
 from nnd_daemon.worker import tplaunch
 
 log = logging.getLogger("nnd.supervisor")
@@ -113,9 +114,8 @@ class Worker:
             cmd += ["--batch-window-ms", str(self.batch_window_ms)]
         env = None
         if self.tp_size > 1:  # a torchrun group of tp_size ranks, each running the same worker module
-            gpus = tplaunch.gpu_count()
             cmd = tplaunch.command(self.tp_size, cmd[3:])
-            env = tplaunch.environment(self.placement, gpus)
+            env = tplaunch.environment(self.placement, gpus.count())
             self._log_offset = logf.tell()
         # No preexec_fn: running Python between fork and exec in a threaded
         # daemon can crash the child. The worker ties its life to ours itself.

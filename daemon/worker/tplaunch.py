@@ -44,14 +44,6 @@ def timeout_s() -> float:
         return DEFAULT_TIMEOUT_S
 
 
-def gpu_count() -> int:
-    """NVIDIA GPUs on this machine, counted without initialising CUDA in the daemon."""
-    try:
-        return len([d for d in os.listdir("/dev") if d.startswith("nvidia") and d[6:].isdigit()])
-    except OSError:
-        return 0
-
-
 def on_gpu(placement: nnd_pb2.Placement, gpus: int) -> bool:
     """Whether a TP placement runs on GPUs: cuda asked for, or nothing asked for on a box with GPUs."""
     text = (placement.device or placement.device_map or "").strip()

@@ -92,6 +92,8 @@ class TransformersModel(_envoy.Envoy):
             trust_remote_code=trust_remote_code,
             placement=_placement.placement(device=device, device_map=device_map, dtype=dtype, tp_size=tp_size, **extra),
         )
+        # The placement this handle asked for: the daemon keeps the first loader's, so dispatch() says it again.
+        self._placement = request.placement if request.placement.ListFields() else None
         if keep_alive is not None:
             request.keep_alive = _placement.keep_alive_string(keep_alive)
         request.rename.extend(_renames(rename))
@@ -166,7 +168,10 @@ class TransformersModel(_envoy.Envoy):
     # -- lifecycle
     def dispatch(self, progress: Callable[[nnd_pb2.DispatchProgress], None] | None = None) -> TransformersModel:
         """Load the weights now, calling `progress` with each progress message."""
-        for msg in self._conn.stream("Dispatch", nnd_pb2.DispatchRequest(model=self._name)):
+        request = nnd_pb2.DispatchRequest(model=self._name)
+        if self._placement is not None:
+            request.placement.CopyFrom(self._placement)
+        for msg in self._conn.stream("Dispatch", request):
             if progress is not None:
                 progress(msg)
             if msg.HasField("model"):
