@@ -31,6 +31,7 @@ MODULES = {
     "transfer": "bench_transfer",
     "concurrency": "bench_concurrency",
     "import": "bench_import",
+    "gpu": "bench_gpu",  # one "no GPU" row without CUDA
 }
 
 NOTES = [
