@@ -86,6 +86,44 @@ def test_reflection_lists_the_services(daemon):
         assert {m.name for m in nnd_service.methods} >= {"GetServerInfo", "LoadModel", "Dispatch", "Scan", "Decode"}
 
 
+def _reflect(channel: grpc.Channel, version: str, **request) -> list:
+    """ServerReflectionInfo of `grpc.reflection.<version>`, one request (v1 and v1alpha have the same messages)."""
+    from grpc_reflection.v1alpha import reflection_pb2 as pb
+
+    info = channel.stream_stream(
+        f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+        request_serializer=pb.ServerReflectionRequest.SerializeToString,
+        response_deserializer=pb.ServerReflectionResponse.FromString,
+    )
+    return list(info(iter([pb.ServerReflectionRequest(**request)]), timeout=10))
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_is_served_as_v1_and_v1alpha(daemon, version):
+    """grpcurl and newer tools ask grpc.reflection.v1 first; older ones v1alpha."""
+    from google.protobuf import descriptor_pb2
+
+    with grpc.insecure_channel(daemon.address) as channel:
+        (listed,) = _reflect(channel, version, list_services="")
+        services = {s.name for s in listed.list_services_response.service}
+        assert {
+            "nnd.v1.Nnd",
+            "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection",
+        } <= services
+        for symbol, package in (
+            ("nnd.v1.Nnd", "nnd.v1"),
+            (f"grpc.reflection.{version}.ServerReflection", f"grpc.reflection.{version}"),
+        ):
+            (found,) = _reflect(channel, version, file_containing_symbol=symbol)
+            assert found.WhichOneof("message_response") == "file_descriptor_response", found
+            files = [
+                descriptor_pb2.FileDescriptorProto.FromString(b)
+                for b in found.file_descriptor_response.file_descriptor_proto
+            ]
+            assert package in {f.package for f in files}
+
+
 def _health(channel: grpc.Channel, service: str) -> int | None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -116,7 +154,7 @@ def test_health_overall_is_serving(daemon):
 
 
 def test_health_follows_the_model_state(fresh_daemon, tiny_models):
-    from grpc_health.v1 import health_pb2
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     channel, stub = _stub(fresh_daemon.address)
@@ -127,11 +165,15 @@ def test_health_follows_the_model_state(fresh_daemon, tiny_models):
         progress = list(stub.Dispatch(nnd_pb2.DispatchRequest(model=name), timeout=120))
         assert progress[-1].model.state == nnd_pb2.DISPATCHED
         _wait_health(channel, name, serving)
+        listed = health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=5).statuses
+        assert {k: v.status for k, v in listed.items()} == {"": serving, "nnd.v1.Nnd": serving, name: serving}
         assert stub.Release(nnd_pb2.ReleaseRequest(model=name), timeout=60).state == nnd_pb2.META
         _wait_health(channel, name, not_serving)
         assert _health(channel, "") == serving
         stub.Unload(nnd_pb2.UnloadRequest(model=name), timeout=60)
         _wait_health(channel, name, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+        listed = health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=5).statuses
+        assert set(listed) == {"", "nnd.v1.Nnd"}  # an unloaded model is not listed
         assert _health(channel, "/no/such/model") is None  # never loaded: NOT_FOUND
 
 
