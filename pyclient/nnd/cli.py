@@ -18,6 +18,12 @@ from nnd import _address
 from nnd.errors import NndError
 
 STATES = {0: "?", 1: "META", 2: "DISPATCHING", 3: "DISPATCHED"}
+QUICKSTART = """\
+quickstart:
+  nnd serve &
+  nnd load gpt2
+  nnd dispatch gpt2 --device cuda
+  nnd ps"""
 
 
 # ---------------------------------------------------------------- helpers
@@ -288,7 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nnd",
         description="nnd: a daemon that keeps models loaded and lets any client look inside them.",
-        epilog="Quickstart: nnd serve &  nnd load gpt2  nnd dispatch gpt2 --device cuda  nnd ps",
+        epilog=QUICKSTART,
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the quickstart keeps its line breaks
     )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--address", default=None, help="daemon address: unix:///path, a socket path, or host:port")
