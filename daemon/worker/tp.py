@@ -287,11 +287,15 @@ class LeaderService(WorkerService):
     def Status(self, request: worker_pb2.WorkerStatusRequest, context: grpc.ServicerContext) -> Any:
         status = super().Status(request, context)
         total = 0
-        for pid in self.group.pids:  # resident memory of the whole group
+        for rank, pid in enumerate(self.group.pids):  # each rank's resident memory, and the group's
             try:
-                total += psutil.Process(pid).memory_info().rss
+                rss = psutil.Process(pid).memory_info().rss
             except psutil.Error:
-                pass
+                rss = 0
+            total += rss
+            # One host: rank r computes on local GPU r (Group.__init__), or all on the CPU.
+            device = f"cuda:{rank}" if self.group.gpu else "cpu"
+            status.ranks.add(rank=rank, pid=pid, rss_bytes=rss, device=device)
         status.rss_bytes = total or status.rss_bytes
         return status
 
