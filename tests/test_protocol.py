@@ -192,6 +192,53 @@ def test_server_info(daemon):
     assert "torch" in info.libraries and "cpu" in info.devices
 
 
+def test_the_protocol_doc_lists_exactly_the_ops_the_daemon_accepts(daemon):
+    """docs/protocol.md section 6.7 lists every op name, and section 6 gives their number: both as served."""
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()
+    section = doc[doc.index("### 6.7 The current list") : doc.index("## 7. Semantics")]
+    listed = section.split("```text\n", 1)[1].split("```", 1)[0].split()
+    channel, stub = _stub(daemon.address)
+    with channel:
+        served = list(stub.GetServerInfo(nnd_pb2.GetServerInfoRequest(), timeout=10).ops)
+    assert listed == sorted(served)
+    assert f"The current daemon accepts {len(served)} names" in " ".join(doc.split())
+
+
+def test_a_clone_at_a_lower_id_reads_the_value_before_an_in_place_edit(daemon, gpt2):
+    """The recipe of docs/protocol.md section 12: the clone (id 2) runs before the edit (ids 10-13) at
+    the same hook; a read with a higher id (14) sees the edit."""
+
+    def ref(i: int) -> graph_pb2.Arg:
+        return graph_pb2.Arg(ref=i)
+
+    def value(v: values_pb2.Value) -> graph_pb2.Arg:
+        return graph_pb2.Arg(value=v)
+
+    hook = graph_pb2.ModuleValue(path="transformer.h.0", point=graph_pb2.OUTPUT, invoke=0)
+    all_ = value(values_pb2.Value(slice=values_pb2.Slice()))
+    last = graph_pb2.Arg(tuple=graph_pb2.ArgList(items=[all_, value(values_pb2.Value(int=-1)), all_]))
+    ones = values_pb2.Tensor(dtype=values_pb2.FLOAT32, shape=[64], data=np.ones(64, "<f4").tobytes())
+    read = [graph_pb2.Node(id=1, module=hook), graph_pb2.Node(id=3, save=graph_pb2.Save(value=ref(1)))]
+    edit = [
+        graph_pb2.Node(id=1, module=hook),
+        graph_pb2.Node(id=2, op=graph_pb2.Op(name="clone", args=[ref(1)])),
+        graph_pb2.Node(id=3, save=graph_pb2.Save(value=ref(2))),
+        graph_pb2.Node(id=10, op=graph_pb2.Op(name="getitem", args=[ref(1), last])),
+        graph_pb2.Node(id=11, constant=values_pb2.Value(tensor=ones)),
+        graph_pb2.Node(id=12, op=graph_pb2.Op(name="iadd", args=[ref(10), ref(11)])),
+        graph_pb2.Node(id=13, op=graph_pb2.Op(name="setitem", args=[ref(1), last, ref(12)])),
+        graph_pb2.Node(id=14, module=hook),
+        graph_pb2.Node(id=15, save=graph_pb2.Save(value=ref(14))),
+    ]
+    channel, stub = _stub(daemon.address)
+    with channel:
+        plain = _collect(stub.Trace(_request(gpt2, *read), timeout=60))[3]
+        edited = _collect(stub.Trace(_request(gpt2, *edit), timeout=60))
+    np.testing.assert_array_equal(edited[3], plain)  # before the edit
+    np.testing.assert_array_equal(edited[15][:, :-1], plain[:, :-1])  # after it: only the last position moved
+    np.testing.assert_allclose(edited[15][:, -1], plain[:, -1] + 1, rtol=0, atol=1e-6)
+
+
 # ---------------------------------------------------------------- errors
 
 
