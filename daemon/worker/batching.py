@@ -44,9 +44,12 @@ sequential client never waits, and a busy model gathers by itself.
 
 Errors stay apart: if the merged run fails for any reason, each member is run
 again alone, so only the faulty one fails and the others get their normal
-results. A member cancelled before the merged run starts is dropped from it;
-one cancelled during the run is not waited on (the run continues for the
-others and its results are dropped), unless every member is cancelled.
+results. A member cancelled before the merged run starts is dropped from it
+(also when the cancellation lands as it is told it has the model: grpc raises
+there); one cancelled during the run is not waited on (the run continues for
+the others and its results are dropped), unless every member is cancelled.
+Whatever a run does, every member it claimed is finished when it ends: the
+others wait on that with no timeout.
 """
 
 from __future__ import annotations
