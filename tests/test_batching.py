@@ -280,3 +280,79 @@ def test_a_killed_worker_fails_the_whole_batch_and_says_it_was_running(tmp_path,
             assert "killed by SIGKILL" in out.details() and "while running this request" in out.details(), out.details()
     finally:
         d.stop()
+
+
+class _LeavesAtStart:
+    """A queued request whose client cancels it at the worst moment: after the batcher has checked it
+    is still there and before it is told it has the model. grpc's `send_initial_metadata` raises
+    on a cancelled call, which is what `started` does here, and from then on it reads as cancelled."""
+
+    def __init__(self) -> None:
+        self.gone = False
+
+    def cancelled(self) -> bool:
+        return self.gone
+
+    def started(self) -> None:
+        self.gone = True
+        raise grpc.RpcError()
+
+
+@pytest.mark.parametrize("leader", ["leaving", "staying"])
+def test_a_request_cancelled_as_its_batch_starts_does_not_strand_the_others(leader: str) -> None:
+    """The race behind 'a request queued behind a cancelled one never ran': the cancelled member
+    used to abort the whole group, so the others waited forever (or failed with its error)."""
+    from nnd.v1 import worker_pb2
+    from nnd_daemon import errors
+    from nnd_daemon.worker import batching
+
+    ran_alone: list[list[int]] = []
+
+    def run_alone(request: Any, emit: Callable[[Any], None], cancelled: Callable[[], bool]) -> None:
+        ran_alone.append(list(request.request.invokes[0].tokens.ids))
+        emit(nnd_pb2.TraceResponse(done=nnd_pb2.TraceDone()))
+
+    def run_merged(*_: Any) -> None:
+        raise AssertionError("one member left: the other runs alone, not merged")
+
+    run_lock = threading.Lock()
+    batcher = batching.Batcher(run_lock, run_merged, run_alone, window_s=0)
+
+    def member(ids: list[int], emit: Callable[[Any], None], cancelled: Callable[[], bool], started: Callable[[], None]):
+        request = worker_pb2.WorkerRunRequest(request=nnd_pb2.TraceRequest(model="m"))
+        request.request.invokes.add().tokens.ids.extend(ids)
+        return batching.Member(request, len(ids), [ids], emit, cancelled, started)
+
+    leaving = _LeavesAtStart()
+    staying_out: list[Any] = []
+    leaving_member = member([1, 2], lambda r: None, leaving.cancelled, leaving.started)
+    staying_member = member([3, 4], staying_out.append, lambda: False, lambda: None)
+    # Both queue while the model is busy; the one named `leader` is already waiting, the other
+    # arrives and takes the model as it is freed: it claims both, and runs the group on its thread.
+    follower, first = (staying_member, leaving_member) if leader == "leaving" else (leaving_member, staying_member)
+    outcomes: dict[str, BaseException | None] = {}
+
+    def submit(name: str, m: Any) -> None:
+        try:
+            batcher.submit(m)
+            outcomes[name] = None
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertions
+            outcomes[name] = exc
+
+    run_lock.acquire()
+    with batcher._cond:  # queued behind the busy model, before the leader comes
+        batcher._pending.append(follower)
+    follower_thread = threading.Thread(target=lambda: (follower.finished.wait(), None))
+    follower_thread.start()
+    run_lock.release()
+    submit("first", first)
+    follower_thread.join(30)  # a guard against a hang, far above the microseconds this takes
+    assert not follower_thread.is_alive(), "a request batched with a cancelled one was never finished"
+    assert ran_alone == [[3, 4]]
+    assert [r.WhichOneof("kind") for r in staying_out] == ["done"]
+    assert staying_member.error is None
+    assert isinstance(leaving_member.error, errors.Cancelled)
+    if first is staying_member:
+        assert outcomes["first"] is None
+    else:
+        assert isinstance(outcomes["first"], errors.Cancelled)

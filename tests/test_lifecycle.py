@@ -142,3 +142,13 @@ def test_dispatch_other_architectures(daemon, tiny_models, kind):
     daemon.cli("dispatch", path)
     assert _ps(daemon)[path]["state"] == "DISPATCHED"
     daemon.cli("release", path)
+
+
+def test_help_keeps_the_quickstart_one_command_a_line():
+    """`nnd --help` ends with the quickstart as lines a user can copy, not squashed into one."""
+    env = {**os.environ, "COLUMNS": "200"}  # wide: squashing would fit it all on one line
+    res = subprocess.run([sys.executable, "-m", "nnd.cli", "--help"], capture_output=True, text=True, env=env, timeout=60)
+    assert res.returncode == 0, res.stderr
+    lines = [line.strip() for line in res.stdout.splitlines()]
+    start = lines.index("quickstart:")
+    assert lines[start + 1 : start + 5] == ["nnd serve &", "nnd load gpt2", "nnd dispatch gpt2 --device cuda", "nnd ps"]

@@ -3,7 +3,8 @@
 Its numbers are checked twice: against the same TraceRequest built here with
 the Python stubs and sent over gRPC (the wire encoding agrees), and against a
 plain-PyTorch forward with a forward hook that adds the same vector (the
-daemon computes the right thing).
+daemon computes the right thing). Its Dispatch progress, Scan shapes and
+streamed Generate steps are checked the same way.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from nnd.v1 import graph_pb2, nnd_pb2, nnd_pb2_grpc, values_pb2
 
 NODE_DIR = pathlib.Path(__file__).resolve().parents[1] / "examples" / "node"
 SHORT_PROMPT = "The Eiffel Tower is in the city of"
+NEW_TOKENS = 3
 # 105 tokens with the tiny tokenizer: its logits (105 x 320 float32) exceed the
 # 64 KiB inline limit, so they come back chunked.
 LONG_PROMPT = (
@@ -127,6 +129,34 @@ def torch_reference(model_path: str, prompt: str, layer: int, vector: np.ndarray
     return {"layer": seen["layer"].numpy(), "logits": logits.numpy(), "tokenizer": tok}
 
 
+def generate_steps(address: str, model: str, prompt: str, new_tokens: int) -> list[tuple[int, int, str]]:
+    """(step, id, text) of each StepTokens of a greedy Generate, sent with the Python stubs."""
+    request = nnd_pb2.TraceRequest(
+        model=model,
+        invokes=[nnd_pb2.Invoke(text=prompt)],
+        generate=nnd_pb2.GenerateOptions(max_new_tokens=new_tokens, stream_text=True),
+    )
+    with grpc.insecure_channel(address) as channel:
+        responses = list(nnd_pb2_grpc.NndStub(channel).Generate(request, timeout=120))
+    return [(r.step.step, r.step.ids[0], r.step.text[0]) for r in responses if r.WhichOneof("kind") == "step"]
+
+
+def greedy(model_path: str, prompt: str, new_tokens: int) -> list[int]:
+    """Plain PyTorch greedy decoding: the argmax of the last position, appended, `new_tokens` times."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = torch.tensor([AutoTokenizer.from_pretrained(model_path)(prompt)["input_ids"]])
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    out = []
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            nxt = int(model(ids).logits[0, -1].argmax())
+            out.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return out
+
+
 # ---------------------------------------------------------------- the Node client
 
 
@@ -170,7 +200,7 @@ def test_node_client_matches_python_and_torch(node_client, daemon, tiny_models, 
     res = run_node(
         node_client,
         *("--address", daemon.address, "--model", model, "--prompt", prompt),
-        *("--layer", str(layer), "--scale", str(scale), "--seed", str(seed)),
+        *("--layer", str(layer), "--scale", str(scale), "--seed", str(seed), "--new-tokens", str(NEW_TOKENS)),
     )
     assert res.returncode == 0, f"node client failed:\n{res.stdout}\n{res.stderr}"
     out = json.loads(res.stdout)
@@ -181,8 +211,12 @@ def test_node_client_matches_python_and_torch(node_client, daemon, tiny_models, 
     assert out["steering"]["first"] == [float(x) for x in vector[:4]]
     assert out["steering"]["checksum"] == pytest.approx(float(vector.astype(np.float64).sum()), abs=1e-9)
 
-    # The same request, built with the Python stubs and sent over gRPC.
-    path = f"transformer.h.{layer}"
+    # It dispatched (progress streamed, ending "ready"), and scanned the graph's shapes first.
+    assert out["dispatch"]["stages"][-1] == "ready" and out["dispatch"]["state"] == "DISPATCHED"
+
+    # The same request, built with the Python stubs and sent over gRPC; `layers` is the daemon's
+    # standard alias for transformer.h, which the client uses so that it runs on any architecture.
+    path = f"layers.{layer}"
     request = nnd_pb2.TraceRequest(
         model=model, invokes=[nnd_pb2.Invoke(text=prompt)], graph=steering_graph(path, vector)
     )
@@ -200,6 +234,8 @@ def test_node_client_matches_python_and_torch(node_client, daemon, tiny_models, 
     assert out["layer_output"]["dtype"] == "FLOAT32"
     assert out["layer_output"]["checksum"] == pytest.approx(float(py_layer.astype(np.float64).sum()), abs=1e-5)
     assert out["logits"]["shape"] == list(py_logits.shape)
+    for name, value in (("layer_output", py_layer), ("logits", py_logits)):
+        assert out["scan"][name] == {"shape": list(value.shape), "dtype": "FLOAT32", "meta": True}
     if prompt == LONG_PROMPT:  # the chunk path was exercised, in both clients
         assert 9 in chunked and out["logits"]["chunked"] is True
     else:
@@ -222,6 +258,11 @@ def test_node_client_matches_python_and_torch(node_client, daemon, tiny_models, 
     tok = ref["tokenizer"]
     assert [t["text"] for t in out["top5"]] == [tok.decode([i]) for i in node_ids]
 
+    # Generate: the steps it printed as they streamed in are greedy decoding's, as the Python stubs get them.
+    steps = generate_steps(daemon.address, model, prompt, NEW_TOKENS)
+    assert [(s["step"], s["id"], s["text"]) for s in out["generate"]] == steps
+    assert [i for _, i, _ in steps] == greedy(model, prompt, NEW_TOKENS)
+
 
 def test_node_client_grpc_error_is_one_line(node_client, daemon, tiny_models):
     res = run_node(
@@ -232,7 +273,7 @@ def test_node_client_grpc_error_is_one_line(node_client, daemon, tiny_models):
     assert res.stdout == ""
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1, res.stderr
-    assert lines[0].startswith("nnd-node: NOT_FOUND:") and "transformer.h.99" in lines[0]
+    assert lines[0].startswith("nnd-node: NOT_FOUND:") and "'layers.99'" in lines[0]
 
 
 def test_node_client_unreachable_daemon(node_client, tmp_path):

@@ -86,6 +86,44 @@ def test_reflection_lists_the_services(daemon):
         assert {m.name for m in nnd_service.methods} >= {"GetServerInfo", "LoadModel", "Dispatch", "Scan", "Decode"}
 
 
+def _reflect(channel: grpc.Channel, version: str, **request) -> list:
+    """ServerReflectionInfo of `grpc.reflection.<version>`, one request (v1 and v1alpha have the same messages)."""
+    from grpc_reflection.v1alpha import reflection_pb2 as pb
+
+    info = channel.stream_stream(
+        f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+        request_serializer=pb.ServerReflectionRequest.SerializeToString,
+        response_deserializer=pb.ServerReflectionResponse.FromString,
+    )
+    return list(info(iter([pb.ServerReflectionRequest(**request)]), timeout=10))
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_is_served_as_v1_and_v1alpha(daemon, version):
+    """grpcurl and newer tools ask grpc.reflection.v1 first; older ones v1alpha."""
+    from google.protobuf import descriptor_pb2
+
+    with grpc.insecure_channel(daemon.address) as channel:
+        (listed,) = _reflect(channel, version, list_services="")
+        services = {s.name for s in listed.list_services_response.service}
+        assert {
+            "nnd.v1.Nnd",
+            "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection",
+        } <= services
+        for symbol, package in (
+            ("nnd.v1.Nnd", "nnd.v1"),
+            (f"grpc.reflection.{version}.ServerReflection", f"grpc.reflection.{version}"),
+        ):
+            (found,) = _reflect(channel, version, file_containing_symbol=symbol)
+            assert found.WhichOneof("message_response") == "file_descriptor_response", found
+            files = [
+                descriptor_pb2.FileDescriptorProto.FromString(b)
+                for b in found.file_descriptor_response.file_descriptor_proto
+            ]
+            assert package in {f.package for f in files}
+
+
 def _health(channel: grpc.Channel, service: str) -> int | None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -116,7 +154,7 @@ def test_health_overall_is_serving(daemon):
 
 
 def test_health_follows_the_model_state(fresh_daemon, tiny_models):
-    from grpc_health.v1 import health_pb2
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     channel, stub = _stub(fresh_daemon.address)
@@ -127,11 +165,15 @@ def test_health_follows_the_model_state(fresh_daemon, tiny_models):
         progress = list(stub.Dispatch(nnd_pb2.DispatchRequest(model=name), timeout=120))
         assert progress[-1].model.state == nnd_pb2.DISPATCHED
         _wait_health(channel, name, serving)
+        listed = health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=5).statuses
+        assert {k: v.status for k, v in listed.items()} == {"": serving, "nnd.v1.Nnd": serving, name: serving}
         assert stub.Release(nnd_pb2.ReleaseRequest(model=name), timeout=60).state == nnd_pb2.META
         _wait_health(channel, name, not_serving)
         assert _health(channel, "") == serving
         stub.Unload(nnd_pb2.UnloadRequest(model=name), timeout=60)
         _wait_health(channel, name, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+        listed = health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=5).statuses
+        assert set(listed) == {"", "nnd.v1.Nnd"}  # an unloaded model is not listed
         assert _health(channel, "/no/such/model") is None  # never loaded: NOT_FOUND
 
 
@@ -148,6 +190,53 @@ def test_server_info(daemon):
     assert {"add", "getitem", "setitem", "iadd", "softmax", "call_module", "getattr", "randn"} <= ops
     assert {"shape", "logits"} <= set(info.attributes)
     assert "torch" in info.libraries and "cpu" in info.devices
+
+
+def test_the_protocol_doc_lists_exactly_the_ops_the_daemon_accepts(daemon):
+    """docs/protocol.md section 6.7 lists every op name, and section 6 gives their number: both as served."""
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()
+    section = doc[doc.index("### 6.7 The current list") : doc.index("## 7. Semantics")]
+    listed = section.split("```text\n", 1)[1].split("```", 1)[0].split()
+    channel, stub = _stub(daemon.address)
+    with channel:
+        served = list(stub.GetServerInfo(nnd_pb2.GetServerInfoRequest(), timeout=10).ops)
+    assert listed == sorted(served)
+    assert f"The current daemon accepts {len(served)} names" in " ".join(doc.split())
+
+
+def test_a_clone_at_a_lower_id_reads_the_value_before_an_in_place_edit(daemon, gpt2):
+    """The recipe of docs/protocol.md section 12: the clone (id 2) runs before the edit (ids 10-13) at
+    the same hook; a read with a higher id (14) sees the edit."""
+
+    def ref(i: int) -> graph_pb2.Arg:
+        return graph_pb2.Arg(ref=i)
+
+    def value(v: values_pb2.Value) -> graph_pb2.Arg:
+        return graph_pb2.Arg(value=v)
+
+    hook = graph_pb2.ModuleValue(path="transformer.h.0", point=graph_pb2.OUTPUT, invoke=0)
+    all_ = value(values_pb2.Value(slice=values_pb2.Slice()))
+    last = graph_pb2.Arg(tuple=graph_pb2.ArgList(items=[all_, value(values_pb2.Value(int=-1)), all_]))
+    ones = values_pb2.Tensor(dtype=values_pb2.FLOAT32, shape=[64], data=np.ones(64, "<f4").tobytes())
+    read = [graph_pb2.Node(id=1, module=hook), graph_pb2.Node(id=3, save=graph_pb2.Save(value=ref(1)))]
+    edit = [
+        graph_pb2.Node(id=1, module=hook),
+        graph_pb2.Node(id=2, op=graph_pb2.Op(name="clone", args=[ref(1)])),
+        graph_pb2.Node(id=3, save=graph_pb2.Save(value=ref(2))),
+        graph_pb2.Node(id=10, op=graph_pb2.Op(name="getitem", args=[ref(1), last])),
+        graph_pb2.Node(id=11, constant=values_pb2.Value(tensor=ones)),
+        graph_pb2.Node(id=12, op=graph_pb2.Op(name="iadd", args=[ref(10), ref(11)])),
+        graph_pb2.Node(id=13, op=graph_pb2.Op(name="setitem", args=[ref(1), last, ref(12)])),
+        graph_pb2.Node(id=14, module=hook),
+        graph_pb2.Node(id=15, save=graph_pb2.Save(value=ref(14))),
+    ]
+    channel, stub = _stub(daemon.address)
+    with channel:
+        plain = _collect(stub.Trace(_request(gpt2, *read), timeout=60))[3]
+        edited = _collect(stub.Trace(_request(gpt2, *edit), timeout=60))
+    np.testing.assert_array_equal(edited[3], plain)  # before the edit
+    np.testing.assert_array_equal(edited[15][:, :-1], plain[:, :-1])  # after it: only the last position moved
+    np.testing.assert_allclose(edited[15][:, -1], plain[:, -1] + 1, rtol=0, atol=1e-6)
 
 
 # ---------------------------------------------------------------- errors

@@ -38,3 +38,12 @@ def test_every_cli_command_in_the_table_exists():
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     assert commands and commands <= set(sub.choices)
+
+
+def test_grpcurl_commands_are_plaintext():
+    """grpcurl assumes TLS unless told -plaintext; the daemon's unix socket has none."""
+    docs = README + (ROOT / "docs" / "protocol.md").read_text()
+    commands = re.findall(r"grpcurl -[^`\n]*", docs)
+    assert commands, "the docs lost their grpcurl examples"
+    for command in commands:
+        assert "-plaintext" in command, command

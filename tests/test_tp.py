@@ -95,6 +95,30 @@ def test_group_is_two_ranks_and_an_agent(tpd, tp2, paths):
     agent = psutil.Process(pids[-1])
     assert "torch.distributed.run" in " ".join(agent.cmdline())
     assert {c.pid for c in agent.children()} == set(pids[:2])
+    # `nnd ps` shows the degree and each rank: its pid, device and memory (the group's RSS is their sum).
+    assert info["tp_size"] == 2
+    ranks = info["ranks"]
+    assert [(r.get("rank", 0), r["pid"], r["device"]) for r in ranks] == [(0, pids[0], "cpu"), (1, pids[1], "cpu")]
+    assert all(int(r["rss_bytes"]) > 0 for r in ranks)
+    assert sum(int(r["rss_bytes"]) for r in ranks) == int(info["worker_rss_bytes"])
+    table = _columns(tpd.cli("ps").stdout)
+    (row,) = [r for r in table if r["NAME"] == paths["tp2"]]
+    assert row["TP"] == "2" and row["PID"] == str(pids[2])  # the agent
+    rank_rows = [r for r in table if r["NAME"].startswith("rank ")]
+    assert [(r["NAME"], r["DEVICES"], r["PID"]) for r in rank_rows] == [
+        ("rank 0", "cpu", str(pids[0])),
+        ("rank 1", "cpu", str(pids[1])),
+    ]
+    assert all(r["RSS"].endswith("iB") for r in rank_rows)
+
+
+def _columns(table: str) -> list[dict[str, str]]:
+    """`nnd ps`'s rows as {column: text}, cut where the header's columns start (cells may hold spaces)."""
+    header, *lines = table.splitlines()
+    starts = [i for i, c in enumerate(header) if c != " " and (i == 0 or header[i - 1] == " ")]
+    bounds = list(zip(starts, [*starts[1:], None], strict=True))
+    names = [header[a:b].strip() for a, b in bounds]
+    return [{n: line[a:b].strip() for n, (a, b) in zip(names, bounds, strict=True)} for line in lines]
 
 
 def test_reads_match_one_process(tp2, tp1):

@@ -437,9 +437,11 @@ class Registry:
             out.dispatched_placement.CopyFrom(entry.dispatched_placement)
         if entry.worker is not None:
             out.worker_pids.extend(entry.worker.pids)  # a tensor-parallel group: every rank, then torchrun
+            out.tp_size = entry.worker.tp_size
         if status is not None:
             out.worker_rss_bytes = status.rss_bytes
             out.weights.extend(status.weights)
+            out.ranks.extend(status.ranks)
         if modules:
             out.modules.extend(entry.meta.modules(dict(status.devices) if status else None))
         return out

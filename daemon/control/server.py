@@ -20,6 +20,7 @@ from google.protobuf.message import DecodeError
 from nnd import _address
 from nnd.v1 import nnd_pb2
 from nnd_daemon import errors
+from nnd_daemon.control import health
 from nnd_daemon.control.auth import Access
 from nnd_daemon.control.registry import Registry
 from nnd_daemon.control.servicer import NndServicer
@@ -139,17 +140,11 @@ class Daemon:
         self._stopped = threading.Event()
 
     def _add_health_and_reflection(self) -> None:
-        try:
-            from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-            from grpc_reflection.v1alpha import reflection
-        except ImportError:  # optional extras
-            self.health = None
-            return
-        self.health = health.HealthServicer()
-        self._health_pb2 = health_pb2
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, self.server)
+        self.health = health.add(self.server, (SERVICE,))  # None without the optional extras
+        if self.health is not None:
+            from grpc_health.v1 import health_pb2
+
+            self._health_pb2 = health_pb2
 
     def _health_loop(self) -> None:
         if self.health is None:

@@ -44,9 +44,12 @@ sequential client never waits, and a busy model gathers by itself.
 
 Errors stay apart: if the merged run fails for any reason, each member is run
 again alone, so only the faulty one fails and the others get their normal
-results. A member cancelled before the merged run starts is dropped from it;
-one cancelled during the run is not waited on (the run continues for the
-others and its results are dropped), unless every member is cancelled.
+results. A member cancelled before the merged run starts is dropped from it
+(also when the cancellation lands as it is told it has the model: grpc raises
+there); one cancelled during the run is not waited on (the run continues for
+the others and its results are dropped), unless every member is cancelled.
+Whatever a run does, every member it claimed is finished when it ends: the
+others wait on that with no timeout.
 """
 
 from __future__ import annotations
@@ -283,6 +286,7 @@ class Batcher:
                     break
             if not self.run_lock.acquire(timeout=_POLL_S * 5):
                 continue
+            group: list[Member] = []
             try:
                 with self._cond:
                     if member.claimed:
@@ -291,6 +295,9 @@ class Batcher:
                 self._run_group(group)
             finally:
                 self.run_lock.release()
+                # Every claimed member waits on `finished` with no timeout: whatever happened in this
+                # run, none of them may be left waiting (a liveness guarantee, not error handling).
+                _finish_all(group)
             break
         member.finished.wait()
         if member.error is not None:
@@ -324,13 +331,19 @@ class Batcher:
             return
         if not live:
             return
+        # `started` answers the member's RPC (initial metadata), and raises if the client cancelled it
+        # after the check above: that member alone is done (cancelled); the others still run.
+        live = [m for m in live if self._start(m)]
+        if len(live) == 1:
+            self._alone(live[0], started=True)
+            return
+        if not live:
+            return
         merged = merge(live)
         if merged is None:
             for m in live:
-                self._alone(m)
+                self._alone(m, started=True)
             return
-        for m in live:
-            m.started()
         router = Router(live)
         try:
             self.run_merged(merged, router, lambda: all(m.cancelled() for m in live))
@@ -357,6 +370,19 @@ class Batcher:
                 m.error = exc
             m.buffer.clear()
             m.finished.set()
+
+    @staticmethod
+    def _start(m: Member) -> bool:
+        """Tell `m`'s client it has the model; False (and `m` finished, cancelled) if it has left."""
+        from nnd_daemon import errors
+
+        try:
+            m.started()
+        except BaseException as exc:  # noqa: BLE001 - reported to that member only
+            m.error = exc if isinstance(exc, errors.NndError) else errors.Cancelled("request cancelled before it ran")
+            m.finished.set()
+            return False
+        return True
 
     def _alone(self, m: Member, *, started: bool = False) -> None:
         from nnd_daemon import errors
@@ -386,6 +412,17 @@ class Batcher:
         length, ids = found
         self.submit(Member(request, length, ids, emit, cancelled, started))
         return True
+
+
+def _finish_all(group: list[Member]) -> None:
+    """Finish every member of a run that is not finished yet, with an error saying so."""
+    from nnd_daemon import errors
+
+    for m in group:
+        if not m.finished.is_set():
+            if m.error is None:
+                m.error = errors.NndError("internal error in worker: a batched run ended without running this request")
+            m.finished.set()
 
 
 def for_service(service: Any, window_ms: float) -> Batcher:

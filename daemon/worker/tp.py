@@ -88,12 +88,14 @@ class Group:
         self.seq = 0
         self.lock = threading.Lock()
         self.broken = ""
-        self.pids = self._exchange_pids()
+        self.pids, self.devices = self._exchange_pids()
 
-    def _exchange_pids(self) -> list[int]:
-        parts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        dist.all_gather(parts, torch.tensor([os.getpid()], dtype=torch.int64), group=self.sync)
-        return [int(p) for p in parts]
+    def _exchange_pids(self) -> tuple[list[int], list[str]]:
+        """Every rank's pid and device, in rank order (for `nnd ps`)."""
+        parts = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world)]
+        mine = torch.tensor([os.getpid(), self.local_rank if self.gpu else -1], dtype=torch.int64)
+        dist.all_gather(parts, mine, group=self.sync)
+        return [int(p[0]) for p in parts], [f"cuda:{int(p[1])}" if p[1] >= 0 else "cpu" for p in parts]
 
     def bound_collectives(self) -> None:
         """Give every process group but `idle` the hang timeout: the device mesh transformers builds for
@@ -287,11 +289,14 @@ class LeaderService(WorkerService):
     def Status(self, request: worker_pb2.WorkerStatusRequest, context: grpc.ServicerContext) -> Any:
         status = super().Status(request, context)
         total = 0
-        for pid in self.group.pids:  # resident memory of the whole group
+        # Each rank's resident memory, and the group's (the pids of this host: nnd starts groups on one).
+        for rank, (pid, device) in enumerate(zip(self.group.pids, self.group.devices, strict=True)):
             try:
-                total += psutil.Process(pid).memory_info().rss
+                rss = psutil.Process(pid).memory_info().rss
             except psutil.Error:
-                pass
+                rss = 0
+            total += rss
+            status.ranks.add(rank=rank, pid=pid, rss_bytes=rss, device=device)
         status.rss_bytes = total or status.rss_bytes
         return status
 

@@ -1,17 +1,24 @@
 #!/usr/bin/env node
 // A Node.js client for nnd that speaks the .proto and nothing else.
 //
-// It loads a model, adds a steering vector to one GPT-2 block's output at the
-// last position, and prints the next-token top 5 as JSON:
+// It loads a model and dispatches it (printing the progress to stderr), checks
+// a graph with Scan (shapes only, no weights), then runs it with Trace: add a
+// steering vector to one layer's output at the last position and read the
+// next-token top 5. Last, it generates a few tokens, printing each step as it
+// streams in. The results go to stdout as JSON:
 //
 //   node client.js --address unix:///run/nnd/nnd.sock --model openai-community/gpt2 \
-//       --prompt "The Eiffel Tower is in the city of" --layer 5 --scale 4
+//       --prompt "The Eiffel Tower is in the city of" --layer 5 --scale 4 --new-tokens 5
 //
 // The graph it sends is the protocol form of
 //
-//   model.transformer.h[N].output[:, -1, :] += v
-//   h = model.transformer.h[N].output.save()
+//   model.layers[N].output[:, -1, :] += v
+//   h = model.layers[N].output.save()
 //   logits = model.lm_head.output.save()
+//
+// `layers` and `lm_head` are the daemon's standard aliases (ModuleInfo.aliases):
+// the same paths name GPT-2's transformer.h, Llama's model.layers, BERT's
+// encoder layers, so this client runs on any of them.
 //
 // No generated code: @grpc/proto-loader reads ../../protos at start-up.
 'use strict';
@@ -23,13 +30,13 @@ const protoLoader = require('@grpc/proto-loader');
 const PROTOS = path.resolve(__dirname, '..', '..', 'protos');
 const USAGE =
   'usage: node client.js --address ADDR --model PATH --prompt TEXT --layer N ' +
-  '[--scale S] [--seed K] [--timeout SECONDS]';
+  '[--scale S] [--seed K] [--new-tokens T] [--timeout SECONDS]';
 
 // ------------------------------------------------------------------ arguments
 
 function parseArgs(argv) {
-  const opts = { scale: 1, seed: 0, timeout: 300 };
-  const names = new Set(['address', 'model', 'prompt', 'layer', 'scale', 'seed', 'timeout']);
+  const opts = { scale: 1, seed: 0, timeout: 300, 'new-tokens': 3 };
+  const names = new Set(['address', 'model', 'prompt', 'layer', 'scale', 'seed', 'new-tokens', 'timeout']);
   for (let i = 0; i < argv.length; i++) {
     const arg = argv[i];
     if (arg === '-h' || arg === '--help') {
@@ -52,7 +59,7 @@ function parseArgs(argv) {
   for (const required of ['address', 'model', 'prompt', 'layer']) {
     if (opts[required] === undefined) usageError(`--${required} is required`);
   }
-  for (const name of ['layer', 'seed']) {
+  for (const name of ['layer', 'seed', 'new-tokens']) {
     const n = Number(opts[name]);
     if (!Number.isInteger(n) || n < 0) usageError(`--${name} must be a non-negative integer`);
     opts[name] = n;
@@ -102,43 +109,70 @@ function unary(client, method, request, timeout) {
   });
 }
 
-// A server stream of TraceResponse: Saved, Chunk, StepTokens, then one TraceDone.
-// Returns {saved: Map(node id -> Value), blobs: Map(blob id -> Buffer), done}.
-function trace(client, request, timeout) {
+// A server stream: calls onMessage for each message as it arrives; resolves when it ends.
+function stream(client, method, request, timeout, onMessage) {
   return new Promise((resolve, reject) => {
-    const saved = new Map();
-    const pieces = new Map();
-    let done = null;
-    const call = client.Trace(request, { deadline: deadline(timeout) });
+    const call = client[method](request, { deadline: deadline(timeout) });
     call.on('data', (msg) => {
-      switch (msg.kind) {
-        case 'saved':
-          saved.set(msg.saved.node, msg.saved.value);
-          break;
-        case 'chunk': {
-          // The chunks of one blob arrive in order: append.
-          const list = pieces.get(msg.chunk.blob) || [];
-          list.push(msg.chunk.data);
-          pieces.set(msg.chunk.blob, list);
-          break;
-        }
-        case 'done':
-          done = msg.done;
-          break;
-        default: // StepTokens: only Generate sends them
+      try {
+        onMessage(msg);
+      } catch (err) {
+        call.cancel();
+        reject(err);
       }
     });
     call.on('error', reject);
-    call.on('end', () => {
-      if (done === null) {
-        reject(new Error('the Trace stream ended without a TraceDone'));
-        return;
-      }
-      const blobs = new Map();
-      for (const [id, list] of pieces) blobs.set(id, Buffer.concat(list));
-      resolve({ saved, blobs, done });
-    });
+    call.on('end', resolve);
   });
+}
+
+// Dispatch: the worker starts and loads the weights; progress streams in, the
+// last message has stage "ready" and the model's info.
+async function dispatch(client, model, timeout) {
+  const stages = [];
+  let last = null;
+  await stream(client, 'Dispatch', { model }, timeout, (p) => {
+    const of = Number(p.total) ? `${p.done}/${p.total} ${p.unit}` : '';
+    process.stderr.write(`dispatch: ${p.stage} ${of} ${p.message}\n`);
+    if (stages[stages.length - 1] !== p.stage) stages.push(p.stage);
+    last = p;
+  });
+  if (last === null || last.stage !== 'ready') throw new Error('Dispatch ended before its "ready" message');
+  return { stages, state: last.model.state };
+}
+
+// Scan, Trace or Generate: a stream of TraceResponse (Saved, Chunk, StepTokens,
+// then one TraceDone). Each StepTokens goes to onStep as soon as it arrives.
+// Returns {saved: Map(node id -> Value), blobs: Map(blob id -> Buffer), done}.
+async function trace(client, request, timeout, method = 'Trace', onStep = () => {}) {
+  const saved = new Map();
+  const pieces = new Map();
+  let done = null;
+  await stream(client, method, request, timeout, (msg) => {
+    switch (msg.kind) {
+      case 'saved':
+        saved.set(msg.saved.node, msg.saved.value);
+        break;
+      case 'chunk': {
+        // The chunks of one blob arrive in order: append.
+        const list = pieces.get(msg.chunk.blob) || [];
+        list.push(msg.chunk.data);
+        pieces.set(msg.chunk.blob, list);
+        break;
+      }
+      case 'step': // only Generate sends them
+        onStep(msg.step);
+        break;
+      case 'done':
+        done = msg.done;
+        break;
+      default:
+    }
+  });
+  if (done === null) throw new Error(`the ${method} stream ended without a TraceDone`);
+  const blobs = new Map();
+  for (const [id, list] of pieces) blobs.set(id, Buffer.concat(list));
+  return { saved, blobs, done };
 }
 
 // ------------------------------------------------------------------ tensors
@@ -271,11 +305,20 @@ async function main() {
   try {
     const info = await unary(client, 'LoadModel', { model: opts.model }, opts.timeout);
     const width = hiddenSize(info);
-    const layerPath = `transformer.h.${opts.layer}`;
+    const layerPath = `layers.${opts.layer}`; // the standard alias: any architecture
     const vector = steeringVector(width, opts.seed, opts.scale);
     const { graph, layerSave, logitsSave } = steeringGraph(layerPath, vector);
 
     const request = { model: info.name, invokes: [{ text: opts.prompt }], graph };
+    // Scan: the same graph on the META model, shapes and dtypes only (no weights needed).
+    const scanned = await trace(client, request, opts.timeout, 'Scan');
+    const scan = {};
+    for (const [name, id] of [['layer_output', layerSave], ['logits', logitsSave]]) {
+      const t = scanned.saved.get(id).tensor;
+      scan[name] = { shape: t.shape.map(Number), dtype: t.dtype, meta: t.meta };
+    }
+
+    const dispatched = await dispatch(client, info.name, opts.timeout);
     const { saved, blobs, done } = await trace(client, request, opts.timeout);
     for (const id of [layerSave, logitsSave]) {
       if (!saved.has(id) || saved.get(id).kind !== 'tensor') throw new Error(`node ${id} saved no tensor`);
@@ -296,6 +339,21 @@ async function main() {
       t.text = decoded.texts[i];
     });
 
+    // Generate (greedy, no edits): each step's token streams in as it is produced.
+    const steps = [];
+    if (opts['new-tokens'] > 0) {
+      const generation = {
+        model: info.name,
+        invokes: [{ text: opts.prompt }],
+        graph: { nodes: [], scopes: [] },
+        generate: { max_new_tokens: opts['new-tokens'], do_sample: false, stream_text: true },
+      };
+      await trace(client, generation, opts.timeout, 'Generate', (step) => {
+        process.stderr.write(`step ${step.step}: ${JSON.stringify(step.text[0])}\n`);
+        steps.push({ step: step.step, id: Number(step.ids[0]), text: step.text[0] });
+      });
+    }
+
     const checksum = layer.values.reduce((a, b) => a + b, 0);
     const out = {
       model: info.name,
@@ -308,6 +366,9 @@ async function main() {
       layer_output: { shape: layer.shape, dtype: layer.dtype, checksum, chunked: layer.chunked },
       logits: { shape: logits.shape, dtype: logits.dtype, chunked: logits.chunked },
       compute_s: done.compute_s,
+      dispatch: dispatched,
+      scan,
+      generate: steps,
     };
     process.stdout.write(JSON.stringify(out, null, 2) + '\n');
   } finally {

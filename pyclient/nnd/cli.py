@@ -18,6 +18,12 @@ from nnd import _address
 from nnd.errors import NndError
 
 STATES = {0: "?", 1: "META", 2: "DISPATCHING", 3: "DISPATCHED"}
+QUICKSTART = """\
+quickstart:
+  nnd serve &
+  nnd load gpt2
+  nnd dispatch gpt2 --device cuda
+  nnd ps"""
 
 
 # ---------------------------------------------------------------- helpers
@@ -202,23 +208,29 @@ def cmd_ps(ns: argparse.Namespace) -> int:
     now = time.time()
     rows = []
     for m in resp.models:
-        devices = ",".join(w.device for w in m.weights) or "-"
+        # A tensor-parallel group: its ranks' devices, the agent's pid here, and a line per rank below.
+        ranked = {r.pid for r in m.ranks}
+        devices = ",".join(dict.fromkeys(r.device for r in m.ranks)) or ",".join(w.device for w in m.weights) or "-"
         weights = _human_bytes(sum(w.bytes for w in m.weights)) if m.weights else "-"
         rows.append(
             [
                 m.name,
                 STATES[m.state],
+                str(m.tp_size) if m.tp_size else "-",
                 devices,
                 m.dtype or m.placement.dtype or "-",
                 weights,
                 _human_bytes(m.worker_rss_bytes) if m.worker_rss_bytes else "-",
-                ",".join(map(str, m.worker_pids)) or "-",
+                ",".join(str(p) for p in m.worker_pids if p not in ranked) or "-",
                 _human_duration(m.idle_s) if m.idle_s else "-",
                 ("in " + _human_duration(max(0.0, m.expires_at - now))) if m.expires_at else "-",
                 m.last_error[:60] if m.last_error else "",
             ]
         )
-    header = ["NAME", "STATE", "DEVICES", "DTYPE", "WEIGHTS", "RSS", "PID", "IDLE", "RELEASE", "NOTE"]
+        for r in m.ranks:
+            rss = _human_bytes(r.rss_bytes) if r.rss_bytes else "-"
+            rows.append([f"  rank {r.rank}", "", "", r.device, "", "", rss, str(r.pid), "", "", ""])
+    header = ["NAME", "STATE", "TP", "DEVICES", "DTYPE", "WEIGHTS", "RSS", "PID", "IDLE", "RELEASE", "NOTE"]
     print(_table(rows, header) if rows else "no models loaded")
     return 0
 
@@ -288,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nnd",
         description="nnd: a daemon that keeps models loaded and lets any client look inside them.",
-        epilog="Quickstart: nnd serve &  nnd load gpt2  nnd dispatch gpt2 --device cuda  nnd ps",
+        epilog=QUICKSTART,
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the quickstart keeps its line breaks
     )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--address", default=None, help="daemon address: unix:///path, a socket path, or host:port")
@@ -325,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("unload", cmd_unload, "release a model and forget it")
     p.add_argument("model")
 
-    p = add("ps", cmd_ps, "list loaded models: state, devices, dtype, memory, worker pid, idle time")
+    p = add("ps", cmd_ps, "list loaded models: state, TP degree, devices, dtype, memory, worker pids (each rank's), idle time")
     p.add_argument("--json", action="store_true")
 
     p = add("tree", cmd_tree, "print a model's module tree")

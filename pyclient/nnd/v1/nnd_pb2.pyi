@@ -221,7 +221,7 @@ class DeviceMemory(_message.Message):
     def __init__(self, device: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "state", "task", "architecture", "config", "num_parameters", "placement", "dispatched_placement", "modules", "weights", "worker_rss_bytes", "worker_pids", "idle_s", "expires_at", "last_error", "dtype", "estimated_bytes")
+    __slots__ = ("name", "state", "task", "architecture", "config", "num_parameters", "placement", "dispatched_placement", "modules", "weights", "worker_rss_bytes", "worker_pids", "idle_s", "expires_at", "last_error", "dtype", "estimated_bytes", "tp_size", "ranks")
     class ConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,8 @@ class ModelInfo(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ESTIMATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: ModelState
     task: str
@@ -263,7 +265,21 @@ class ModelInfo(_message.Message):
     last_error: str
     dtype: str
     estimated_bytes: int
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., task: _Optional[str] = ..., architecture: _Optional[str] = ..., config: _Optional[_Mapping[str, str]] = ..., num_parameters: _Optional[int] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., dispatched_placement: _Optional[_Union[Placement, _Mapping]] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., weights: _Optional[_Iterable[_Union[DeviceMemory, _Mapping]]] = ..., worker_rss_bytes: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., idle_s: _Optional[float] = ..., expires_at: _Optional[float] = ..., last_error: _Optional[str] = ..., dtype: _Optional[str] = ..., estimated_bytes: _Optional[int] = ...) -> None: ...
+    tp_size: int
+    ranks: _containers.RepeatedCompositeFieldContainer[WorkerRank]
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., task: _Optional[str] = ..., architecture: _Optional[str] = ..., config: _Optional[_Mapping[str, str]] = ..., num_parameters: _Optional[int] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., dispatched_placement: _Optional[_Union[Placement, _Mapping]] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., weights: _Optional[_Iterable[_Union[DeviceMemory, _Mapping]]] = ..., worker_rss_bytes: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., idle_s: _Optional[float] = ..., expires_at: _Optional[float] = ..., last_error: _Optional[str] = ..., dtype: _Optional[str] = ..., estimated_bytes: _Optional[int] = ..., tp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[WorkerRank, _Mapping]]] = ...) -> None: ...
+
+class WorkerRank(_message.Message):
+    __slots__ = ("rank", "pid", "rss_bytes", "device")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    pid: int
+    rss_bytes: int
+    device: str
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class Invoke(_message.Message):
     __slots__ = ("text", "tokens", "args")
