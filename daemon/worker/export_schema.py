@@ -45,6 +45,8 @@ _INT64 = 1 << 63
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PATH = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 _SYMBOL = re.compile(r"[a-z]{1,4}[0-9]{1,9}")
+_STACK_KEY = re.compile(r"[A-Za-z0-9_.@]{0,300}")
+_TYPE_NAME = re.compile(r"[A-Za-z0-9_.<>]{0,300}")
 _VERIFIERS = {"", "ATEN", "TRAINING"}
 _DEVICES = {"cpu", "cuda", "meta"}
 # Node metadata torch.export writes (serialize_metadata); torch reads these back as strings or JSON.
@@ -247,6 +249,9 @@ def _node_metadata(metadata: dict[str, Any]) -> None:
             parts = _split3(item)
             if len(parts) != 3:
                 raise _refuse("nn_module_stack is malformed")
+            # unflatten builds the module tree from these: attribute paths, and names it shows
+            if not _STACK_KEY.fullmatch(parts[0]) or not _TYPE_NAME.fullmatch(parts[2]):
+                raise _refuse(f"nn_module_stack entry {item[:80]!r} is malformed")
             _path(parts[1].split("@")[0], "nn_module_stack path")
     for key in ("custom", "from_node"):
         if key in metadata and metadata[key]:
@@ -324,13 +329,14 @@ class _Walk:
         for k, (_, required) in fields.items():
             if required and k not in data:
                 raise _refuse(f"{where} lacks {k!r}")
-        check = _CHECKS.get(cls)
-        if check is not None:
-            check(self, data, where)
+        if cls in _BEFORE:  # what must be known before the fields are walked (which operands may be subgraphs)
+            _BEFORE[cls](self, data, where)
         for k, x in data.items():
             self.value(fields[k][0], x, f"{where}.{k}", depth + 1)
+        if cls in _AFTER:  # the fields' types are checked by now
+            _AFTER[cls](self, data, where)
 
-    # ------------------------------------------------------------ per-type checks (before the fields are walked)
+    # ------------------------------------------------------------ per-type checks
 
     def program(self, data: dict[str, Any], where: str) -> None:
         if data.get("guards_code"):
@@ -364,13 +370,14 @@ class _Walk:
                 _name(k, "value name")
 
     def node(self, data: dict[str, Any], where: str) -> None:
+        _node_metadata(data["metadata"])
+        if data.get("name") is not None:
+            _name(data["name"], "node name")
+
+    def node_operands(self, data: dict[str, Any], where: str) -> None:
         target = data.get("target")
         check_target(target)
         self.nodes += 1
-        if isinstance(data.get("metadata"), dict):
-            _node_metadata(data["metadata"])
-        if data.get("name") is not None:
-            _name(data["name"], "node name")
         inputs = data.get("inputs")
         hop = str(target).removeprefix("torch.ops.higher_order.")
         if not isinstance(inputs, list) or hop == target:
@@ -438,12 +445,12 @@ class _Walk:
             _name(name, "argument name")
 
 
-_CHECKS: dict[type, Any] = {
+_BEFORE: dict[type, Any] = {S.Node: _Walk.node_operands, S.Argument: _Walk.argument}
+_AFTER: dict[type, Any] = {
     S.ExportedProgram: _Walk.program,
     S.GraphModule: _Walk.graph_module,
     S.Graph: _Walk.graph,
     S.Node: _Walk.node,
-    S.Argument: _Walk.argument,
     S.SymExpr: _Walk.sym_expr,
     S.TensorMeta: _Walk.tensor_meta,
     S.Device: _Walk.device,
