@@ -11,6 +11,7 @@ import io
 import json
 import os
 import pickle
+import re
 import zipfile
 from typing import Any
 
@@ -26,7 +27,7 @@ from nnd.v1 import nnd_pb2, nnd_pb2_grpc, worker_pb2
 from nnd_daemon import errors
 from nnd_daemon.control import uploads
 from nnd_daemon.control.settings import Limits, Settings
-from nnd_daemon.worker import export_schema, exported
+from nnd_daemon.worker import export_schema, exported, sym_expr
 
 
 class _Context:
@@ -469,3 +470,59 @@ def test_workers_do_not_import_from_the_daemons_working_directory(served):
         (root / "wd" / "argparse.py").unlink()
     assert not marker.exists()
     _alive(d)
+
+
+# ---------------------------------------------------------------- shape expressions torch writes
+
+
+class _Flat(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).reshape(-1)[: x.shape[0] * 2 + 1]
+
+
+def test_composite_size_expressions_load_and_compute(tmp_path):
+    """A dynamic batch gives sizes like Mul(Integer(4), Symbol('s..')): the bounded grammar accepts
+    what torch writes, and the module computes what the original does."""
+    torch.manual_seed(0)
+    net = _Flat()
+    data = _nnsight.export(net, torch.rand(1, 3))
+    exprs = [m for m in re.findall(r'"expr_str": "([^"]*)"', json.dumps(read_program(data)))]
+    assert any(e.startswith(("Mul(", "Add(")) for e in exprs), exprs
+    path = tmp_path / "program.pt2"
+    path.write_bytes(data)
+    module = exported._unflatten(exported.load_program(str(path)))
+    x = torch.rand(5, 3)
+    assert torch.equal(module(x), net(x))
+
+
+def test_expressions_sympy_writes_are_accepted_and_cheap_ones_only():
+    import sympy
+    from torch.utils._sympy.functions import FloorDiv, Mod, PowByNatural
+
+    s0, s1 = sympy.Symbol("s0", positive=True, integer=True), sympy.Symbol("s1", positive=True, integer=True)
+    written = [
+        FloorDiv(s0, 2) * s1 + sympy.Max(1, s0) ** 2,
+        Mod(s0 * s1, 7) + PowByNatural(s0, 3),
+        sympy.Eq(s0, 3 * s1 - 1),
+        sympy.Rational(1, 2) * s0,
+        sympy.Integer(2**62) * s0,
+    ]
+    for expr in written:
+        assert sym_expr.why_not(sympy.srepr(expr)) == "", sympy.srepr(expr)
+    refused = {
+        "Pow(Symbol('s0'), Symbol('s1'))": "power",
+        "Pow(Integer(2), Integer(100000))": "power",
+        "PowByNatural(Integer(10), Integer(64))": "",  # 10**64: 213 bits, cheap
+        "Mul(" + ", ".join(["Pow(Symbol('s0'), Integer(64))"] * 2) + ")": "bits",
+        "LShift(Integer(1), Integer(10000))": "shifts",
+        "Symbol('os')": "not a size symbol",
+        "getattr(Symbol('s0'), 'x')": "not a size function",
+        "Symbol('s0')[0]": "Subscript",
+        "(lambda: 1)()": "not a size function",
+    }
+    for text, why in refused.items():
+        assert re.search(why, sym_expr.why_not(text)) if why else sym_expr.why_not(text) == "", text

@@ -211,18 +211,18 @@ def _call(node: ast.Call, depth: int) -> int:
         if len(args) != 2:
             raise _Refused(f"{name} takes a base and an exponent")
         return _power(args[0], args[1], depth)
+    if name not in _SHRINKING and name not in ("Add", "Mul", "LShift"):
+        raise _Refused(f"calls {name[:40]!r}, not a size function")
     bits = [_bits(a, depth) for a in args]
     if not bits:
         raise _Refused(f"calls {name[:40]!r} without arguments")
-    if name in ("Add",):
+    if name == "Add":
         return max(bits) + len(bits).bit_length()
-    if name in ("Mul",):
+    if name == "Mul":
         return sum(bits)
     if name == "LShift":
         k = _small_int(args[1]) if len(args) == 2 else None
         if k is None or k < 0:
             raise _Refused(f"shifts by something other than an integer literal of at most {_MAX_EXPONENT}")
         return bits[0] + k
-    if name in _SHRINKING:
-        return max(bits)
-    raise _Refused(f"calls {name[:40]!r}, not a size function")
+    return max(bits)  # _SHRINKING
