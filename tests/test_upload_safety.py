@@ -526,3 +526,44 @@ def test_expressions_sympy_writes_are_accepted_and_cheap_ones_only():
     }
     for text, why in refused.items():
         assert re.search(why, sym_expr.why_not(text)) if why else sym_expr.why_not(text) == "", text
+
+
+# ---------------------------------------------------------------- what common modules export to passes
+
+
+class _Conv(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.pool = torch.nn.MaxPool2d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(torch.nn.functional.gelu(self.bn(self.conv(x)))).flatten(1).softmax(-1)
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.ln = torch.nn.LayerNorm(8)
+        self.att = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(self.emb(x))
+        causal = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)  # filled with -inf
+        return self.att(h, h, h, attn_mask=causal)[0]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: (_Conv().eval(), torch.rand(1, 3, 8, 8)), lambda: (_Attention().eval(), torch.randint(0, 10, (1, 5)))],
+)
+def test_common_modules_pass_the_walk_and_compute(tmp_path, make):
+    torch.manual_seed(0)
+    net, example = make()
+    path = tmp_path / "program.pt2"
+    path.write_bytes(_nnsight.export(net, example))
+    module = exported._unflatten(exported.load_program(str(path)))
+    x = torch.cat([example, example])
+    assert torch.allclose(module(x), net(x), atol=1e-6)

@@ -41,6 +41,7 @@ from nnd_daemon.worker import sym_expr
 _MAX_DEPTH = 400  # JSON nesting; a HOP subgraph costs ~8 levels
 _MAX_STRING = 1 << 20
 _INT64 = 1 << 63
+_FLOAT_WORDS = ("Infinity", "-Infinity", "NaN")
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PATH = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
@@ -307,7 +308,12 @@ class _Walk:
             if not isinstance(data, int) or isinstance(data, bool) or not -_INT64 <= data < _INT64:
                 raise _refuse(f"{where} is not a 64-bit integer")
         elif tp is float:
-            if not isinstance(data, (int, float)) or isinstance(data, bool) or abs(data) >= 2**1024:
+            # torch writes inf and nan as these strings (a mask filled with -inf); an int must convert to a float
+            if data not in _FLOAT_WORDS and (
+                not isinstance(data, (int, float))
+                or isinstance(data, bool)
+                or (type(data) is int and abs(data) >= _INT64)
+            ):
                 raise _refuse(f"{where} is not a number")
         elif isinstance(tp, type) and issubclass(tp, IntEnum):
             if not isinstance(data, int) or isinstance(data, bool) or data not in tp._value2member_map_:
