@@ -201,6 +201,14 @@ CRAFTED = {
         _edit_program(lambda p: _first_node(p)["metadata"].update(source_fn_stack="x,torch.os.system")),
         "node metadata 'source_fn_stack'",
     ),
+    "a triple quote in a stack trace (FX_GRAPH_SHOW_META writes metadata into generated source)": (
+        _edit_program(lambda p: _first_node(p)["metadata"].update(stack_trace='"""+print(1)+"""')),
+        "triple quote",
+    ),
+    "a triple quote escaped inside custom metadata": (
+        _edit_program(lambda p: _first_node(p)["metadata"].update(custom=json.dumps({"k": '"""'}))),
+        "triple quote",
+    ),
     "a verifier torch would look up": (
         _edit_program(lambda p: p.update(verifiers=["EXIR"])),
         "verifier",

@@ -47,6 +47,7 @@ _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PATH = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 _SYMBOL = re.compile(r"[a-z]{1,4}[0-9]{1,9}")
 _STACK_KEY = re.compile(r"[A-Za-z0-9_.@]{0,300}")
+_DOCSTRING_END = '"""'
 _TYPE_NAME = re.compile(r"[A-Za-z0-9_.<>]{0,300}")
 _VERIFIERS = {"", "ATEN", "TRAINING"}
 _DEVICES = {"cpu", "cuda", "meta"}
@@ -219,9 +220,9 @@ def _path(value: Any, what: str) -> None:
         raise _refuse(f"{what} {value[:80]!r} names a private attribute")
 
 
-def _json_text(value: Any, what: str) -> None:
+def _json_text(value: Any, what: str) -> Any:
     try:
-        json.loads(value)
+        return json.loads(value)
     except (ValueError, TypeError, RecursionError):
         raise _refuse(f"{what} is not JSON") from None
 
@@ -254,9 +255,29 @@ def _node_metadata(metadata: dict[str, Any]) -> None:
             if not _STACK_KEY.fullmatch(parts[0]) or not _TYPE_NAME.fullmatch(parts[2]):
                 raise _refuse(f"nn_module_stack entry {item[:80]!r} is malformed")
             _path(parts[1].split("@")[0], "nn_module_stack path")
+    # FX writes node metadata into the module's generated source inside """...""" when
+    # FX_GRAPH_SHOW_META=1, so no value, decoded or not, may close that string.
+    texts: list[str] = list(metadata.values())
     for key in ("custom", "from_node"):
         if key in metadata and metadata[key]:
-            _json_text(metadata[key], f"node metadata {key!r}")
+            texts += _strings(_json_text(metadata[key], f"node metadata {key!r}"))
+    if any(_DOCSTRING_END in t for t in texts):
+        raise _refuse("node metadata holds a triple quote")
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string (keys included) in decoded JSON."""
+    out, stack = [], [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return out
 
 
 @functools.cache
