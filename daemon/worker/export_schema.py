@@ -17,7 +17,10 @@ derived from its dataclasses at import time):
 - a control-flow operator's callable operands must be subgraphs (`as_graph`),
   which the same walk checks; a subgraph anywhere else is refused;
 - code-bearing fields are refused (`guards_code`), node metadata is limited to
-  the keys torch writes, and shape expressions go through `sym_expr.check`.
+  the keys torch writes (and may not close the triple-quoted string FX puts it
+  in with FX_GRAPH_SHOW_META=1), names are identifiers or module paths (FX
+  writes them into generated source), and shape expressions must pass
+  `sym_expr.why_not` (bounded in form and in cost).
 """
 
 from __future__ import annotations
@@ -129,7 +132,8 @@ _EXPORT_INTERNAL_ATEN = {
 # ATen operators taking only scalars (sizes): allowed though no tensor passes through them.
 _SCALAR_ATEN = {"sym_constrain_range", "sym_constrain_range_for_size", "_assert_scalar"}
 # Operator families whose tensors carry index buffers torch does not check by default (sparse,
-# nested, quantized) or that read or write files: not part of the allow-list even where public.
+# nested, quantized), unchecked indexing, and raw memory: not part of the allow-list even where public.
+# (Files are refused by schema property below: from_file's `filename`.)
 _FAMILY_OUT = re.compile(r"sparse|nested|quantize|quantized|_unsafe_index|storage|data_ptr")
 # Argument types an allowed overload may have (Optional[...] and List[...] of these included).
 _ARG_TYPES = {"Tensor", "int", "float", "bool", "number", "complex", "str", "Device", "Generator", "Layout"}
@@ -165,7 +169,7 @@ def _type_ok(text: str) -> bool:
         text = m.group(1)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=4096)  # bounded: the keys are client text
 def _aten_overload(packet: str, overload: str) -> str:
     """'' when torch.ops.aten.<packet>.<overload> may run in an uploaded program, else why not."""
     if packet not in _public_aten():
