@@ -22,8 +22,9 @@ them. So nnd never calls it. `load_program` reads the archive itself:
 - then torch's own deserializer builds the program from the checked JSON and
   tensors nnd made from the raw bytes, with no example inputs.
 
-Nothing on this path calls `pickle`, `torch.load`, `eval` on client text or
-imports a module the client names (tests/test_upload_safety.py checks it).
+Nothing on this path calls `pickle` or `torch.load`, hands client text to
+`eval` before sym_expr.py has bounded it, or imports a module the client
+names (tests/test_upload_safety.py and tests/test_export_fuzz.py check it).
 
 An upload of kind "exported" is a directory with `program.pt2` and, from the
 Python client, `modules.json`: the original class name and `extra_repr()` of
