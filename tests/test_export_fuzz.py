@@ -175,10 +175,13 @@ def _run_in_process(tmp: Any, archive: bytes) -> str:
         module = exported._unflatten(exported.load_program(str(path)))
     except errors.InvalidArgument:
         return "refused"
-    try:
-        module(torch.rand(2, 3))
-    except Exception:  # noqa: BLE001 - an accepted but inconsistent program may fail as torch pleases
-        pass
+    # The context restores grad mode: a forward that fails inside an unflattened no_grad region
+    # leaves it off (the daemon's engine wraps every request in such a context too).
+    with torch.enable_grad():
+        try:
+            module(torch.rand(2, 3))
+        except Exception:  # noqa: BLE001 - an accepted but inconsistent program may fail as torch pleases
+            pass
     return "ran"
 
 
