@@ -42,7 +42,9 @@ class Daemon:
         return self.proc.returncode
 
 
-def start_daemon(tmp: pathlib.Path, *extra: str, state_dir: str | None = None, ready_timeout: float = 60) -> Daemon:
+def start_daemon(
+    tmp: pathlib.Path, *extra: str, state_dir: str | None = None, ready_timeout: float = 60, cwd: str | None = None
+) -> Daemon:
     """Start `nnd serve` on a socket under `tmp` and wait until it answers."""
     import grpc
 
@@ -56,7 +58,9 @@ def start_daemon(tmp: pathlib.Path, *extra: str, state_dir: str | None = None, r
     args = ["serve", "--address", address, "--state-dir", state, "--log-level", "INFO", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "nnd.cli", *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nnd.cli", *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd
+        )
     deadline = time.monotonic() + ready_timeout
     channel = grpc.insecure_channel(address)
     stub = nnd_pb2_grpc.NndStub(channel)

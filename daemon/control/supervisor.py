@@ -57,6 +57,22 @@ def _tail(path: str, lines: int = 5) -> str:
     return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:] if line.strip())
 
 
+def isolated_python() -> list[str]:
+    """The interpreter a worker runs under: isolated (-I: no PYTHON* variables, no user site, and
+    on 3.11+ no working directory or script folder on sys.path), so a file that lands in the
+    daemon's working directory is never imported by a worker. Editable installs still import:
+    their .pth files live in site-packages, which -I keeps."""
+    return [sys.executable, "-I"]
+
+
+def empty_dir(run_dir: str) -> str:
+    """A working directory for workers that holds nothing and that they cannot write (unless root)."""
+    path = os.path.join(run_dir, "cwd")
+    os.makedirs(path, exist_ok=True)
+    os.chmod(path, 0o555)
+    return path
+
+
 class Worker:
     """One worker process and the channel to it."""
 
@@ -72,6 +88,7 @@ class Worker:
         batch_window_ms: float = 0.0,
     ) -> None:
         self.name = name
+        self.run_dir = run_dir
         self.limits = limits or {}
         self.batch_window_ms = batch_window_ms  # the worker's cross-client batching window (batching.py)
         # Tensor parallel: `proc` is torchrun's agent, `rank_pids` its ranks (rank 0 serves the socket).
@@ -108,18 +125,21 @@ class Worker:
         if os.path.exists(self.socket):
             os.unlink(self.socket)
         logf = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
-        cmd = [sys.executable, "-m", "nnd_daemon.worker", "--socket", self.socket, "--name", self.name]
-        cmd += ["--parent", str(os.getpid()), "--limits", json.dumps(self.limits)]
+        args = ["--socket", self.socket, "--name", self.name]
+        args += ["--parent", str(os.getpid()), "--limits", json.dumps(self.limits)]
         if self.batch_window_ms > 0 and self.tp_size <= 1:
-            cmd += ["--batch-window-ms", str(self.batch_window_ms)]
+            args += ["--batch-window-ms", str(self.batch_window_ms)]
+        cmd = [*isolated_python(), "-m", "nnd_daemon.worker", *args]
         env = None
         if self.tp_size > 1:  # a torchrun group of tp_size ranks, each running the same worker module
-            cmd = tplaunch.command(self.tp_size, cmd[3:])
+            cmd = tplaunch.command(self.tp_size, args)
             env = tplaunch.environment(self.placement, gpus.count())
             self._log_offset = logf.tell()
         # No preexec_fn: running Python between fork and exec in a threaded
         # daemon can crash the child. The worker ties its life to ours itself.
-        self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, close_fds=True, env=env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=logf, stderr=subprocess.STDOUT, close_fds=True, env=env, cwd=empty_dir(self.run_dir)
+        )
         logf.close()
         threading.Thread(target=self._watch, name=f"watch-{self.name}", daemon=True).start()
         deadline = time.monotonic() + timeout

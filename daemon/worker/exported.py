@@ -13,17 +13,18 @@ them. So nnd never calls it. `load_program` reads the archive itself:
   configs, and the version files. The example inputs are never read. No
   pickled payload (`use_pickle`), custom or opaque object, AOTInductor or
   ExecuTorch code, legacy `.pt` file or compressed entry is accepted.
-- the graph: every node's target must be an ATen or prims operator (except
-  those that touch files: `aten.from_file`, `aten.save`), a control-flow
-  higher-order operator, or one of the size helpers (`operator.add`,
-  `math.ceil`, `torch.sym_max`...). Shape expressions may hold only numbers,
-  size symbols, arithmetic and torch's size functions; names and module paths
-  must be plain identifiers.
+- the graph: a complete walk of the program's JSON against torch's schema
+  (export_schema.py): every field known, every operator reference (node
+  targets, argument values, subgraphs of control-flow operators) on the
+  allow-list, no operator that touches files, storages or pointers, no
+  custom objects, no `guards_code` (Python source torch would compile), and
+  shape expressions bounded in form and in cost (sym_expr.py).
 - then torch's own deserializer builds the program from the checked JSON and
   tensors nnd made from the raw bytes, with no example inputs.
 
-Nothing on this path calls `pickle`, `torch.load`, `eval` on client text or
-imports a module the client names (tests/test_upload_safety.py checks it).
+Nothing on this path calls `pickle` or `torch.load`, hands client text to
+`eval` before sym_expr.py has bounded it, or imports a module the client
+names (tests/test_upload_safety.py and tests/test_export_fuzz.py check it).
 
 An upload of kind "exported" is a directory with `program.pt2` and, from the
 Python client, `modules.json`: the original class name and `extra_repr()` of
@@ -37,13 +38,14 @@ import json
 import os
 import re
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from nnd.v1 import worker_pb2
 from nnd_daemon import errors
+from nnd_daemon.worker import export_schema
 
 PROGRAM = "program.pt2"
 MODULES = "modules.json"
@@ -64,106 +66,7 @@ _FIXED_ENTRIES = {
 _WEIGHT_ENTRY = re.compile(r"data/weights/weight_[0-9]+")
 _CONSTANT_ENTRY = re.compile(r"data/constants/tensor_[0-9]+")
 
-_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PATH = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
-_ATEN = re.compile(r"torch\.ops\.(aten|prims)\.([A-Za-z0-9_]+)\.([A-Za-z0-9_]+)")
-# ATen operators that read or write files.
-_DENIED_ATEN = {"from_file", "save"}
-_HIGHER_ORDER = {"cond", "while_loop", "map_impl", "scan", "wrap_with_set_grad_enabled", "wrap_with_autocast"}
-_PYTHON_TARGETS = {
-    *(
-        f"_operator.{n}"
-        for n in (
-            "getitem add sub mul floordiv truediv mod pow neg pos abs eq ne lt le gt ge and_ or_ xor not_ invert "
-            "lshift rshift"
-        ).split()
-    ),
-    *(f"math.{n}" for n in ("ceil", "floor", "trunc", "sqrt")),
-    *(
-        f"torch.{n}"
-        for n in ("sym_float", "sym_int", "sym_max", "sym_min", "sym_not", "sym_ite", "sym_sum", "sym_sqrt")
-    ),
-    "torch._sym_sqrt",
-    "torch._C._set_grad_enabled",
-}
-# Names a shape expression may call (torch.utils._sympy.functions and sympy's own).
-_SYMPY_NAMES = {
-    "FloorDiv",
-    "ModularIndexing",
-    "Where",
-    "PythonMod",
-    "Mod",
-    "CleanDiv",
-    "CeilToInt",
-    "FloorToInt",
-    "CeilDiv",
-    "IntTrueDiv",
-    "FloatTrueDiv",
-    "LShift",
-    "RShift",
-    "IsNonOverlappingAndDenseIndicator",
-    "TruncToFloat",
-    "TruncToInt",
-    "RoundToInt",
-    "RoundDecimal",
-    "ToFloat",
-    "FloatPow",
-    "PowByNatural",
-    "Identity",
-    "Max",
-    "Min",
-    "Abs",
-    "Eq",
-    "Ne",
-    "Lt",
-    "Le",
-    "Gt",
-    "Ge",
-    "And",
-    "Or",
-    "Not",
-    "True",
-    "False",
-    "oo",
-    "Integer",
-    "Rational",
-    "Float",
-    "Add",
-    "Mul",
-    "Pow",
-    "Symbol",
-    "Dummy",
-    "BooleanTrue",
-    "BooleanFalse",
-    "Equality",
-    "Unequality",
-    "StrictLessThan",
-    "StrictGreaterThan",
-    "LessThan",
-    "GreaterThan",
-}
-# Keyword arguments of sympy's constructors as `srepr` writes them: Symbol('s0', positive=True, integer=True).
-_SYMPY_KEYWORDS = {
-    "positive",
-    "negative",
-    "nonnegative",
-    "nonpositive",
-    "integer",
-    "real",
-    "finite",
-    "extended_real",
-    "zero",
-    "nonzero",
-    "commutative",
-    "precision",
-}
-_SYMBOL = re.compile(r"[a-z]{1,4}[0-9]+")
-_NUMBER = re.compile(r"[-+]?[0-9]+(\.[0-9]+)?(e[-+]?[0-9]+)?")
-_EXPR_TOKEN = re.compile(
-    r"\s*(?:([A-Za-z_][A-Za-z0-9_]*)|([0-9]+(?:\.[0-9]+)?(?:e[-+]?[0-9]+)?)|'([A-Za-z0-9_.+-]*)'"
-    r"|(\*\*|//|[-+*/%(),<>=!&|~]))"
-)
-_NAME_KEYS = {"parameter_name", "buffer_name", "tensor_constant_name", "custom_obj_name", "fqn"}
 
 
 def _refuse(what: str) -> errors.InvalidArgument:
@@ -198,44 +101,6 @@ def _entries(archive: zipfile.ZipFile) -> tuple[str, dict[str, zipfile.ZipInfo]]
     return root, out
 
 
-def _check_expr(text: Any) -> None:
-    if not isinstance(text, str) or len(text) > 10_000:
-        raise _refuse("a shape expression is not a short string")
-    pos = 0
-    while pos < len(text):
-        m = _EXPR_TOKEN.match(text, pos)
-        if m is None or m.end() == pos:
-            if text[pos:].strip() == "":
-                break
-            raise _refuse(f"shape expression {text[:80]!r} holds something other than sizes and arithmetic")
-        name, quoted = m.group(1), m.group(3)
-        if name is not None and not (_SYMBOL.fullmatch(name) or name in _SYMPY_NAMES or name in _SYMPY_KEYWORDS):
-            raise _refuse(f"shape expression {text[:80]!r} names {name!r}")
-        # A quoted string is a symbol's name or a number (Symbol('s0'), Float('1.5')), nothing sympy would parse further.
-        if quoted is not None and not (_SYMBOL.fullmatch(quoted) or _NUMBER.fullmatch(quoted)):
-            raise _refuse(f"shape expression {text[:80]!r} quotes {quoted!r}")
-        pos = m.end()
-
-
-def _check_target(target: Any) -> None:
-    if not isinstance(target, str):
-        raise _refuse("a node has no operator name")
-    m = _ATEN.fullmatch(target)
-    if m is not None:
-        if m.group(2) in _DENIED_ATEN or "file" in m.group(2):
-            raise _refuse(f"operator {target} touches files")
-        return
-    if target.startswith("torch.ops.higher_order."):
-        if target.removeprefix("torch.ops.higher_order.") in _HIGHER_ORDER:
-            return
-    elif target in _PYTHON_TARGETS:
-        return
-    raise _refuse(
-        f"operator {target!r} is not allowed (ATen/prims operators, control flow and size arithmetic are); "
-        "custom operators cannot be uploaded"
-    )
-
-
 def _check_path(value: Any, key: str) -> None:
     if not isinstance(value, str) or (value and not _PATH.fullmatch(value)):
         raise _refuse(f"{key} {str(value)[:80]!r} is not a module path")
@@ -243,39 +108,11 @@ def _check_path(value: Any, key: str) -> None:
         raise _refuse(f"{key} {value[:80]!r} names a private attribute")
 
 
-def _walk(node: Any) -> Iterator[tuple[str, Any]]:
-    """(key, value) for every key of every object in a JSON tree."""
-    stack = [node]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            for key, value in item.items():
-                yield key, value
-                if isinstance(value, (dict, list)):
-                    stack.append(value)
-        elif isinstance(item, list):
-            stack.extend(v for v in item if isinstance(v, (dict, list)))
-
-
 def check_program_json(program: dict[str, Any]) -> None:
-    """Refuse a serialized program whose graph could do more than compute with tensors."""
+    """Refuse a serialized program whose graph could do more than compute with tensors (export_schema.py)."""
     if not isinstance(program, dict) or "graph_module" not in program:
         raise _refuse("models/model.json is not a serialized exported program")
-    for key in program.get("range_constraints", {}) or {}:
-        _check_expr(key)
-    nodes = 0
-    for key, value in _walk(program):
-        if key == "expr_str":
-            _check_expr(value)
-        elif key == "target":  # only graph nodes have one
-            _check_target(value)
-            nodes += 1
-        elif key in _NAME_KEYS:
-            _check_path(value, key)
-        elif key == "name" and isinstance(value, str) and value and not _IDENT.fullmatch(value):
-            raise _refuse(f"name {value[:80]!r} is not an identifier")
-    if nodes == 0 and not program["graph_module"].get("graph", {}).get("outputs"):
-        raise _refuse("the graph is empty")
+    export_schema.check_program(program)
 
 
 def _payload_config(archive: zipfile.ZipFile, root: str, name: str) -> dict[str, Any]:
@@ -372,6 +209,7 @@ def load_program(path: str, *, on_meta: bool = False) -> Any:
                 constants[fqn] = _tensor(archive, root, "data/constants", meta, on_meta=on_meta)
     try:
         serialized = _bytes_to_dataclass(schema.ExportedProgram, raw_program)
+        serialized.guards_code = []  # refused above; torch compiles and runs it in ExportedProgram.module()
         return ExportedProgramDeserializer(None).deserialize(serialized, state_dict, constants, None)
     except errors.NndError:
         raise

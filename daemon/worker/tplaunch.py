@@ -116,6 +116,7 @@ def command(n: int, worker_args: list[str], port: int | None = None) -> list[str
     """The torchrun command of a one-node group of `n` ranks running the worker module."""
     return [
         sys.executable,
+        "-I",  # see supervisor.isolated_python; the ranks get PYTHONSAFEPATH from environment()
         "-m",
         "torch.distributed.run",
         "--nnodes",
@@ -143,6 +144,8 @@ def environment(placement: nnd_pb2.Placement, gpus: int) -> dict[str, str]:
         # transformers picks the mesh's device from the visible accelerator: hide GPUs for a CPU group.
         env["CUDA_VISIBLE_DEVICES"] = ""
     env["NND_TP_TIMEOUT_S"] = str(timeout_s())
+    # torchrun starts each rank as `python -u -m nnd_daemon.worker`: keep the working directory off its sys.path.
+    env["PYTHONSAFEPATH"] = "1"
     return env
 
 

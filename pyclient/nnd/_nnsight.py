@@ -93,6 +93,9 @@ def export(module: Any, example_inputs: Any, *, dynamic: bool = True) -> bytes:
         for node in graph.nodes if graph is not None else ():
             node.meta.pop("stack_trace", None)
     program._example_inputs = None  # the daemon never reads them; they may be private data
+    # Guards are Python source torch compiles when it rebuilds the module; the daemon refuses them
+    # (worker/export_schema.py) and checks inputs against the graph's shapes itself.
+    program._guards_code = []
     buffer = io.BytesIO()
     torch.export.save(program, buffer)
     return buffer.getvalue()
