@@ -14,7 +14,7 @@ import psutil
 
 from nnd.v1 import nnd_pb2, worker_pb2, worker_pb2_grpc
 from nnd_daemon import errors
-from nnd_daemon.worker import loader
+from nnd_daemon.worker import loader, turns
 
 log = logging.getLogger("nnd.worker")
 _END = object()
@@ -32,7 +32,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.tokenizer: Any = None
         self.dtype = ""
         # One forward at a time: the daemon queues, the worker runs.
-        self._run_lock = threading.Lock()
+        self._run_lock = turns.Turns()  # fair, and lent between generation steps
         self.limits: Any = None
         # Cross-client batching of compatible Traces (batching.py); None: every request runs alone.
         self.batcher: Any = None
@@ -143,7 +143,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # A Trace, a Generate or a Session, with the graphs of the edits it names; with
         # `request.shm`, big saved tensors go to shared-memory segments (shm.py).
         with shm.results(request):
-            engine.run_worker(self.model, self.tokenizer, request, emit=emit, cancelled=cancelled, limits=self.limits)
+            engine.run_worker(
+                self.model, self.tokenizer, request, emit=emit, cancelled=cancelled, limits=self.limits,
+                lend=self._run_lock.lend,
+            )
 
     # -- Status -------------------------------------------------------------
     def Status(self, request: worker_pb2.WorkerStatusRequest, context: grpc.ServicerContext) -> Any:
