@@ -243,7 +243,9 @@ class Worker:
         hook."""
         if not isinstance(request, worker_pb2.WorkerRunRequest):
             request = worker_pb2.WorkerRunRequest(request=request, generate=generate)
-        call = self.run_raw(request, timeout=timeout)
+        # Who asked, for the worker's `nnd ps` view: the client's own name for itself, else its peer address.
+        who = dict(client.invocation_metadata() or ()).get("nnd-client") or client.peer() if client is not None else ""
+        call = self.run_raw(request, timeout=timeout, metadata=(("nnd-client", str(who)[:80]),) if who else None)
         if client is not None and not client.add_callback(call.cancel):
             call.cancel()  # the client is already gone
         try:

@@ -14,7 +14,7 @@ import psutil
 
 from nnd.v1 import nnd_pb2, worker_pb2, worker_pb2_grpc
 from nnd_daemon import errors
-from nnd_daemon.worker import loader, turns
+from nnd_daemon.worker import activity, loader, turns
 
 log = logging.getLogger("nnd.worker")
 _END = object()
@@ -24,6 +24,8 @@ _STARTED = object()  # the request has the model: tell the daemon it is no longe
 # 256); Status pings must always find one more: a watchdog ping stuck behind
 # queued requests would make a busy worker look hung. Threads start on demand.
 RPC_THREADS = 320
+# Metadata naming the client of a request (`nnd ps`); the daemon passes it on.
+CLIENT_KEY = "nnd-client"
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -34,6 +36,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # One forward at a time: the daemon queues, the worker runs.
         self._run_lock = turns.Turns()  # fair, and lent between generation steps
         self.limits: Any = None
+        self.activity = activity.Activity()  # requests in flight, for `nnd ps` and keep-alive
         # Cross-client batching of compatible Traces (batching.py); None: every request runs alone.
         self.batcher: Any = None
 
@@ -72,21 +75,28 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             errors.abort(context, errors.FailedPrecondition("worker has no model loaded"))
         stop = threading.Event()
         context.add_callback(stop.set)
+        kind = "session" if request.HasField("session") else "generate" if request.generate else "trace"
+        steps = (request.request.generate.max_new_tokens or 20) if kind == "generate" else 0
+        with self.activity.track(kind, _client(context), steps) as tracked:
 
-        def started() -> None:
-            # If the worker dies from here on, the daemon tells the client its request was running.
-            context.send_initial_metadata(((errors.STARTED_KEY, "1"),))
+            def started() -> None:
+                tracked.running = True
+                # If the worker dies from here on, the daemon tells the client its request was running.
+                context.send_initial_metadata(((errors.STARTED_KEY, "1"),))
 
-        if request.generate or request.HasField("session"):
-            yield from self._run_streaming(request, context, stop, started)
-            return
-        # A Trace answers only when it is done, so it runs on this gRPC thread: no thread or
-        # queue of its own (a per-request cost that bounds how many small traces a second fit).
-        out: list[Any] = []
-        try:
-            self._work(request, out.append, stop, started)
-        except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
-            _abort(context, exc)
+            if kind != "trace":
+                for item in self._run_streaming(request, context, stop, started):
+                    if isinstance(item, nnd_pb2.TraceResponse) and item.WhichOneof("kind") == "step":
+                        tracked.step = item.step.step + 1
+                    yield item
+                return
+            # A Trace answers only when it is done, so it runs on this gRPC thread: no thread or
+            # queue of its own (a per-request cost that bounds how many small traces a second fit).
+            out: list[Any] = []
+            try:
+                self._work(request, out.append, stop, started)
+            except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
+                _abort(context, exc)
         yield from out
 
     def _run_streaming(
@@ -150,12 +160,25 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     # -- Status -------------------------------------------------------------
     def Status(self, request: worker_pb2.WorkerStatusRequest, context: grpc.ServicerContext) -> Any:
-        status = worker_pb2.WorkerStatus(rss_bytes=psutil.Process().memory_info().rss, dtype=self.dtype)
+        status = worker_pb2.WorkerStatus(
+            rss_bytes=psutil.Process().memory_info().rss,
+            dtype=self.dtype,
+            requests=self.activity.snapshot(),
+            idle_since=self.activity.idle_since,
+        )
         if self.model is not None:
             for device, nbytes in sorted(loader.weight_bytes(self.model).items()):
                 status.weights.add(device=device, bytes=nbytes)
             status.devices.update(loader.devices(self.model))
         return status
+
+
+def _client(context: grpc.ServicerContext) -> str:
+    """Who sent a request: the client's own `nnd-client` metadata (free text, shortened), else the peer."""
+    for key, value in context.invocation_metadata() or ():
+        if key == CLIENT_KEY and isinstance(value, str):
+            return value[:80]
+    return context.peer() or "?"
 
 
 def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:

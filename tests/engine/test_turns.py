@@ -152,3 +152,74 @@ def test_a_trace_runs_between_two_steps_of_a_generation(gpt2):
     for key in want:
         assert_close(got[key], want[key], atol=0, rtol=0)
     assert not svc._run_lock.locked()
+
+
+# ------------------------------------------------------------------ what `nnd ps` sees
+
+
+class _Context:
+    """The parts of a gRPC servicer context the worker's Run uses."""
+
+    def __init__(self, client: str) -> None:
+        self.client = client
+
+    def add_callback(self, fn) -> bool:
+        return True
+
+    def send_initial_metadata(self, md) -> None:
+        pass
+
+    def invocation_metadata(self):
+        return (("nnd-client", self.client),)
+
+    def peer(self) -> str:
+        return "unix:"
+
+    def is_active(self) -> bool:
+        return True
+
+
+def test_status_lists_requests_in_flight_with_their_step_and_place_in_line(gpt2):
+    svc = _service(gpt2)
+    at_step = threading.Event()
+    seen: dict[str, list] = {}
+
+    def run_generation() -> None:
+        for msg in svc.Run(_generation(gpt2), _Context("alice@box:1")):
+            if msg.WhichOneof("kind") == "step" and msg.step.step == 1:
+                at_step.set()
+
+    # The generation's step 2 waits (in its emitter) until the trace has queued; the status is read then.
+    def gen_emit_hook(msg: nnd_pb2.TraceResponse) -> None:
+        if msg.WhichOneof("kind") == "step" and msg.step.step == 2:
+            _until(lambda: svc._run_lock.waiting() == 1, "the trace to queue")
+            seen["during"] = list(svc.Status(None, None).requests)
+
+    original = svc._work
+
+    def work(request, emit, stop, started):
+        if request.generate:
+            inner = emit
+
+            def emit(msg, inner=inner):  # noqa: ANN001
+                inner(msg)
+                gen_emit_hook(msg)
+
+        return original(request, emit, stop, started)
+
+    svc._work = work
+    gen = threading.Thread(target=run_generation)
+    gen.start()
+    assert at_step.wait(60)
+    trace = threading.Thread(target=lambda: list(svc.Run(_trace(), _Context("bob@box:2"))))
+    trace.start()
+    gen.join(60)
+    trace.join(60)
+    during = seen["during"]
+    assert [(r.kind, r.state, r.client) for r in during] == [
+        ("generate", "running", "alice@box:1"),
+        ("trace", "queued", "bob@box:2"),
+    ]
+    assert during[0].steps == STEPS and 1 <= during[0].step <= 3 and during[1].position == 1
+    after = svc.Status(None, None)
+    assert not after.requests and after.idle_since >= max(r.since for r in during)
