@@ -3,6 +3,7 @@ time through the engine."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -77,7 +78,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         context.add_callback(stop.set)
         kind = "session" if request.HasField("session") else "generate" if request.generate else "trace"
         steps = (request.request.generate.max_new_tokens or 20) if kind == "generate" else 0
-        with self.activity.track(kind, _client(context), steps) as tracked:
+        # Tell a client whose request must wait why nothing happens yet (its place in line).
+        ahead = self._run_lock.waiting() + self._run_lock.locked()
+        if ahead:
+            yield nnd_pb2.TraceResponse(queued=nnd_pb2.Queued(ahead=ahead))
+        with self.activity.track(kind, _client(context), steps) as tracked, _log_if_cancelled(stop, tracked):
 
             def started() -> None:
                 tracked.running = True
@@ -171,6 +176,20 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 status.weights.add(device=device, bytes=nbytes)
             status.devices.update(loader.devices(self.model))
         return status
+
+
+@contextlib.contextmanager
+def _log_if_cancelled(stop: threading.Event, tracked: activity.Request) -> Iterator[None]:
+    """One INFO line when a request ends because its client cancelled or went away (an interrupted cell,
+    a restarted kernel): who, what, and how far it got."""
+    try:
+        yield
+    finally:
+        if stop.is_set():
+            where = f" after {tracked.step} of {tracked.steps} steps" if tracked.steps else ""
+            state = "while running" if tracked.running else "before it ran"
+            log.info("%s from %s cancelled %s%s (the client cancelled or went away)", tracked.kind, tracked.client,
+                     state, where)
 
 
 def _client(context: grpc.ServicerContext) -> str:

@@ -211,7 +211,8 @@ def test_status_lists_requests_in_flight_with_their_step_and_place_in_line(gpt2)
     gen = threading.Thread(target=run_generation)
     gen.start()
     assert at_step.wait(60)
-    trace = threading.Thread(target=lambda: list(svc.Run(_trace(), _Context("bob@box:2"))))
+    trace_msgs: list = []
+    trace = threading.Thread(target=lambda: trace_msgs.extend(svc.Run(_trace(), _Context("bob@box:2"))))
     trace.start()
     gen.join(60)
     trace.join(60)
@@ -221,5 +222,8 @@ def test_status_lists_requests_in_flight_with_their_step_and_place_in_line(gpt2)
         ("trace", "queued", "bob@box:2"),
     ]
     assert during[0].steps == STEPS and 1 <= during[0].step <= 3 and during[1].position == 1
+    # The trace's client heard at once why it waits: one request (the generation) ahead of it.
+    assert trace_msgs[0].WhichOneof("kind") == "queued" and trace_msgs[0].queued.ahead == 1
+    assert trace_msgs[-1].WhichOneof("kind") == "done"
     after = svc.Status(None, None)
     assert not after.requests and after.idle_since >= max(r.since for r in during)

@@ -451,17 +451,25 @@ class TraceDone(_message.Message):
     compute_s: float
     def __init__(self, compute_s: _Optional[float] = ...) -> None: ...
 
+class Queued(_message.Message):
+    __slots__ = ("ahead",)
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
+    ahead: int
+    def __init__(self, ahead: _Optional[int] = ...) -> None: ...
+
 class TraceResponse(_message.Message):
-    __slots__ = ("saved", "chunk", "step", "done")
+    __slots__ = ("saved", "chunk", "step", "done", "queued")
     SAVED_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
     saved: Saved
     chunk: Chunk
     step: StepTokens
     done: TraceDone
-    def __init__(self, saved: _Optional[_Union[Saved, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., step: _Optional[_Union[StepTokens, _Mapping]] = ..., done: _Optional[_Union[TraceDone, _Mapping]] = ...) -> None: ...
+    queued: Queued
+    def __init__(self, saved: _Optional[_Union[Saved, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., step: _Optional[_Union[StepTokens, _Mapping]] = ..., done: _Optional[_Union[TraceDone, _Mapping]] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("model", "texts", "no_special_tokens")
