@@ -19,6 +19,8 @@ from nnd_daemon.worker import activity, loader, turns
 
 log = logging.getLogger("nnd.worker")
 _END = object()
+# A queued request's turn has come (the daemon reads it as STARTED_KEY: from here on it may have run).
+RUNNING = nnd_pb2.TraceResponse(queued=nnd_pb2.Queued(running=True))
 _STARTED = object()  # the request has the model: tell the daemon it is no longer queued
 # gRPC threads of a worker. Every request waiting for the model holds one, and
 # the daemon sends at most one per handler thread of its own (control/server.py,
@@ -78,7 +80,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         context.add_callback(stop.set)
         kind = "session" if request.HasField("session") else "generate" if request.generate else "trace"
         steps = (request.request.generate.max_new_tokens or 20) if kind == "generate" else 0
-        # Tell a client whose request must wait why nothing happens yet (its place in line).
+        # Tell a client whose request must wait why nothing happens yet (its place in line). Its turn is then
+        # announced by a message too (initial metadata has gone out with the first one).
         ahead = self._run_lock.waiting() + self._run_lock.locked()
         if ahead:
             yield nnd_pb2.TraceResponse(queued=nnd_pb2.Queued(ahead=ahead))
@@ -87,10 +90,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             def started() -> None:
                 tracked.running = True
                 # If the worker dies from here on, the daemon tells the client its request was running.
-                context.send_initial_metadata(((errors.STARTED_KEY, "1"),))
+                if not ahead:
+                    context.send_initial_metadata(((errors.STARTED_KEY, "1"),))
 
-            if kind != "trace":
-                for item in self._run_streaming(request, context, stop, started):
+            if kind != "trace" or ahead:  # a queued trace streams too: its turn is a message
+                for item in self._run_streaming(request, context, stop, started, announce_turn=bool(ahead)):
                     if isinstance(item, nnd_pb2.TraceResponse) and item.WhichOneof("kind") == "step":
                         tracked.step = item.step.step + 1
                     yield item
@@ -110,8 +114,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         context: grpc.ServicerContext,
         stop: threading.Event,
         started: Callable[[], None],
+        *,
+        announce_turn: bool = False,
     ) -> Iterator[Any]:
-        """A Generate or a Session: responses (e.g. each step's tokens) go out while the run goes on."""
+        """A Generate or a Session: responses (e.g. each step's tokens) go out while the run goes on.
+        `announce_turn`: say `Queued{running}` when the request gets the model."""
         out: queue.Queue[Any] = queue.Queue()
 
         def work() -> None:
@@ -128,6 +135,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 return
             if item is _STARTED:
                 started()
+                if announce_turn:
+                    yield RUNNING
                 continue
             if isinstance(item, BaseException):
                 _abort(context, item)

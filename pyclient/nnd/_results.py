@@ -185,7 +185,7 @@ def collect(
                     on_step(step)
             elif kind == "done":
                 out.compute_s = msg.done.compute_s
-            elif kind == "queued":
+            elif kind == "queued" and not msg.queued.running:
                 _say_queued(msg.queued.ahead)
         decoder = _codec.Decoder(
             blobs.joined(), use_torch=use_torch, regions={lease.region.name: lease} if lease is not None else None

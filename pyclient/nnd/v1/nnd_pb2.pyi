@@ -452,10 +452,12 @@ class TraceDone(_message.Message):
     def __init__(self, compute_s: _Optional[float] = ...) -> None: ...
 
 class Queued(_message.Message):
-    __slots__ = ("ahead",)
+    __slots__ = ("ahead", "running")
     AHEAD_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
     ahead: int
-    def __init__(self, ahead: _Optional[int] = ...) -> None: ...
+    running: bool
+    def __init__(self, ahead: _Optional[int] = ..., running: _Optional[bool] = ...) -> None: ...
 
 class TraceResponse(_message.Message):
     __slots__ = ("saved", "chunk", "step", "done", "queued")
