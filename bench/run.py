@@ -30,6 +30,7 @@ MODULES = {
     "load-rss": "bench_load_rss",
     "transfer": "bench_transfer",
     "concurrency": "bench_concurrency",
+    "fairness": "bench_fairness",
     "import": "bench_import",
     "gpu": "bench_gpu",  # one "no GPU" row without CUDA
 }

@@ -149,12 +149,15 @@ def test_kill_9_fails_running_and_queued_requests_and_the_model_comes_back(fault
     model = long_gpt2
     before = _logits(stub, model)
     pid = _model(stub, model).worker_pids[0]
-    running = _running(stub, _generation(model))
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(3) as pool:
+        # A long forward holds the model (a generation would lend it between steps); two traces queue behind it.
+        running = pool.submit(_outcome, lambda: list(stub.Trace(_long_trace(model), timeout=120)))
+        _wait_for("the long trace running", lambda: [r.state for r in _model(stub, model).requests] == ["running"], 30)
         queued = [pool.submit(_outcome, lambda: list(stub.Trace(_small_trace(model), timeout=120))) for _ in range(2)]
-        time.sleep(0.5)  # they reach the worker and wait there for the model
+        states = lambda: [r.state for r in _model(stub, model).requests]  # noqa: E731
+        _wait_for("two traces queued", lambda: states() == ["running", "queued", "queued"], 30)
         os.kill(pid, signal.SIGKILL)
-        code, text = _outcome(lambda: list(running))
+        code, text = running.result(timeout=60)
         print("\nrunning:", text)
         assert code == grpc.StatusCode.UNAVAILABLE, text
         assert "killed by SIGKILL" in text and "while running this request" in text, text
@@ -261,13 +264,16 @@ def test_a_hung_worker_is_replaced_until_the_restart_limit(faulty, stub, long_gp
     model = long_gpt2
     before = _logits(stub, model)
     pid = _model(stub, model).worker_pids[0]
-    running = _running(stub, _generation(model))
-    with ThreadPoolExecutor(1) as pool:
+    with ThreadPoolExecutor(2) as pool:
+        # A long forward holds the model (a generation would lend it between steps); a trace queues behind it.
+        running = pool.submit(_outcome, lambda: list(stub.Trace(_long_trace(model), timeout=120)))
+        states = lambda: [r.state for r in _model(stub, model).requests]  # noqa: E731
+        _wait_for("the long trace running", lambda: states() == ["running"], 30)
         queued = pool.submit(_outcome, lambda: list(stub.Trace(_small_trace(model), timeout=120)))
-        time.sleep(0.3)
+        _wait_for("a trace queued", lambda: states() == ["running", "queued"], 30)
         os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
-        code, text = _outcome(lambda: list(running))
+        code, text = running.result(timeout=60)
         detected = time.monotonic() - stopped
         print(f"\nhung worker found after {detected:.1f} s: {text}")
         assert code == grpc.StatusCode.UNAVAILABLE and "hung" in text and "while running this request" in text, text

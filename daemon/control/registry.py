@@ -427,7 +427,7 @@ class Registry:
             config=entry.meta.summary(),
             num_parameters=entry.meta.num_parameters(),
             placement=entry.placement,
-            idle_s=(time.time() - entry.last_used) if entry.last_used else 0.0,
+            idle_s=_idle_s(entry, status),
             expires_at=self.expires_at(entry),
             last_error=entry.last_error,
             dtype=entry.dtype,
@@ -439,6 +439,7 @@ class Registry:
             out.worker_pids.extend(entry.worker.pids)  # a tensor-parallel group: every rank, then torchrun
             out.tp_size = entry.worker.tp_size
         if status is not None:
+            out.requests.extend(status.requests)
             out.worker_rss_bytes = status.rss_bytes
             out.weights.extend(status.weights)
             out.ranks.extend(status.ranks)
@@ -478,6 +479,14 @@ class Registry:
         for w in workers:
             w.stop()
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _idle_s(entry: Entry, status: worker_pb2.WorkerStatus | None) -> float:
+    """Seconds since the model last had work: 0 while a request runs or waits (here or on the worker)."""
+    if entry.active or (status is not None and status.requests):
+        return 0.0
+    last = max(entry.last_used, status.idle_since if status is not None else 0.0)
+    return time.time() - last if last else 0.0
 
 
 def _keep_alive_seconds(text: str) -> float | None:

@@ -181,6 +181,9 @@ class NndServicer:
             yield from worker.run(run, timeout=timeout or None, client=context)
         finally:
             self.registry.done(entry)
+            if not context.is_active():  # an interrupted cell, a restarted kernel: say so in the daemon's log
+                kind = "session" if run.HasField("session") else "generate" if run.generate else "trace"
+                log.info("%s on %s cancelled: its client (%s) cancelled or went away", kind, entry.name, context.peer())
 
     # -- sessions -----------------------------------------------------------
     @_guard

@@ -263,13 +263,18 @@ class Worker:
         hook."""
         if not isinstance(request, worker_pb2.WorkerRunRequest):
             request = worker_pb2.WorkerRunRequest(request=request, generate=generate)
-        call = self.run_raw(request, timeout=timeout)
+        # Who asked, for the worker's `nnd ps` view: the client's own name for itself, else its peer address.
+        who = dict(client.invocation_metadata() or ()).get("nnd-client") or client.peer() if client is not None else ""
+        call = self.run_raw(request, timeout=timeout, metadata=(("nnd-client", str(who)[:80]),) if who else None)
         if client is not None and not client.add_callback(call.cancel):
             call.cancel()  # the client is already gone
+        ran = False  # a queued request's turn came (worker/service.py's RUNNING): it may have run
         try:
-            yield from call
+            for raw in call:
+                ran = ran or raw == _RUNNING
+                yield raw
         except grpc.RpcError as err:
-            raise self.translate(err, started=_started(call)) from None
+            raise self.translate(err, started=ran or _started(call)) from None
         finally:
             call.cancel()
 
@@ -390,6 +395,9 @@ def _process(pid: int) -> psutil.Process | None:
         return psutil.Process(pid)
     except psutil.Error:
         return None
+
+
+_RUNNING = nnd_pb2.TraceResponse(queued=nnd_pb2.Queued(running=True)).SerializeToString()
 
 
 def _started(call: Any) -> bool | None:

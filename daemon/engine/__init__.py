@@ -47,15 +47,20 @@ def run(
     cancelled: Callable[[], bool] = lambda: False,
     limits: EngineLimits | None = None,
     edits: Mapping[str, Sequence[graph_pb2.Graph]] | None = None,
+    lend: Callable[[], None] | None = None,
 ) -> None:
     """Run `request.graph` on `model` and stream its results through `emit`.
 
     `edits` maps stored edit ids to their graphs; `request.edits` names the
-    ones applied first. Raises only `nnd_daemon.errors` exceptions.
+    ones applied first. `lend`, called between generation steps, may run other
+    requests on the model (worker/turns.py); this request's hooks and random
+    state are set aside meanwhile. Raises only `nnd_daemon.errors` exceptions.
     """
     try:
         limits = limits or EngineLimits()
-        done = _run(model, tokenizer, request, mode=mode, emit=emit, cancelled=cancelled, limits=limits, edits=edits)
+        done = _run(
+            model, tokenizer, request, mode=mode, emit=emit, cancelled=cancelled, limits=limits, edits=edits, lend=lend
+        )
         _emit_saved(done.plan, done.saved, emit, limits.max_saved_bytes)
         emit(nnd_pb2.TraceResponse(done=nnd_pb2.TraceDone(compute_s=done.compute_s)))
     except errors.NndError:
@@ -156,14 +161,19 @@ def run_worker(
     emit: Callable[[nnd_pb2.TraceResponse], None],
     cancelled: Callable[[], bool] = lambda: False,
     limits: EngineLimits | None = None,
+    lend: Callable[[], None] | None = None,
 ) -> None:
-    """Run what a worker is sent: a Trace, a Generate or a Session, with the edit graphs it carries."""
+    """Run what a worker is sent: a Trace, a Generate or a Session, with the edit graphs it carries.
+    A Generate lends the model between its steps through `lend` (see `run`)."""
     edits = {edit_id: list(stack.graphs) for edit_id, stack in request.edits.items()}
     if request.HasField("session"):
         run_session(model, tokenizer, request.session, emit=emit, cancelled=cancelled, limits=limits, edits=edits)
         return
     mode = "generate" if request.generate else "trace"
-    run(model, tokenizer, request.request, mode=mode, emit=emit, cancelled=cancelled, limits=limits, edits=edits)
+    run(
+        model, tokenizer, request.request, mode=mode, emit=emit, cancelled=cancelled, limits=limits, edits=edits,
+        lend=lend,
+    )
 
 
 @dataclass
@@ -212,6 +222,7 @@ def _run(
     limits: EngineLimits,
     edits: Mapping[str, Sequence[graph_pb2.Graph]] | None = None,
     external: Mapping[int, Any] | None = None,
+    lend: Callable[[], None] | None = None,
 ) -> _Done:
     if mode not in MODES:
         raise errors.InvalidArgument(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
@@ -261,7 +272,15 @@ def _run(
             executor.run_ready()  # nodes that need only constants
             placed = inputs.to(batching.input_device(model))
             if opts is not None:
-                result = generation.generate(model, tokenizer, placed, opts, emit, cancelled)
+                between = None
+                if lend is not None:
+
+                    def between() -> None:
+                        # Whatever runs meanwhile must neither trip this request's hooks nor move its sampling.
+                        with executor.hooks.suppressed(), generation.rng_kept():
+                            lend()
+
+                result = generation.generate(model, tokenizer, placed, opts, emit, cancelled, between)
             else:
                 result = model(*placed.args, **placed.kwargs)
             executor.at_result(result)

@@ -70,6 +70,7 @@ class Executor:
         self.rows = batch_rows
         self.batch_size = batch_size
         self.total_steps = total_steps
+        self.step = 0  # the generation step running now (begin_step)
         self.cancelled = cancelled
         self.scan = scan
         self.constant = constant  # makes decoded constants fake in a Scan
@@ -122,6 +123,7 @@ class Executor:
         return any(span[s] == step for s in sel.steps.steps if -len(span) <= s < len(span))
 
     def begin_step(self, step: int) -> None:
+        self.step = step
         added = False
         for scope in range(1, len(self.plan.scopes) + 1):
             if (scope, step) not in self.loops and self.selected(scope, step):
@@ -298,9 +300,16 @@ class Executor:
         try:
             return action()
         except errors.NndError as e:
-            raise wrap(e, node.proto) from None
+            err = wrap(e, node.proto)
         except Exception as e:
-            raise wrap(e, node.proto, scan=self.scan) from None
+            err = wrap(e, node.proto, scan=self.scan)
+        raise self.at_step(err) from None
+
+    def at_step(self, err: errors.NndError) -> errors.NndError:
+        """During a generation, say which step failed (the client's line alone does not tell)."""
+        if self.total_steps <= 1 or "generation step" in err.message:
+            return err
+        return type(err)(f"{err.message}\n(at generation step {self.step} of {self.total_steps})", exc_type=err.exc_type)
 
     # ------------------------------------------------------------ running nodes
 

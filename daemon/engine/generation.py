@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +69,9 @@ class StepStreamer(BaseStreamer):
         tokenizer: Any,
         stream_text: bool,
         cancelled: Callable[[], bool],
+        between: Callable[[], None] | None = None,
     ) -> None:
+        self.between = between
         self.emit = emit
         self.rows = rows
         self.tokenizer = tokenizer
@@ -89,9 +92,26 @@ class StepStreamer(BaseStreamer):
         self.step += 1
         if self.cancelled():
             raise errors.Cancelled("the request was cancelled")
+        if self.between is not None:  # between two forwards: other requests may take a turn
+            self.between()
+            if self.cancelled():
+                raise errors.Cancelled("the request was cancelled")
 
     def end(self) -> None:
         pass
+
+
+@contextlib.contextmanager
+def rng_kept() -> Iterator[None]:
+    """Put torch's random state back as it was: sampling continues as if nothing ran meanwhile."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def _position_table_size(model: torch.nn.Module) -> int:
@@ -115,8 +135,9 @@ def generate(
     opts: Options,
     emit: Callable[[nnd_pb2.TraceResponse], None],
     cancelled: Callable[[], bool],
+    between: Callable[[], None] | None = None,
 ) -> torch.Tensor:
-    """The generated ids (batch, prompt + new tokens)."""
+    """The generated ids (batch, prompt + new tokens); `between` is called after each step."""
     if "input_ids" not in batch.kwargs:
         raise errors.InvalidArgument("generate needs text or token invokes")
     if not callable(getattr(model, "generate", None)):
@@ -131,7 +152,7 @@ def generate(
             f"the prompt ({prompt} tokens) plus max_new_tokens={opts.max_new_tokens} exceeds the "
             f"model's {limit} learned positions; ask for at most {max(0, limit - prompt)} new tokens"
         )
-    streamer = StepStreamer(emit, batch.rows, tokenizer, opts.stream_text, cancelled)
+    streamer = StepStreamer(emit, batch.rows, tokenizer, opts.stream_text, cancelled, between)
     if opts.seed is not None:
         torch.manual_seed(opts.seed)
     return model.generate(**inputs, **opts.kwargs, pad_token_id=pad_id(tokenizer), streamer=streamer)

@@ -3,6 +3,7 @@ time through the engine."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -14,16 +15,20 @@ import psutil
 
 from nnd.v1 import nnd_pb2, worker_pb2, worker_pb2_grpc
 from nnd_daemon import errors
-from nnd_daemon.worker import loader
+from nnd_daemon.worker import activity, loader, turns
 
 log = logging.getLogger("nnd.worker")
 _END = object()
+# A queued request's turn has come (the daemon reads it as STARTED_KEY: from here on it may have run).
+RUNNING = nnd_pb2.TraceResponse(queued=nnd_pb2.Queued(running=True))
 _STARTED = object()  # the request has the model: tell the daemon it is no longer queued
 # gRPC threads of a worker. Every request waiting for the model holds one, and
 # the daemon sends at most one per handler thread of its own (control/server.py,
 # 256); Status pings must always find one more: a watchdog ping stuck behind
 # queued requests would make a busy worker look hung. Threads start on demand.
 RPC_THREADS = 320
+# Metadata naming the client of a request (`nnd ps`); the daemon passes it on.
+CLIENT_KEY = "nnd-client"
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -32,8 +37,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.tokenizer: Any = None
         self.dtype = ""
         # One forward at a time: the daemon queues, the worker runs.
-        self._run_lock = threading.Lock()
+        self._run_lock = turns.Turns()  # fair, and lent between generation steps
         self.limits: Any = None
+        self.activity = activity.Activity()  # requests in flight, for `nnd ps` and keep-alive
         # Cross-client batching of compatible Traces (batching.py); None: every request runs alone.
         self.batcher: Any = None
 
@@ -72,21 +78,34 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             errors.abort(context, errors.FailedPrecondition("worker has no model loaded"))
         stop = threading.Event()
         context.add_callback(stop.set)
+        kind = "session" if request.HasField("session") else "generate" if request.generate else "trace"
+        steps = (request.request.generate.max_new_tokens or 20) if kind == "generate" else 0
+        # Tell a client whose request must wait why nothing happens yet (its place in line). Its turn is then
+        # announced by a message too (initial metadata has gone out with the first one).
+        ahead = self._run_lock.waiting() + self._run_lock.locked()
+        if ahead:
+            yield nnd_pb2.TraceResponse(queued=nnd_pb2.Queued(ahead=ahead))
+        with self.activity.track(kind, _client(context), steps) as tracked, _log_if_cancelled(stop, tracked):
 
-        def started() -> None:
-            # If the worker dies from here on, the daemon tells the client its request was running.
-            context.send_initial_metadata(((errors.STARTED_KEY, "1"),))
+            def started() -> None:
+                tracked.running = True
+                # If the worker dies from here on, the daemon tells the client its request was running.
+                if not ahead:
+                    context.send_initial_metadata(((errors.STARTED_KEY, "1"),))
 
-        if request.generate or request.HasField("session"):
-            yield from self._run_streaming(request, context, stop, started)
-            return
-        # A Trace answers only when it is done, so it runs on this gRPC thread: no thread or
-        # queue of its own (a per-request cost that bounds how many small traces a second fit).
-        out: list[Any] = []
-        try:
-            self._work(request, out.append, stop, started)
-        except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
-            _abort(context, exc)
+            if kind != "trace" or ahead:  # a queued trace streams too: its turn is a message
+                for item in self._run_streaming(request, context, stop, started, announce_turn=bool(ahead)):
+                    if isinstance(item, nnd_pb2.TraceResponse) and item.WhichOneof("kind") == "step":
+                        tracked.step = item.step.step + 1
+                    yield item
+                return
+            # A Trace answers only when it is done, so it runs on this gRPC thread: no thread or
+            # queue of its own (a per-request cost that bounds how many small traces a second fit).
+            out: list[Any] = []
+            try:
+                self._work(request, out.append, stop, started)
+            except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
+                _abort(context, exc)
         yield from out
 
     def _run_streaming(
@@ -95,8 +114,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         context: grpc.ServicerContext,
         stop: threading.Event,
         started: Callable[[], None],
+        *,
+        announce_turn: bool = False,
     ) -> Iterator[Any]:
-        """A Generate or a Session: responses (e.g. each step's tokens) go out while the run goes on."""
+        """A Generate or a Session: responses (e.g. each step's tokens) go out while the run goes on.
+        `announce_turn`: say `Queued{running}` when the request gets the model."""
         out: queue.Queue[Any] = queue.Queue()
 
         def work() -> None:
@@ -113,6 +135,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 return
             if item is _STARTED:
                 started()
+                if announce_turn:
+                    yield RUNNING
                 continue
             if isinstance(item, BaseException):
                 _abort(context, item)
@@ -143,16 +167,46 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # A Trace, a Generate or a Session, with the graphs of the edits it names; with
         # `request.shm`, big saved tensors go to shared-memory segments (shm.py).
         with shm.results(request):
-            engine.run_worker(self.model, self.tokenizer, request, emit=emit, cancelled=cancelled, limits=self.limits)
+            engine.run_worker(
+                self.model, self.tokenizer, request, emit=emit, cancelled=cancelled, limits=self.limits,
+                lend=self._run_lock.lend,
+            )
 
     # -- Status -------------------------------------------------------------
     def Status(self, request: worker_pb2.WorkerStatusRequest, context: grpc.ServicerContext) -> Any:
-        status = worker_pb2.WorkerStatus(rss_bytes=psutil.Process().memory_info().rss, dtype=self.dtype)
+        status = worker_pb2.WorkerStatus(
+            rss_bytes=psutil.Process().memory_info().rss,
+            dtype=self.dtype,
+            requests=self.activity.snapshot(),
+            idle_since=self.activity.idle_since,
+        )
         if self.model is not None:
             for device, nbytes in sorted(loader.weight_bytes(self.model).items()):
                 status.weights.add(device=device, bytes=nbytes)
             status.devices.update(loader.devices(self.model))
         return status
+
+
+@contextlib.contextmanager
+def _log_if_cancelled(stop: threading.Event, tracked: activity.Request) -> Iterator[None]:
+    """One INFO line when a request ends because its client cancelled or went away (an interrupted cell,
+    a restarted kernel): who, what, and how far it got."""
+    try:
+        yield
+    finally:
+        if stop.is_set():
+            where = f" after {tracked.step} of {tracked.steps} steps" if tracked.steps else ""
+            state = "while running" if tracked.running else "before it ran"
+            log.info("%s from %s cancelled %s%s (the client cancelled or went away)", tracked.kind, tracked.client,
+                     state, where)
+
+
+def _client(context: grpc.ServicerContext) -> str:
+    """Who sent a request: the client's own `nnd-client` metadata (free text, shortened), else the peer."""
+    for key, value in context.invocation_metadata() or ():
+        if key == CLIENT_KEY and isinstance(value, str):
+            return value[:80]
+    return context.peer() or "?"
 
 
 def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:

@@ -79,7 +79,13 @@ def query(tracer: Tracer, proxy: Proxy) -> Any:
         stream = tracer.model._conn.stream("Session", session._request(scan_tail=request))
     else:
         stream = tracer.model._conn.stream("Scan", request)
-    results = _results.collect(stream, use_torch=False)
+    try:
+        results = _results.collect(stream, use_torch=False)
+    except Exception:
+        # The value asked about cannot exist (a module that never runs, a shape error): forget it and what was
+        # built on it, so the rest of the block, and its exit, go on as if it had never been recorded.
+        builder.discard(ref)
+        raise
     if save_id not in results.saved:
         raise RuntimeError("the daemon's scan returned no value for this shape query")
     value = results.saved[save_id]

@@ -46,6 +46,7 @@ def stream(model: TransformersModel, prompt: Any, **opts: Any) -> Iterator[StepT
     request = nnd_pb2.TraceRequest(
         model=model.name, invokes=_inputs.to_invokes(prompt), graph=graph_pb2.Graph(), generate=generate_options(**opts)
     )
+    request.edits.extend(model._edits)  # an edited handle streams what its generate blocks generate
     responses = model._conn.stream("Generate", request, timeout=timeout)
     try:
         for msg in responses:

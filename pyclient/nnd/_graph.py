@@ -69,6 +69,27 @@ class GraphBuilder:
         self.keys[node.id] = (key, node.scope)
         return node
 
+    def discard(self, node_id: int) -> list[int]:
+        """Take `node_id` and every node that uses it, directly or not, out of the graph (a failed
+        shape query's value can never exist, so nothing recorded on top of it can run). Returns their ids."""
+        gone = {node_id}
+        keep = []
+        for node in self.graph.nodes:  # SSA order: a node's inputs come before it
+            if node.id in gone or gone.intersection(_refs(node)):
+                gone.add(node.id)
+            else:
+                keep.append(node)
+        if len(keep) == len(self.graph.nodes):
+            return []
+        kept = [graph_pb2.Node() for _ in keep]
+        for new, old in zip(kept, keep, strict=True):
+            new.CopyFrom(old)
+        del self.graph.nodes[:]
+        self.graph.nodes.extend(kept)
+        for i in gone:
+            self.keys.pop(i, None)
+        return sorted(gone)
+
     def module(self, path: str, point: int, invoke: int | None, call: int = 0) -> int:
         node = self._node(("module", path, point, invoke, call))
         _fill_module(node.module, path, point, invoke, call)
@@ -161,6 +182,28 @@ class GraphBuilder:
             raise TypeError("a dict holding traced values cannot be an argument; pass them separately")
         value: values_pb2.Value = _codec.encode(obj)
         return graph_pb2.Arg(value=value), ("v", value.SerializeToString(deterministic=True))
+
+
+def _refs(msg: Any) -> set[int]:
+    """Ids of the earlier nodes a node (or any message inside it) uses."""
+    out: set[int] = set()
+    stack = [msg]
+    while stack:
+        m = stack.pop()
+        name = m.DESCRIPTOR.name
+        if name == "Arg" and m.WhichOneof("kind") == "ref":
+            out.add(m.ref)
+        elif name in ("Grad", "SetGrad"):
+            out.update((m.value, m.backward))
+        for field, value in m.ListFields():
+            if field.type != field.TYPE_MESSAGE:
+                continue
+            if field.label == field.LABEL_REPEATED:
+                items = value.values() if hasattr(value, "values") and callable(value.values) else value
+                stack.extend(v for v in items if hasattr(v, "DESCRIPTOR"))
+            else:
+                stack.append(value)
+    return out
 
 
 def _fill_module(msg: graph_pb2.ModuleValue, path: str, point: int, invoke: int | None, call: int) -> None:

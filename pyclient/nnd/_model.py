@@ -203,7 +203,10 @@ class TransformersModel(_envoy.Envoy):
         """`with model.generate(input, max_new_tokens=N, ...) as tracer:` run
         the block during generation (options: do_sample, temperature, top_k,
         top_p, seed). `tracer.result` is the generated ids; loop over steps
-        with `tracer.iter[...]` / `tracer.all()`."""
+        with `tracer.iter[...]` / `tracer.all()`. `on_token=callback` is called
+        with each step's tokens (`.id`, `.text`) as they are generated, while the
+        block's interventions apply: `on_token=lambda t: print(t.text, end="")`
+        watches a steered generation live."""
         return _tracer.GenerateTracer(self, *_one(inputs), **options)
 
     def session(self, **options: Any) -> Session:

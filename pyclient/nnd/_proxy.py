@@ -103,6 +103,9 @@ class Proxy:
         if self._value is _UNSET:
             if self._live():
                 raise value_not_known("`.value`", _source.location().text)
+            failure = getattr(self._tracer, "_failure", None)
+            if failure:
+                raise ValueNotKnown(f"the block did not complete ({failure}), so this value has none")
             raise ValueNotKnown("this value was not saved; call `.save()` on it inside the block")
         return self._value
 

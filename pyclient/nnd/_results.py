@@ -143,6 +143,13 @@ class Results:
     compute_s: float = 0.0
 
 
+def _say_queued(ahead: int) -> None:
+    """One line, in the notebook cell or terminal, while a request waits for a shared model."""
+    import sys
+
+    print(f"nnd: the model is busy; waiting for its turn ({ahead} ahead)", file=sys.stderr, flush=True)
+
+
 def collect(
     responses: Iterable[nnd_pb2.TraceResponse],
     *,
@@ -178,6 +185,8 @@ def collect(
                     on_step(step)
             elif kind == "done":
                 out.compute_s = msg.done.compute_s
+            elif kind == "queued" and not msg.queued.running:
+                _say_queued(msg.queued.ahead)
         decoder = _codec.Decoder(
             blobs.joined(), use_torch=use_torch, regions={lease.region.name: lease} if lease is not None else None
         )

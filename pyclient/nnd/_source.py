@@ -44,4 +44,19 @@ def location() -> graph_pb2.SourceLocation:
         return graph_pb2.SourceLocation()
     file = frame.f_code.co_filename
     line = frame.f_lineno
-    return graph_pb2.SourceLocation(file=file, line=line, text=linecache.getline(file, line).strip())
+    text = linecache.getline(file, line).strip()
+    return graph_pb2.SourceLocation(file=display_name(file), line=line, text=text)
+
+
+def display_name(file: str) -> str:
+    """A file name as the user knows it: a notebook cell's temporary file reads as IPython writes it in its
+    own tracebacks ("Cell In[11]"), anything else unchanged."""
+    shell = sys.modules.get("IPython")
+    if shell is None:
+        return file
+    try:
+        ip = shell.get_ipython()
+        kind, name = ip.compile.format_code_name(file) if ip is not None else (None, None)
+    except Exception:  # noqa: BLE001 - an older or unusual IPython: keep the real name
+        return file
+    return f"{kind} {name}" if kind and name else file

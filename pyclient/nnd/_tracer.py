@@ -84,6 +84,7 @@ class Tracer:
         self._recording = False
         self._options = options
         self.tokens: list[_results.StepToken] = []
+        self._failure: str | None = None  # why the block did not complete, for its values' errors
         """Tokens streamed per generation step (Generate only)."""
         self.compute_s = 0.0
         """Wall time the daemon spent running the block."""
@@ -220,6 +221,9 @@ class Tracer:
 
     # -- running
     def __enter__(self) -> Tracer:
+        from nnd import _ipython
+
+        _ipython.install()  # in a notebook, the daemon's errors show the user's cell and line (once per shell)
         self._recording = True
         _context.push(self)
         return self
@@ -231,6 +235,7 @@ class Tracer:
         _context.pop(self)
         self._recording = False
         if exc_type is not None:
+            self._failure = f"{exc_type.__name__} inside the block, before it ran"
             return
         if self._session is not None:
             self._session._add(self)  # sent with the session's other blocks when it ends
@@ -238,14 +243,27 @@ class Tracer:
         try:
             self._run()
         except NndError as err:
+            self._failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             # The daemon's message quotes the user's line; point the traceback at the `with`.
             raise err.with_traceback(None) from None
+        except KeyboardInterrupt:
+            # Ctrl-C while the daemon works: the call is cancelled there (connection.stream); say how far it
+            # got in one line instead of gRPC's internals.
+            self._failure = "interrupted: " + self._progress()
+            raise KeyboardInterrupt(f"nnd: {self._failure}; the daemon stopped the request") from None
         frame = _source.user_frame()
         if frame is not None:
             _rebind.rebind(frame, self._replacements())
         # Tracer -> proxy -> tracer is a cycle: without this, results (and the shared-memory
         # regions or buffers they view) would live until a full garbage collection, not until `del`.
         self._saved.clear()
+
+    def _progress(self) -> str:
+        """How far a request got: 'cancelled after 3 of 20 steps' for a generation."""
+        total = self._options.get("max_new_tokens")
+        if self._method == "Generate":
+            return f"cancelled after {len(self.tokens)} of {total or 'its'} steps"
+        return "cancelled before its results came back"
 
     def _request(self) -> nnd_pb2.TraceRequest:
         if not self._invokes:
@@ -272,7 +290,14 @@ class Tracer:
         # Into a region of this process's pool when one is free (_shm.py); `collect` settles the lease.
         lease = _shm.attach(request) if request.shm else None
         stream = self.model._conn.stream(self._method, request, timeout=self._options.get("timeout"))
-        results = _results.collect(stream, on_step=self.tokens.append, lease=lease)
+        watch = self._options.get("on_token")  # generate(..., on_token=print): each step's tokens, live
+
+        def on_step(token: Any) -> None:
+            self.tokens.append(token)
+            if watch is not None:
+                watch(token)
+
+        results = _results.collect(stream, on_step=on_step, lease=lease)
         self._deliver(results)
 
     def _deliver(self, results: _results.Results) -> None:
@@ -329,6 +354,7 @@ class GenerateTracer(Tracer):
             "top_p",
             "seed",
             "stream_text",
+            "on_token",
         }
     )
 

@@ -232,7 +232,24 @@ def cmd_ps(ns: argparse.Namespace) -> int:
             rows.append([f"  rank {r.rank}", "", "", r.device, "", "", rss, str(r.pid), "", "", ""])
     header = ["NAME", "STATE", "TP", "DEVICES", "DTYPE", "WEIGHTS", "RSS", "PID", "IDLE", "RELEASE", "NOTE"]
     print(_table(rows, header) if rows else "no models loaded")
+    inflight = [
+        [m.name, r.state, r.kind, _progress(r), _human_duration(max(0.0, now - r.since)), r.client]
+        for m in resp.models
+        for r in m.requests
+    ]
+    if inflight:
+        print()
+        print(_table(inflight, ["MODEL", "REQUEST", "KIND", "PROGRESS", "FOR", "CLIENT"]))
     return 0
+
+
+def _progress(r: object) -> str:
+    """'step 12/600' for a generation, 'next in line' / 'after 2' for a queued request, '-' otherwise."""
+    if getattr(r, "state", "") == "queued":
+        ahead = getattr(r, "position", 0)
+        return "next in line" if ahead <= 1 else f"after {ahead}"
+    steps = getattr(r, "steps", 0)
+    return f"step {getattr(r, 'step', 0)}/{steps}" if steps else "-"
 
 
 def cmd_tree(ns: argparse.Namespace) -> int:

@@ -26,6 +26,20 @@ CHANNEL_OPTIONS = [
 _TLS_SCHEMES = ("tls://", "https://")
 
 
+def _client_name() -> str:
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    return f"{user}@{socket.gethostname()}:{os.getpid()}"
+
+
+_CLIENT = _client_name()
+
+
 def _read(path: str | None) -> bytes | None:
     if not path:
         return None
@@ -80,7 +94,8 @@ class Connection:
         self.stub = nnd_pb2_grpc.NndStub(self.channel)
 
     def _metadata(self) -> list[tuple[str, str]]:
-        return [("authorization", f"Bearer {self.token}")] if self.token else []
+        who = [("nnd-client", _CLIENT)]  # shown by `nnd ps` beside this process's requests
+        return [("authorization", f"Bearer {self.token}"), *who] if self.token else who
 
     def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
         """A unary call; raises nnd exceptions."""

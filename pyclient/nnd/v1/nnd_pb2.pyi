@@ -220,8 +220,26 @@ class DeviceMemory(_message.Message):
     bytes: int
     def __init__(self, device: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
+class RequestInFlight(_message.Message):
+    __slots__ = ("kind", "client", "state", "since", "step", "steps", "position")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    client: str
+    state: str
+    since: float
+    step: int
+    steps: int
+    position: int
+    def __init__(self, kind: _Optional[str] = ..., client: _Optional[str] = ..., state: _Optional[str] = ..., since: _Optional[float] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
+
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "state", "task", "architecture", "config", "num_parameters", "placement", "dispatched_placement", "modules", "weights", "worker_rss_bytes", "worker_pids", "idle_s", "expires_at", "last_error", "dtype", "estimated_bytes", "tp_size", "ranks")
+    __slots__ = ("name", "state", "task", "architecture", "config", "num_parameters", "placement", "dispatched_placement", "modules", "weights", "worker_rss_bytes", "worker_pids", "idle_s", "expires_at", "last_error", "dtype", "estimated_bytes", "tp_size", "ranks", "requests")
     class ConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +266,7 @@ class ModelInfo(_message.Message):
     ESTIMATED_BYTES_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: ModelState
     task: str
@@ -267,7 +286,8 @@ class ModelInfo(_message.Message):
     estimated_bytes: int
     tp_size: int
     ranks: _containers.RepeatedCompositeFieldContainer[WorkerRank]
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., task: _Optional[str] = ..., architecture: _Optional[str] = ..., config: _Optional[_Mapping[str, str]] = ..., num_parameters: _Optional[int] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., dispatched_placement: _Optional[_Union[Placement, _Mapping]] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., weights: _Optional[_Iterable[_Union[DeviceMemory, _Mapping]]] = ..., worker_rss_bytes: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., idle_s: _Optional[float] = ..., expires_at: _Optional[float] = ..., last_error: _Optional[str] = ..., dtype: _Optional[str] = ..., estimated_bytes: _Optional[int] = ..., tp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[WorkerRank, _Mapping]]] = ...) -> None: ...
+    requests: _containers.RepeatedCompositeFieldContainer[RequestInFlight]
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., task: _Optional[str] = ..., architecture: _Optional[str] = ..., config: _Optional[_Mapping[str, str]] = ..., num_parameters: _Optional[int] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., dispatched_placement: _Optional[_Union[Placement, _Mapping]] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., weights: _Optional[_Iterable[_Union[DeviceMemory, _Mapping]]] = ..., worker_rss_bytes: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., idle_s: _Optional[float] = ..., expires_at: _Optional[float] = ..., last_error: _Optional[str] = ..., dtype: _Optional[str] = ..., estimated_bytes: _Optional[int] = ..., tp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[WorkerRank, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[RequestInFlight, _Mapping]]] = ...) -> None: ...
 
 class WorkerRank(_message.Message):
     __slots__ = ("rank", "pid", "rss_bytes", "device")
@@ -447,17 +467,27 @@ class TraceDone(_message.Message):
     compute_s: float
     def __init__(self, compute_s: _Optional[float] = ...) -> None: ...
 
+class Queued(_message.Message):
+    __slots__ = ("ahead", "running")
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    ahead: int
+    running: bool
+    def __init__(self, ahead: _Optional[int] = ..., running: _Optional[bool] = ...) -> None: ...
+
 class TraceResponse(_message.Message):
-    __slots__ = ("saved", "chunk", "step", "done")
+    __slots__ = ("saved", "chunk", "step", "done", "queued")
     SAVED_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
     saved: Saved
     chunk: Chunk
     step: StepTokens
     done: TraceDone
-    def __init__(self, saved: _Optional[_Union[Saved, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., step: _Optional[_Union[StepTokens, _Mapping]] = ..., done: _Optional[_Union[TraceDone, _Mapping]] = ...) -> None: ...
+    queued: Queued
+    def __init__(self, saved: _Optional[_Union[Saved, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., step: _Optional[_Union[StepTokens, _Mapping]] = ..., done: _Optional[_Union[TraceDone, _Mapping]] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("model", "texts", "no_special_tokens")

@@ -52,7 +52,7 @@ class WorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("rss_bytes", "weights", "dtype", "devices", "ranks")
+    __slots__ = ("rss_bytes", "weights", "dtype", "devices", "ranks", "requests", "idle_since")
     class DevicesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -65,9 +65,13 @@ class WorkerStatus(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SINCE_FIELD_NUMBER: _ClassVar[int]
     rss_bytes: int
     weights: _containers.RepeatedCompositeFieldContainer[_nnd_pb2.DeviceMemory]
     dtype: str
     devices: _containers.ScalarMap[str, str]
     ranks: _containers.RepeatedCompositeFieldContainer[_nnd_pb2.WorkerRank]
-    def __init__(self, rss_bytes: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[_nnd_pb2.DeviceMemory, _Mapping]]] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Mapping[str, str]] = ..., ranks: _Optional[_Iterable[_Union[_nnd_pb2.WorkerRank, _Mapping]]] = ...) -> None: ...
+    requests: _containers.RepeatedCompositeFieldContainer[_nnd_pb2.RequestInFlight]
+    idle_since: float
+    def __init__(self, rss_bytes: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[_nnd_pb2.DeviceMemory, _Mapping]]] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Mapping[str, str]] = ..., ranks: _Optional[_Iterable[_Union[_nnd_pb2.WorkerRank, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[_nnd_pb2.RequestInFlight, _Mapping]]] = ..., idle_since: _Optional[float] = ...) -> None: ...

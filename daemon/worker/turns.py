@@ -1,0 +1,82 @@
+"""The model's turns: one request at a time, in arrival order, and long ones lend the model between steps.
+
+A worker runs one forward at a time. A plain lock would let a 600-token
+generation hold the model for its whole length while a one-step trace from
+another notebook waits; and a plain lock's waiters are woken in no particular
+order. `Turns` is that lock made fair:
+
+- `acquire`/`release` hand the model over in arrival order (ownership passes
+  straight to the first waiter, so nobody can barge in between);
+- `lend()` is called by a long request between two of its steps (the engine
+  calls it after each generated token): when anyone is waiting it hands the
+  model to the first waiter and queues behind everyone waiting at that moment,
+  so each of them gets one turn before the generation's next step. With no
+  waiter it returns at once, costing one uncontended mutex.
+
+The engine makes a lent turn invisible to the lender (its hooks are
+suppressed and its random-number state kept; engine/generation.py), so what a
+generation computes does not depend on what ran between its steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any
+
+
+class Turns:
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._held = False
+        self._queue: collections.deque[threading.Event] = collections.deque()
+        self.lent = 0  # turns lent so far (tests and `nnd ps` read it)
+
+    def locked(self) -> bool:
+        return self._held
+
+    def waiting(self) -> int:
+        """Requests waiting for the model now."""
+        return len(self._queue)
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        with self._mutex:
+            if not self._held and not self._queue:
+                self._held = True
+                return True
+            if not blocking:
+                return False
+            ticket = threading.Event()
+            self._queue.append(ticket)
+        if ticket.wait(None if timeout is None or timeout < 0 else timeout):
+            return True
+        with self._mutex:
+            if ticket.is_set():  # handed over just as the wait ran out: the turn is ours
+                return True
+            self._queue.remove(ticket)
+            return False
+
+    def release(self) -> None:
+        with self._mutex:
+            if self._queue:
+                self._queue.popleft().set()  # ownership passes on; the model never looks free
+            else:
+                self._held = False
+
+    def lend(self) -> None:
+        """Between two steps of a long request (holding the turn): let every current waiter run first."""
+        with self._mutex:
+            if not self._queue:
+                return
+            ticket = threading.Event()
+            self._queue.popleft().set()
+            self._queue.append(ticket)
+            self.lent += 1
+        ticket.wait()
+
+    def __enter__(self) -> Turns:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()

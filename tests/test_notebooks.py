@@ -1,0 +1,190 @@
+"""Real notebooks (ipykernel kernels driven by nbclient) sharing one daemon: errors shown on the
+user's cell and line, Ctrl-C mid-generation, a kernel restarted mid-request beside another notebook
+whose results are checked against transformers in its own kernel."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+PROMPT = "The Eiffel Tower is in the city of"
+
+
+def _notebook(*cells: str) -> Any:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in cells]
+    return nb
+
+
+def _setup(daemon: Any, path: str) -> str:
+    return f"import nnd, torch\nmodel = nnd.TransformersModel({path!r}, address={daemon.address!r}, device='cpu')"
+
+
+def _text(cell: Any) -> str:
+    """What the cell showed, without terminal colours."""
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*m", "", _raw(cell))
+
+
+def _raw(cell: Any) -> str:
+    out = []
+    for o in cell.outputs:
+        if o.output_type == "error":
+            out.append("\n".join(o.traceback))
+        elif o.output_type == "stream":
+            out.append(o.text)
+    return "\n".join(out)
+
+
+def _errors(cell: Any) -> list[Any]:
+    return [o for o in cell.outputs if o.output_type == "error"]
+
+
+def _wait(condition: Any, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _requests(daemon: Any, name: str) -> list:
+    models = {m["name"]: m for m in json.loads(daemon.cli("ps", "--json").stdout)}
+    return models.get(name, {}).get("requests", [])
+
+
+class _Kernel:
+    """One notebook's kernel: run its cells one at a time."""
+
+    def __init__(self, nb: Any, tmp: pathlib.Path) -> None:
+        self.nb = nb
+        self.client = nbclient.NotebookClient(
+            nb, timeout=300, kernel_name="python3", allow_errors=True, resources={"metadata": {"path": str(tmp)}}
+        )
+
+    def pid(self) -> int:
+        return self.client.km.provisioner.process.pid
+
+    def run(self, *indices: int) -> None:
+        for i in indices:
+            self.client.execute_cell(self.nb.cells[i], i)
+
+
+def test_a_daemon_error_shows_the_users_cell_and_line(daemon, tiny_models, tmp_path):
+    nb = _notebook(
+        _setup(daemon, tiny_models["gpt2"]),
+        f"with model.trace({PROMPT!r}):\n    h = model.transformer.h[0].output\n"
+        "    bad = h @ torch.ones(3, 3)   # wrong shape\n    out = bad.save()",
+        "print('still here')",
+    )
+    kernel = _Kernel(nb, tmp_path)
+    with kernel.client.setup_kernel():
+        kernel.run(0, 1, 2)
+    errors = _errors(nb.cells[1])
+    assert len(errors) == 1, _text(nb.cells[1])
+    text = _text(nb.cells[1])
+    # The message names the cell and line of the statement that failed, as IPython names cells.
+    assert 'File "Cell In[2]", line 3, in: bad = h @ torch.ones(3, 3)' in text, text
+    assert "_tracer.py" not in text and "grpc" not in text, text  # nnd's and gRPC's frames are hidden
+    assert "still here" in _text(nb.cells[2])
+
+
+def test_ctrl_c_mid_generation_reads_as_one_line_and_the_kernel_carries_on(daemon, tiny_models, tmp_path):
+    marker = tmp_path / "step1"
+    nb = _notebook(
+        _setup(daemon, tiny_models["gpt2"]),
+        "import pathlib\n"
+        "def note(t):\n"
+        f"    if t.step == 1: pathlib.Path({str(marker)!r}).touch()\n"
+        f"with model.generate({PROMPT!r}, max_new_tokens=100, min_new_tokens=100, on_token=note) as tracer:\n"
+        "    ids = tracer.result.save()",
+        "try:\n    ids.value\nexcept Exception as e:\n    print('value:', e)",
+        f"with model.trace({PROMPT!r}):\n    out = model.lm_head.output.save()\nprint('shape', tuple(out.shape))",
+    )
+    kernel = _Kernel(nb, tmp_path)
+    with kernel.client.setup_kernel():
+        kernel.run(0)
+
+        def interrupt() -> None:
+            _wait(marker.exists, "the generation's second step")
+            os.kill(kernel.pid(), signal.SIGINT)  # what the notebook's stop button sends an ipykernel
+
+        t = threading.Thread(target=interrupt)
+        t.start()
+        kernel.run(1)
+        t.join()
+        kernel.run(2, 3)
+    errors = _errors(nb.cells[1])
+    assert len(errors) == 1 and errors[0].ename == "KeyboardInterrupt", _text(nb.cells[1])
+    text = _text(nb.cells[1])
+    assert "cancelled after" in text and "of 100 steps" in text, text
+    assert len(text.splitlines()) < 20 and "grpc" not in text, text
+    assert "did not complete" in _text(nb.cells[2])
+    assert "shape (1," in _text(nb.cells[3])  # the kernel, and the model, still work
+    _wait(lambda: not _requests(daemon, tiny_models["gpt2"]), "the worker to let go of the model", 30)
+
+
+def test_a_kernel_restarted_mid_request_disturbs_no_other_notebook(daemon, tiny_models, tmp_path):
+    path = tiny_models["gpt2"]
+    marker = tmp_path / "busy"
+    long_running = _notebook(
+        _setup(daemon, path),
+        "import pathlib\n"
+        f"def note(t):\n    pathlib.Path({str(marker)!r}).touch()\n"
+        f"with model.generate({PROMPT!r}, max_new_tokens=100, min_new_tokens=100, on_token=note) as tracer:\n"
+        "    ids = tracer.result.save()",
+    )
+    patching = _notebook(
+        _setup(daemon, path),
+        "from transformers import AutoModelForCausalLM\n"
+        f"ref = AutoModelForCausalLM.from_pretrained({path!r}).eval()\n"
+        "results = {}\n"
+        "for layer in range(2):\n"
+        "    with model.trace() as tracer:\n"
+        f"        with tracer.invoke({PROMPT!r}):\n"
+        "            clean = model.transformer.h[layer].output[:, -1, :]\n"
+        "        with tracer.invoke('The Colosseum is in the city of'):\n"
+        "            model.transformer.h[layer].output[:, -1, :] = clean\n"
+        "            patched = model.lm_head.output[:, -1, :].save()\n"
+        "    store = {}\n"
+        "    h1 = ref.transformer.h[layer].register_forward_hook(lambda m, a, o: store.update(c=o[:, -1, :].clone()))\n"
+        f"    with torch.no_grad(): ref(**model.tokenizer({PROMPT!r}, return_tensors='pt'))\n"
+        "    h1.remove()\n"
+        "    def put(m, a, o):\n        o[:, -1, :] = store['c']\n        return o\n"
+        "    h2 = ref.transformer.h[layer].register_forward_hook(put)\n"
+        "    with torch.no_grad():\n"
+        "        want = ref(**model.tokenizer('The Colosseum is in the city of', return_tensors='pt')).logits[:, -1, :]\n"
+        "    h2.remove()\n"
+        "    torch.testing.assert_close(torch.as_tensor(patched), want, atol=1e-5, rtol=1e-5)\n"
+        "    results[layer] = True\n"
+        "print('patched ok', sorted(results))",
+    )
+    busy, other = _Kernel(long_running, tmp_path), _Kernel(patching, tmp_path)
+    with busy.client.setup_kernel(), other.client.setup_kernel():
+        busy.run(0)
+        other.run(0)
+        def run_until_killed() -> None:
+            try:
+                busy.run(1)
+            except Exception:  # noqa: BLE001 - the kernel is restarted under this cell: nbclient says it died
+                pass
+
+        runner = threading.Thread(target=run_until_killed)
+        runner.start()
+        _wait(marker.exists, "the generation to be running")
+        os.kill(busy.pid(), signal.SIGKILL)  # the kernel dies mid-request, as a restart kills it
+        other.run(1)  # meanwhile, on the same model
+        runner.join(120)
+    assert "patched ok [0, 1]" in _text(patching.cells[1]), _text(patching.cells[1])
+    _wait(lambda: not _requests(daemon, path), "the restarted kernel's request to be gone", 30)
