@@ -7,6 +7,9 @@ log files, argument errors, and `nnd serve`'s token options."""
 from __future__ import annotations
 
 import json
+import os
+import pathlib
+import shutil
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -110,3 +113,87 @@ def test_upload_caps_count_per_client_and_in_all():
         gate._enter("Trace", "unix:")
     with pytest.raises(errors.ResourceExhausted, match="busy"):
         gate._enter("Trace", "unix:")
+
+
+# ---------------------------------------------------------------- paths, names, allow-list
+
+
+@pytest.fixture(scope="module")
+def box(tmp_path_factory, tiny_models) -> Iterator[tuple[Daemon, pathlib.Path]]:
+    """A daemon that allows the models inside `root/allowed/` only."""
+    root = tmp_path_factory.mktemp("box")
+    (root / "allowed").mkdir()
+    shutil.copytree(tiny_models["gpt2"], root / "allowed" / "gpt2")
+    shutil.copytree(tiny_models["llama"], root / "other")
+    os.symlink(root / "other", root / "allowed" / "link")
+    d = start_daemon(root, "--allow-model", f"{root}/allowed/*")
+    yield d, root
+    d.stop()
+
+
+def _load(stub: Any, model: str, **kwargs: Any) -> tuple[grpc.StatusCode, str]:
+    return _code(stub.LoadModel, nnd_pb2.LoadModelRequest(model=model, **kwargs), timeout=120)
+
+
+def test_allow_list_compares_real_paths(box):
+    d, root = box
+    channel, stub = _stub(d)
+    with channel:
+        for escape in (f"{root}/allowed/../other", f"{root}/allowed/link", f"{root}/allowed/./../other"):
+            code, details = _load(stub, escape)
+            assert code == grpc.StatusCode.PERMISSION_DENIED, (escape, code, details)
+            assert "allow-list" in details
+        assert _load(stub, f"{root}/allowed/gpt2")[0] == grpc.StatusCode.OK
+
+
+def test_one_folder_is_one_model_whatever_path_reaches_it(box):
+    d, root = box
+    real = str(root / "allowed" / "gpt2")
+    os.symlink(root / "allowed" / "gpt2", root / "allowed" / "gpt2-link")
+    channel, stub = _stub(d)
+    with channel:
+        for path in (real, f"{root}/allowed/gpt2-link", f"/proc/self/root{real}", f"{root}/allowed/gpt2/../gpt2"):
+            code, details = _load(stub, path)
+            assert code == grpc.StatusCode.OK, (path, details)
+        names = [m.name for m in stub.ListModels(nnd_pb2.ListModelsRequest(), timeout=10).models]
+        assert names.count(real) == 1 and len(names) == 1, names
+        # Any of those paths names the same model.
+        assert stub.GetModel(nnd_pb2.GetModelRequest(model=f"{root}/allowed/gpt2-link"), timeout=10).name == real
+        stub.Unload(nnd_pb2.UnloadRequest(model=real), timeout=60)
+
+
+def _gpt2_config(root: pathlib.Path) -> bytes:
+    return (root / "allowed" / "gpt2" / "config.json").read_bytes()
+
+
+def test_upload_shards_must_be_the_uploads_own_files(box):
+    d, root = box
+    secret = root / "other" / "model.safetensors"
+    channel, stub = _stub(d)
+    with channel:
+        for target in (str(secret), "../other/model.safetensors", "missing.safetensors"):
+            index = json.dumps({"metadata": {}, "weight_map": {"lm_head.weight": target}}).encode()
+            files = {
+                "config.json": _gpt2_config(root),
+                "model-00001-of-00001.safetensors": _safetensors(),
+                "model.safetensors.index.json": index,
+            }
+            code, details = _code(_send, stub, _payload(files))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (target, code, details)
+            assert "only the upload's own files" in details
+        tok = json.dumps({"tokenizer_file": str(root / "other" / "tokenizer.json")}).encode()
+        files = {"config.json": _gpt2_config(root), "model.safetensors": _safetensors(), "tokenizer_config.json": tok}
+        code, details = _code(_send, stub, _payload(files))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+        assert details.startswith("tokenizer_config.json names"), details
+
+
+@pytest.mark.parametrize("name", ["-x", "--help", "a\0b", "tab\there", "x" * 5000])
+def test_model_names_no_repo_or_path_has_are_invalid(box, name):
+    d, root = box
+    channel, stub = _stub(d)
+    with channel:
+        code, details = _load(stub, name, upload="0" * 64)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+        code, details = _load(stub, name)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)

@@ -178,7 +178,12 @@ class NndServicer:
             if worker is None:
                 raise errors.Unavailable(f"model {entry.name} lost its worker: {entry.last_error}")
             # A client that goes away cancels the worker's call at once (not at its next response).
-            yield from worker.run(run, timeout=timeout or None, client=context)
+            try:
+                yield from worker.run(run, timeout=timeout or None, client=context)
+            except errors.NndError:
+                if entry.gone:  # its worker was stopped under it: say why, not "Channel closed!"
+                    raise errors.Unavailable(f"model {entry.name} was unloaded while this request ran") from None
+                raise
         finally:
             self.registry.done(entry)
 
