@@ -197,3 +197,78 @@ def test_model_names_no_repo_or_path_has_are_invalid(box, name):
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
         code, details = _load(stub, name)
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+
+
+# ---------------------------------------------------------------- unload during a dispatch
+
+
+def _trace(model: str) -> nnd_pb2.TraceRequest:
+    from nnd.v1 import graph_pb2
+
+    graph = graph_pb2.Graph()
+    graph.nodes.add(id=1, module=graph_pb2.ModuleValue(path="lm_head", point=graph_pb2.OUTPUT))
+    graph.nodes.add(id=2, save=graph_pb2.Save(value=graph_pb2.Arg(ref=1)))
+    return nnd_pb2.TraceRequest(
+        model=model, invokes=[nnd_pb2.Invoke(tokens=nnd_pb2.TokenIds(ids=[5, 6, 7]))], graph=graph
+    )
+
+
+def _workers(daemon_pid: int) -> list[Any]:
+    import psutil
+
+    out = []
+    for child in psutil.Process(daemon_pid).children(recursive=True):
+        try:
+            if "nnd_daemon.worker" in " ".join(child.cmdline()):
+                out.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_unload_during_an_auto_dispatch_leaves_no_worker(fresh_daemon, tiny_models):
+    import psutil
+
+    d = fresh_daemon
+    model = tiny_models["gpt2"]
+    channel, stub = _stub(d)
+    outcomes: dict[str, tuple[grpc.StatusCode, str]] = {}
+
+    def run(key: str, fn: Any, *args: Any) -> threading.Thread:
+        thread = threading.Thread(target=lambda: outcomes.__setitem__(key, _code(fn, *args)))
+        thread.start()
+        return thread
+
+    with channel:
+        stub.LoadModel(nnd_pb2.LoadModelRequest(model=model), timeout=120)
+        first = run("first", lambda: list(stub.Trace(_trace(model), timeout=120)))
+        # Hold the dispatch: stop its worker as soon as it exists (it imports torch for seconds first).
+        worker = None
+        while worker is None:
+            found = _workers(d.proc.pid)
+            worker = found[0] if found else None
+            threading.Event().wait(0.005)  # a short nap: the box's CPUs are shared
+        worker.suspend()
+        try:
+            assert stub.GetModel(nnd_pb2.GetModelRequest(model=model), timeout=10).state == nnd_pb2.DISPATCHING
+            second = run("second", lambda: list(stub.Trace(_trace(model), timeout=120)))
+            unload = run("unload", lambda: stub.Unload(nnd_pb2.UnloadRequest(model=model), timeout=120))
+            # Gone from `nnd ps` at once, while its dispatch is still held.
+            for _ in range(200):
+                if not stub.ListModels(nnd_pb2.ListModelsRequest(), timeout=10).models:
+                    break
+                threading.Event().wait(0.05)
+            assert not stub.ListModels(nnd_pb2.ListModelsRequest(), timeout=10).models
+        finally:
+            worker.resume()
+        for thread in (first, second, unload):
+            thread.join(120)
+    assert outcomes["unload"][0] == grpc.StatusCode.OK, outcomes
+    for key in ("first", "second"):
+        code, details = outcomes[key]
+        assert (code == grpc.StatusCode.UNAVAILABLE and "was unloaded" in details) or (
+            code == grpc.StatusCode.NOT_FOUND and "not loaded" in details
+        ), (key, code, details)
+    # No worker is left behind: not the held one, and none started for the waiting request.
+    gone, alive = psutil.wait_procs(_workers(d.proc.pid), timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
