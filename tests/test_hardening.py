@@ -10,6 +10,9 @@ import json
 import os
 import pathlib
 import shutil
+import stat
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -272,3 +275,58 @@ def test_unload_during_an_auto_dispatch_leaves_no_worker(fresh_daemon, tiny_mode
     # No worker is left behind: not the held one, and none started for the waiting request.
     gone, alive = psutil.wait_procs(_workers(d.proc.pid), timeout=30)
     assert not alive, [p.cmdline() for p in alive]
+
+
+# ---------------------------------------------------------------- the state directory
+
+
+def _serve_refused(tmp: pathlib.Path, state: pathlib.Path) -> str:
+    sock = tmp / "run" / "nnd.sock"
+    res = subprocess.run(
+        [sys.executable, "-m", "nnd.cli", "serve", "--address", f"unix://{sock}", "--state-dir", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    err = res.stderr.strip()
+    assert res.returncode == 1 and err.startswith("nnd: ") and len(err.splitlines()) == 1, (res.returncode, err)
+    assert not sock.exists()
+    return err
+
+
+def test_a_state_directory_others_can_write_is_refused(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    os.chmod(state, 0o777)
+    assert "writable by other users (mode 0777)" in _serve_refused(tmp_path, state)
+    os.chmod(state, 0o750)
+    elsewhere = tmp_path / "theirs"
+    elsewhere.mkdir()
+    os.symlink(elsewhere, state / "logs")  # logs/ moved aside for a link
+    assert "logs/" in _serve_refused(tmp_path, state) and "symbolic link" in _serve_refused(tmp_path, state)
+    assert not list(elsewhere.iterdir())
+
+
+def test_under_umask_0_nothing_is_writable_by_others_and_logs_do_not_collide(tmp_path, tiny_models):
+    # Two folders whose names sanitise alike ("m_1"): each model keeps its own log.
+    for name in ("m-1", "m_1"):
+        shutil.copytree(tiny_models["gpt2"], tmp_path / "models" / name)
+    old = os.umask(0)
+    try:
+        d = start_daemon(tmp_path, state_dir=str(tmp_path / "deep" / "state"))
+    finally:
+        os.umask(old)
+    try:
+        for name in ("m-1", "m_1"):
+            d.cli("load", str(tmp_path / "models" / name))
+            d.cli("dispatch", str(tmp_path / "models" / name))
+        state = pathlib.Path(d.state_dir)
+        made = [state.parent, state, state / "logs", state / "uploads", state / "registry.json"]
+        logs = sorted((state / "logs").iterdir())
+        assert len(logs) == 2, logs
+        for path in made + logs:
+            mode = stat.S_IMODE(path.lstat().st_mode)
+            assert not mode & 0o022, (path, oct(mode))
+            assert not path.is_symlink()
+    finally:
+        d.stop()

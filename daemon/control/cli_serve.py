@@ -72,6 +72,8 @@ def access_from_args(ns: argparse.Namespace) -> Access:
 def run(ns: argparse.Namespace) -> int:
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Whatever the caller's umask: nothing the daemon or its workers create is writable by others.
+    os.umask(0o077)
     if getattr(ns, "token", None):  # the clients' option: silently serving without a token would be worse
         print("nnd: serve takes the token from a file: --token-file PATH (--token is for clients)", file=sys.stderr)
         return 1

@@ -20,6 +20,7 @@ from google.protobuf.message import DecodeError
 from nnd import _address
 from nnd.v1 import nnd_pb2
 from nnd_daemon import errors
+from nnd_daemon.control import statedir
 from nnd_daemon.control.admission import Admission
 from nnd_daemon.control.auth import Access
 from nnd_daemon.control.registry import Registry
@@ -134,6 +135,10 @@ class Daemon:
     def __init__(self, settings: Settings, access: Access | None = None, *, workers: int = HANDLER_THREADS) -> None:
         self.settings = settings
         self.access = access or Access()
+        try:
+            statedir.prepare(settings.state_dir)
+        except (statedir.StateDirError, OSError) as exc:
+            raise SystemExit(f"nnd: {exc}") from None
         self.registry = Registry(settings)
         self.servicer = NndServicer(settings, self.registry)
         self.admission = Admission(
