@@ -330,3 +330,45 @@ def test_under_umask_0_nothing_is_writable_by_others_and_logs_do_not_collide(tmp
             assert not path.is_symlink()
     finally:
         d.stop()
+
+
+# ---------------------------------------------------------------- a lab box's users
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_a_user_outside_the_sockets_group_is_told_so():
+    import tempfile
+
+    # As on a lab box: the way to the socket's 0750 directory is open to everyone (pytest's tmp is not).
+    base = pathlib.Path(tempfile.mkdtemp(prefix="nnd-lab-", dir="/tmp"))
+    os.chmod(base, 0o755)
+    daemon = start_daemon(base)
+    try:
+        _told_permission_denied(daemon)
+    finally:
+        daemon.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _told_permission_denied(daemon: Daemon) -> None:
+    import grp
+
+    group = grp.getgrgid(os.stat(os.path.dirname(daemon.address.removeprefix("unix://"))).st_gid).gr_name
+    # Imports first (the interpreter's files may be private to root), then become uid 54321, in no group.
+    script = (
+        "import os, sys\n"
+        "from nnd.connection import Connection\n"
+        "from nnd.errors import DaemonUnavailable\n"
+        "from nnd.v1 import nnd_pb2\n"
+        "conn = Connection(sys.argv[1])  # connects lazily, at the first call\n"
+        "os.setgroups([]); os.setgid(54321); os.setuid(54321)\n"
+        "try:\n"
+        "    conn.call('ListModels', nnd_pb2.ListModelsRequest(), timeout=10)\n"
+        "except DaemonUnavailable as exc:\n"
+        "    print(exc)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script, daemon.address], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    text = res.stdout.strip()
+    assert text.startswith("permission denied on the nnd daemon's socket"), text
+    assert f"group {group!r}" in text and "is `nnd serve` running" not in text, text
