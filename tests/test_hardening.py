@@ -372,3 +372,81 @@ def _told_permission_denied(daemon: Daemon) -> None:
     text = res.stdout.strip()
     assert text.startswith("permission denied on the nnd daemon's socket"), text
     assert f"group {group!r}" in text and "is `nnd serve` running" not in text, text
+
+
+# ---------------------------------------------------------------- `nnd serve`'s token options
+
+
+def _serve_exit(tmp: pathlib.Path, *extra: str) -> str:
+    sock = tmp / "run" / "nnd.sock"
+    args = ["serve", "--address", f"unix://{sock}", "--state-dir", str(tmp / "state"), *extra]
+    res = subprocess.run([sys.executable, "-m", "nnd.cli", *args], capture_output=True, text=True, timeout=120)
+    err = res.stderr.strip()
+    assert res.returncode == 1 and err.startswith("nnd: ") and len(err.splitlines()) == 1, (res.returncode, err)
+    assert not sock.exists()
+    return err
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_refuses_the_clients_token_option(tmp_path):
+    assert "--token-file" in _serve_exit(tmp_path, "--token", "s3cret")
+
+
+def test_a_host_name_starting_with_127_is_not_loopback(tmp_path):
+    from nnd import _address
+
+    err = _serve_exit(tmp_path, "--listen", f"127.0.0.1.nip.io:{_port()}", "--insecure")
+    assert "only allowed on a loopback address" in err
+    assert _address.is_loopback("127.0.0.2:1") and _address.is_loopback("[::1]:1")
+    assert not _address.is_loopback("127.evil.example:1") and not _address.is_loopback("10.0.0.1:1")
+
+
+def test_plaintext_token_off_loopback_warns_and_refusals_do_not_flood_the_log(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret-for-hardening\n")
+    os.chmod(token, 0o600)
+    d = _serve_until_healthy(tmp_path, "--listen", f"0.0.0.0:{_port()}", "--token-file", str(token))
+    try:
+        assert "in plaintext: the token and every request can be read on the network" in d.log()
+        channel, stub = _stub(d)
+        with channel:
+            for _ in range(30):
+                code, _ = _code(stub.ListModels, nnd_pb2.ListModelsRequest(), timeout=10)
+                assert code == grpc.StatusCode.UNAUTHENTICATED
+        d.stop()
+        assert d.log().count("refused /nnd.v1.Nnd/ListModels") == 1, d.log()
+    finally:
+        d.stop()
+
+
+def _serve_until_healthy(tmp: pathlib.Path, *extra: str) -> Daemon:
+    """`nnd serve` with a token: ready once its health check (open to all) answers."""
+    import time
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    sock = tmp / "run" / "nnd.sock"
+    address, log_path = f"unix://{sock}", str(tmp / "daemon.log")
+    args = ["serve", "--address", address, "--state-dir", str(tmp / "state"), *extra]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "nnd.cli", *args], stdout=log, stderr=subprocess.STDOUT)
+    d = Daemon(address=address, state_dir=str(tmp / "state"), proc=proc, log_path=log_path, args=args)
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, d.log()
+        try:
+            with grpc.insecure_channel(address) as channel:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            return d
+        except grpc.RpcError:
+            if time.monotonic() > deadline:
+                d.stop()
+                raise
+            time.sleep(0.1)
