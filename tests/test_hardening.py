@@ -450,3 +450,52 @@ def _serve_until_healthy(tmp: pathlib.Path, *extra: str) -> Daemon:
                 d.stop()
                 raise
             time.sleep(0.1)
+
+
+# ---------------------------------------------------------------- the client's mistakes are INVALID_ARGUMENT
+
+
+def _config_only(box_root: pathlib.Path, name: str, change: dict[str, Any]) -> str:
+    import tinymodels
+
+    config = json.loads((box_root / "allowed" / "gpt2" / "config.json").read_text())
+    config.update(change)
+    return str(tinymodels.write_config_only(box_root / "allowed" / name, config))
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"architectures": ["pipeline"]}, "not a transformers model class"),
+        ({"architectures": ["AutoTokenizer"]}, "not a transformers model class"),
+        ({"architectures": ["GPT2LMHeadModel"], "vocab_size": 2**70}, "cannot build GPT2LMHeadModel"),
+    ],
+)
+def test_configs_nothing_can_be_built_from_are_invalid(box, change, says):
+    d, root = box
+    path = _config_only(root, f"bad-{abs(hash(json.dumps(change)))}", change)
+    channel, stub = _stub(d)
+    with channel:
+        code, details = _load(stub, path)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and says in details, (code, details)
+
+
+def test_out_of_range_token_ids_and_unknown_points_are_invalid(box):
+    from nnd.v1 import graph_pb2
+
+    d, root = box
+    model = str(root / "allowed" / "gpt2")
+    channel, stub = _stub(d)
+    with channel:
+        assert _load(stub, model)[0] == grpc.StatusCode.OK
+        for ids in ([2**62], [-1], [5, 2**32]):
+            request = nnd_pb2.DecodeRequest(model=model, ids=[nnd_pb2.TokenIds(ids=ids)])
+            code, details = _code(stub.Decode, request, timeout=30)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "out of range" in details, (ids, code, details)
+        assert stub.Decode(nnd_pb2.DecodeRequest(model=model, ids=[nnd_pb2.TokenIds(ids=[5, 6])]), timeout=30).texts
+        scan = _trace(model)
+        scan.graph.nodes[0].module.point = 99
+        code, details = _code(lambda: list(stub.Scan(scan, timeout=60)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "unknown point 99" in details, (code, details)
+        scan.graph.nodes[0].module.point = graph_pb2.OUTPUT
+        assert list(stub.Scan(scan, timeout=60))  # the same scan with a real point runs

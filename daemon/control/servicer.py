@@ -269,6 +269,7 @@ class NndServicer:
     @_guard
     def Decode(self, request: nnd_pb2.DecodeRequest, context: grpc.ServicerContext) -> nnd_pb2.DecodeResponse:
         tok = self._tokenizer(request.model)
+        _check_token_ids(request.ids)
         texts = [tok.decode(list(ids.ids), skip_special_tokens=request.skip_special_tokens) for ids in request.ids]
         return nnd_pb2.DecodeResponse(texts=texts)
 
@@ -282,6 +283,14 @@ class NndServicer:
                 with open(os.path.join(tmp, name), "rb") as f:
                     out.files[name] = f.read()
         return out
+
+
+def _check_token_ids(sequences: Any) -> None:
+    # Tokenizers take unsigned 32-bit ids; a larger or negative one overflows inside them.
+    for ids in sequences:
+        for i in ids.ids:
+            if not 0 <= i < 2**32:
+                raise errors.InvalidArgument(f"token id {i} is out of range (ids are 0 .. 2**32-1)")
 
 
 def _resolve_aliases(meta: Any, graphs: list[Any]) -> None:
