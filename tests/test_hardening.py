@@ -499,3 +499,38 @@ def test_out_of_range_token_ids_and_unknown_points_are_invalid(box):
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "unknown point 99" in details, (code, details)
         scan.graph.nodes[0].module.point = graph_pb2.OUTPUT
         assert list(stub.Scan(scan, timeout=60))  # the same scan with a real point runs
+
+
+# ---------------------------------------------------------------- start-up imports
+
+
+def test_loads_sent_the_moment_the_socket_appears_all_succeed(tmp_path, tiny_models):
+    """The warm-up imports transformers in the background; calls wait for it instead of importing alongside."""
+    import time
+
+    sock = tmp_path / "run" / "nnd.sock"
+    address, log_path = f"unix://{sock}", str(tmp_path / "daemon.log")
+    args = ["serve", "--address", address, "--state-dir", str(tmp_path / "state")]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "nnd.cli", *args], stdout=log, stderr=subprocess.STDOUT)
+    d = Daemon(address=address, state_dir=str(tmp_path / "state"), proc=proc, log_path=log_path, args=args)
+    try:
+        while not sock.exists():
+            assert proc.poll() is None, d.log()
+            time.sleep(0.01)
+        channel, stub = _stub(d)
+        with channel:
+            models = [tiny_models[k] for k in ("gpt2", "llama", "bert")]
+            calls = [
+                stub.LoadModel.future(nnd_pb2.LoadModelRequest(model=m), timeout=300, wait_for_ready=True)
+                for m in models
+            ]
+            calls.append(stub.GetServerInfo.future(nnd_pb2.GetServerInfoRequest(), timeout=300, wait_for_ready=True))
+            for call in calls:
+                assert call.exception() is None, call.exception()
+            assert sorted(m.name for m in stub.ListModels(nnd_pb2.ListModelsRequest(), timeout=10).models) == sorted(
+                models
+            )
+        assert "ImportError" not in d.log()
+    finally:
+        d.stop()
