@@ -23,7 +23,11 @@ once no loaded model uses it.
 Access: `--no-uploads` refuses Upload, HasUpload and LoadModel(upload=)
 (PERMISSION_DENIED; models uploaded earlier are still restored);
 `--max-upload-bytes` bounds one upload (RESOURCE_EXHAUSTED). The allow-list
-(`--allow-model`) names repo ids and paths and does not apply to uploads.
+(`--allow-model`) names repo ids and paths and does not apply to uploads, so
+an upload may name no file outside itself: every shard of a safetensors index
+and every `*_file` entry in its JSON is a plain name of one of its own files
+(`check_references`). Uploads at once are capped per client and in all, and an
+idle one is cancelled (control/admission.py).
 """
 
 from __future__ import annotations
