@@ -9,8 +9,9 @@ RESOURCE_EXHAUSTED, so threads are always left for the quick calls of
 of its own and never gated). An Upload whose client sends nothing for
 `upload_idle_s` is cancelled, which frees its thread.
 
-Every call also waits until the start-up imports are done (`Admission.ready`):
-two threads importing transformers at once can fail with ImportError.
+Every call but ListModels and GetModel (they only read the registry) also
+waits until the start-up imports are done (`Admission.ready`): two threads
+importing transformers at once can fail with ImportError.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ log = logging.getLogger("nnd.admission")
 
 # Quick, read-only calls that never wait on a model or a client: not gated (an allow-list).
 ALWAYS = frozenset({"GetServerInfo", "ListModels", "GetModel"})
+# Calls that only read the registry (models in it were built after the imports, or
+# before them by the restore): they answer at once, even during the warm-up.
+NO_IMPORTS = frozenset({"ListModels", "GetModel"})
 UPLOAD = "Upload"
 # How long a call waits for the start-up imports before it runs anyway.
 READY_WAIT_S = 300.0
@@ -87,9 +91,11 @@ class Admission:
     def wrap(self, method: str, fn: Callable[..., Any], *, streaming: bool) -> Callable[..., Any]:
         """`fn`, waiting for the imports and (unless in ALWAYS) holding a slot while it runs."""
         gated = method not in ALWAYS
+        wait = method not in NO_IMPORTS
 
         def unary(request: Any, context: grpc.ServicerContext) -> Any:
-            self.ready.wait(READY_WAIT_S)
+            if wait:
+                self.ready.wait(READY_WAIT_S)
             if not gated:
                 return fn(request, context)
             peer = context.peer()
@@ -106,7 +112,8 @@ class Admission:
                 self._leave(method, peer)
 
         def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            self.ready.wait(READY_WAIT_S)
+            if wait:
+                self.ready.wait(READY_WAIT_S)
             if not gated:
                 yield from fn(request, context)
                 return
