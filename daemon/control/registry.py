@@ -233,19 +233,19 @@ class Registry:
                 self._changed.notify_all()
             raise
         with self._lock:
-            if entry.gone:  # unloaded while its weights loaded
+            orphan = entry.gone  # unloaded while its weights loaded: nobody would list or reap this worker
+            if orphan:
                 entry.worker = None
                 entry.state = META
-                self._changed.notify_all()
-        if entry.gone:
+            else:
+                entry.state = DISPATCHED
+                entry.dispatched_placement = placement
+                entry.dtype = status.dtype if status else ""
+                entry.last_used = time.time()
+            self._changed.notify_all()
+        if orphan:
             worker.stop()
             _check_present(entry)
-        with self._lock:
-            entry.state = DISPATCHED
-            entry.dispatched_placement = placement
-            entry.dtype = status.dtype if status else ""
-            entry.last_used = time.time()
-            self._changed.notify_all()
         self.save()
 
     def _engine_limits(self) -> dict[str, int]:
