@@ -95,7 +95,7 @@ class Admission:
 
         def unary(request: Any, context: grpc.ServicerContext) -> Any:
             if wait:
-                self.ready.wait(READY_WAIT_S)
+                self._await_ready(context)
             if not gated:
                 return fn(request, context)
             peer = context.peer()
@@ -113,7 +113,7 @@ class Admission:
 
         def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             if wait:
-                self.ready.wait(READY_WAIT_S)
+                self._await_ready(context)
             if not gated:
                 yield from fn(request, context)
                 return
@@ -128,6 +128,16 @@ class Admission:
                 self._leave(method, peer)
 
         return stream if streaming else unary
+
+    def _await_ready(self, context: grpc.ServicerContext) -> None:
+        """Wait for the start-up imports, but not for a caller that has gone (its deadline passed):
+        clients polling a starting daemon must not pile up waiting threads."""
+        deadline = time.monotonic() + READY_WAIT_S
+        while not self.ready.wait(0.1):
+            if not context.is_active():
+                errors.abort(context, errors.Cancelled("the call ended while the daemon was starting"))
+            if time.monotonic() > deadline:
+                return  # run anyway: a failed warm-up costs speed, not service
 
     def _idle_guarded(self, messages: Iterator[Any], context: grpc.ServicerContext) -> Generator[Any, None, None]:
         """The Upload's messages; the call is cancelled once none came for `upload_idle_s`."""
