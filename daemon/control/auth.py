@@ -13,6 +13,8 @@ import hmac
 import logging
 import os
 import stat
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +88,12 @@ class Access:
             if not authenticated and not insecure:
                 hint = " (or --insecure, on loopback only)" if loopback else ""
                 raise AccessError(f"refusing to listen on {listen} without authentication: give --token-file{hint}")
+            if token is not None and tls is None and not loopback:
+                log.warning(
+                    "listening on %s in plaintext: the token and every request can be read on the network; "
+                    "add --tls-cert/--tls-key",
+                    listen,
+                )
         return cls(listen=listen, token=token, insecure=insecure, tls=tls)
 
     def credentials(self) -> grpc.ServerCredentials | None:
@@ -157,6 +165,30 @@ class TokenInterceptor(grpc.ServerInterceptor):
         return _deny(continuation(details), method, reason)
 
 
+class RefusalLog:
+    """Refused calls, logged at most once per `window_s` (with the count since the last line),
+    so unauthenticated callers cannot flood the log."""
+
+    def __init__(self, window_s: float = 60.0) -> None:
+        self.window_s = window_s
+        self._lock = threading.Lock()
+        self._next = 0.0
+        self._quiet = 0
+
+    def note(self, method: str, peer: str, reason: str) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now < self._next:
+                self._quiet += 1
+                return
+            quiet, self._quiet, self._next = self._quiet, 0, now + self.window_s
+        more = f" ({quiet} more refused since the last such line)" if quiet else ""
+        log.warning("refused %s from %s: %s%s", method, peer, reason, more)
+
+
+_REFUSALS = RefusalLog()
+
+
 _MAKERS = {
     (False, False): grpc.unary_unary_rpc_method_handler,
     (False, True): grpc.unary_stream_rpc_method_handler,
@@ -171,7 +203,7 @@ def _deny(handler: grpc.RpcMethodHandler | None, method: str, reason: str) -> gr
     unknown method is refused the same way, so methods cannot be probed."""
 
     def abort(request: Any, context: grpc.ServicerContext) -> None:
-        log.warning("refused %s from %s: %s", method, context.peer(), reason.split(":")[0])
+        _REFUSALS.note(method, context.peer(), reason.split(":")[0])
         context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
     shape = (bool(handler and handler.request_streaming), bool(handler and handler.response_streaming))

@@ -54,6 +54,7 @@ def settings_from_args(ns: argparse.Namespace) -> Settings:
         watchdog_misses=max(1, ns.watchdog_misses),
         restart_limit=max(0, ns.restart_limit),
         batch_window_ms=max(0.0, getattr(ns, "batch_window_ms", 2.0)),
+        upload_idle_timeout_s=max(0.0, getattr(ns, "upload_idle_timeout", 60.0)),
     )
 
 
@@ -71,6 +72,11 @@ def access_from_args(ns: argparse.Namespace) -> Access:
 def run(ns: argparse.Namespace) -> int:
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Whatever the caller's umask: nothing the daemon or its workers create is writable by others.
+    os.umask(0o077)
+    if getattr(ns, "token", None):  # the clients' option: silently serving without a token would be worse
+        print("nnd: serve takes the token from a file: --token-file PATH (--token is for clients)", file=sys.stderr)
+        return 1
     try:
         access = access_from_args(ns)
     except AccessError as exc:

@@ -63,11 +63,39 @@ def model_class(config: Any, task: str) -> Any:
     import transformers
 
     for arch in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, arch, None)
+        cls = getattr(transformers, str(arch), None)
         if cls is not None:
+            check_model_class(str(arch), cls)
             return cls
     auto = getattr(transformers, _AUTO_BY_TASK.get(task, "AutoModel"))
     return auto
+
+
+def check_model_class(arch: str, cls: Any) -> None:
+    """Refuse a config whose `architectures` names something in transformers that is
+    not a model class (`pipeline`, a tokenizer, a function): nothing else may be built."""
+    from transformers import PreTrainedModel
+
+    if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel)):
+        raise errors.InvalidArgument(
+            f"the config's architectures names {arch!r}, which is not a transformers model class"
+        )
+
+
+def build_on_meta(cls: Any, config: Any, trust_remote_code: bool) -> Any:
+    """`cls` built from `config` on the meta device; a config it cannot be built from
+    (an overflowing vocab_size, a negative width) is the client's error, not ours."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            if hasattr(cls, "_from_config"):
+                return cls._from_config(config)
+            return cls.from_config(config, trust_remote_code=trust_remote_code)
+    except (OverflowError, ValueError, TypeError, RuntimeError, IndexError, ZeroDivisionError) as exc:
+        raise errors.InvalidArgument(
+            f"cannot build {getattr(cls, '__name__', cls)} from this config: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 @dataclass
@@ -189,7 +217,6 @@ def default_dtype(config: Any) -> str:
 def build(source: str, *, revision: str = "", task: str = "", trust_remote_code: bool = False) -> MetaModel:
     """Read config and tokenizer of `source` (repo id or directory) and build the
     module tree on the meta device."""
-    import torch
     from transformers import AutoConfig, AutoTokenizer
 
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
@@ -208,11 +235,7 @@ def build(source: str, *, revision: str = "", task: str = "", trust_remote_code:
     except Exception:  # noqa: BLE001 - a model without a tokenizer still traces with token ids
         tokenizer = None
     cls = model_class(config, task)
-    with torch.device("meta"):
-        if hasattr(cls, "_from_config"):
-            module = cls._from_config(config)
-        else:
-            module = cls.from_config(config, trust_remote_code=trust_remote_code)
+    module = build_on_meta(cls, config, trust_remote_code)
     module.eval()
     module.requires_grad_(False)
     from nnd_daemon.engine.aliases import AliasTable

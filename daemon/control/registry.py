@@ -54,6 +54,8 @@ class Entry:
     # Trace requests waiting for or running on the worker (the queue).
     queued: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    # Unloaded: no dispatch may start a worker for it any more (one would be an orphan nobody lists or reaps).
+    gone: bool = False
 
 
 def _merge(base: nnd_pb2.Placement, override: nnd_pb2.Placement | None) -> nnd_pb2.Placement:
@@ -95,8 +97,8 @@ class Registry:
         return entry
 
     def _alias(self, name: str) -> str:
-        # A local path may be given relative or absolute.
-        return os.path.abspath(name) if os.path.exists(name) else name
+        # A local path may be given relative, absolute or through a link: models are keyed by real path.
+        return local_key(name)
 
     def entries(self) -> list[Entry]:
         with self._lock:
@@ -107,7 +109,10 @@ class Registry:
         name = req.model.strip()
         if not name:
             raise errors.InvalidArgument("LoadModel needs a model: a repo id or a local directory")
+        check_name(name)
         if not req.upload:  # an upload (control/uploads.py) is gated by --no-uploads, not the allow-list
+            # One folder is one model, however it is reached (a link, a relative path, /proc/self/root/...).
+            name = local_key(name)
             self._check_allowed(name, req.trust_remote_code)
         if req.keep_alive:
             _keep_alive_seconds(req.keep_alive)
@@ -151,14 +156,17 @@ class Registry:
                 "(start it with --allow-remote-code to change that)"
             )
         allow = self.settings.allow_models
-        if allow and not any(name == a or (a.endswith("*") and name.startswith(a[:-1])) for a in allow):
+        if allow and not any(_allows(a, name) for a in allow):
             raise errors.PermissionDenied(f"model {name!r} is not in this daemon's allow-list")
 
     def unload(self, name: str) -> None:
         entry = self.get(name)
-        self.release(entry.name)
         with self._lock:
+            # Gone first: a request waiting on this model's dispatch must not start a worker for it.
+            entry.gone = True
             self._entries.pop(entry.name, None)
+            self._changed.notify_all()
+        self.release_entry(entry)
         self.save()
         uploads.forget(self.settings, entry, self.entries())  # its files, unless another model uses them
 
@@ -181,6 +189,7 @@ class Registry:
         with self._lock:
             while entry.state == DISPATCHING:
                 self._changed.wait()
+            _check_present(entry)
             if entry.state == DISPATCHED:
                 if override is None or placement == entry.dispatched_placement:
                     entry.last_used = time.time()
@@ -225,11 +234,19 @@ class Registry:
                 self._changed.notify_all()
             raise
         with self._lock:
-            entry.state = DISPATCHED
-            entry.dispatched_placement = placement
-            entry.dtype = status.dtype if status else ""
-            entry.last_used = time.time()
+            orphan = entry.gone  # unloaded while its weights loaded: nobody would list or reap this worker
+            if orphan:
+                entry.worker = None
+                entry.state = META
+            else:
+                entry.state = DISPATCHED
+                entry.dispatched_placement = placement
+                entry.dtype = status.dtype if status else ""
+                entry.last_used = time.time()
             self._changed.notify_all()
+        if orphan:
+            worker.stop()
+            _check_present(entry)
         self.save()
 
     def _engine_limits(self) -> dict[str, int]:
@@ -290,7 +307,9 @@ class Registry:
         self._release_locked(victim, reason=f"released to make room for {entry.name} (cap {cap})")
 
     def release(self, name: str, reason: str = "") -> Entry:
-        entry = self.get(name)
+        return self.release_entry(self.get(name), reason)
+
+    def release_entry(self, entry: Entry, reason: str = "") -> Entry:
         with self._lock:
             while entry.state == DISPATCHING:
                 self._changed.wait()
@@ -379,6 +398,7 @@ class Registry:
             depth = self.settings.limits.max_queue_depth
             if depth and entry.queued >= depth:
                 raise errors.ResourceExhausted(f"the queue of {entry.name} is full (max_queue_depth={depth})")
+            _check_present(entry)
             if entry.state != DISPATCHED or entry.worker is None:
                 raise errors.Unavailable(f"model {entry.name} lost its worker: {entry.last_error or 'released'}")
             entry.active += 1
@@ -487,6 +507,47 @@ def _idle_s(entry: Entry, status: worker_pb2.WorkerStatus | None) -> float:
         return 0.0
     last = max(entry.last_used, status.idle_since if status is not None else 0.0)
     return time.time() - last if last else 0.0
+
+
+def _check_present(entry: Entry) -> None:
+    if entry.gone:
+        raise errors.Unavailable(f"model {entry.name} was unloaded; load it again to use it")
+
+
+# Longest model name (a repo id or a path) LoadModel takes.
+MAX_NAME = 4096
+
+
+def check_name(name: str) -> None:
+    """Refuse names no repo id or path has, before they reach a file system call or a worker's command line."""
+    if len(name) > MAX_NAME:
+        raise errors.InvalidArgument(f"the model name is {len(name)} characters long; at most {MAX_NAME}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise errors.InvalidArgument(f"the model name {name[:80]!r} contains a control character")
+    if name.startswith("-"):
+        raise errors.InvalidArgument(f"the model name {name[:80]!r} starts with '-'; no repo id or path does")
+
+
+def local_key(name: str) -> str:
+    """A local path's real path (links and '..' resolved); a repo id unchanged."""
+    return os.path.realpath(name) if os.path.isabs(name) or os.path.exists(name) else name
+
+
+def _allows(pattern: str, name: str) -> bool:
+    """Whether an --allow-model entry admits `name`: paths compare by real path, so
+    `allowed/../other` and links out of an allowed folder are not inside it."""
+    prefix = pattern.endswith("*")
+    stem = pattern[:-1] if prefix else pattern
+    if os.path.isabs(name):  # a local path, resolved by local_key
+        if not (os.path.isabs(stem) or stem.startswith(".") or os.path.exists(stem)):
+            return False  # a repo-id pattern admits no path
+        real = os.path.realpath(stem)
+        if prefix and stem.endswith(os.sep):  # "/models/*": what is inside /models
+            real = real.rstrip(os.sep) + os.sep
+        return name.startswith(real) if prefix else name == real
+    if ".." in name.split("/"):  # no repo id has it
+        return False
+    return name == stem or (prefix and name.startswith(stem))
 
 
 def _keep_alive_seconds(text: str) -> float | None:

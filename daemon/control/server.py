@@ -20,7 +20,8 @@ from google.protobuf.message import DecodeError
 from nnd import _address
 from nnd.v1 import nnd_pb2
 from nnd_daemon import errors
-from nnd_daemon.control import health
+from nnd_daemon.control import health, statedir
+from nnd_daemon.control.admission import Admission
 from nnd_daemon.control.auth import Access
 from nnd_daemon.control.registry import Registry
 from nnd_daemon.control.servicer import NndServicer
@@ -39,11 +40,14 @@ OPTIONS = [
 # checks or a Release. More than a model's default queue (64) several times
 # over; threads start on demand. (Each worker has more: worker/service.py.)
 HANDLER_THREADS = 256
+# Threads no gated call may take: they keep `nnd ps`, ListModels, GetModel,
+# GetServerInfo and health answering whatever else runs (control/admission.py).
+RESERVED_THREADS = 32
 # These stream a worker's serialized responses through unchanged.
 _RAW_RESPONSES = {"Scan", "Trace", "Generate"}
 
 
-def _handlers(servicer: NndServicer) -> grpc.GenericRpcHandler:
+def _handlers(servicer: NndServicer, admission: Admission) -> grpc.GenericRpcHandler:
     service = nnd_pb2.DESCRIPTOR.services_by_name["Nnd"]
     handlers = {}
     for method in service.methods:
@@ -55,12 +59,16 @@ def _handlers(servicer: NndServicer) -> grpc.GenericRpcHandler:
             continue
         if method.client_streaming:  # Upload: messages in, one answer out (control/uploads.py refuses malformed ones)
             handlers[method.name] = grpc.stream_unary_rpc_method_handler(
-                fn, request_deserializer=_parser(req), response_serializer=serialize
+                admission.wrap(method.name, fn, streaming=False),
+                request_deserializer=_parser(req),
+                response_serializer=serialize,
             )
             continue
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[method.name] = make(
-            _refuse_malformed(fn), request_deserializer=_parser(req), response_serializer=serialize
+            admission.wrap(method.name, _refuse_malformed(fn), streaming=method.server_streaming),
+            request_deserializer=_parser(req),
+            response_serializer=serialize,
         )
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
@@ -127,15 +135,25 @@ class Daemon:
     def __init__(self, settings: Settings, access: Access | None = None, *, workers: int = HANDLER_THREADS) -> None:
         self.settings = settings
         self.access = access or Access()
+        try:
+            statedir.prepare(settings.state_dir)
+        except (statedir.StateDirError, OSError) as exc:
+            raise SystemExit(f"nnd: {exc}") from None
         self.registry = Registry(settings)
         self.servicer = NndServicer(settings, self.registry)
+        self.admission = Admission(
+            slow_slots=max(1, workers - RESERVED_THREADS),
+            uploads_total=settings.max_concurrent_uploads,
+            uploads_per_client=settings.max_uploads_per_client,
+            upload_idle_s=settings.upload_idle_timeout_s,
+        )
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers),
             options=OPTIONS,
             interceptors=self.access.interceptors(),
         )
         self.tcp_port = 0
-        self.server.add_generic_rpc_handlers((_handlers(self.servicer),))
+        self.server.add_generic_rpc_handlers((_handlers(self.servicer, self.admission),))
         self._add_health_and_reflection()
         self._stopped = threading.Event()
 
@@ -212,7 +230,7 @@ class Daemon:
             if self.settings.socket_group:
                 os.chown(path, -1, grp.getgrnam(self.settings.socket_group).gr_gid)
         threading.Thread(target=self._health_loop, name="health", daemon=True).start()
-        threading.Thread(target=_warm_up, name="warm-up", daemon=True).start()
+        threading.Thread(target=_warm_up, args=(self.admission.ready,), name="warm-up", daemon=True).start()
         log.info("nnd %s listening on %s (state in %s)", nnd_version(), address, self.settings.state_dir)
         if self.access.listen:
             host = self.access.listen.rsplit(":", 1)[0]
@@ -251,9 +269,20 @@ class Daemon:
         self.server.stop(None)
 
 
-def _warm_up() -> None:
+def _warm_up(ready: threading.Event) -> None:
     """Import what LoadModel needs while the daemon is idle, so the first load
-    answers in milliseconds rather than paying seconds of imports."""
+    answers in milliseconds rather than paying seconds of imports. Calls wait
+    for `ready` (control/admission.py): a request importing transformers while
+    this thread does can fail with `ImportError: cannot import name ...`."""
+    try:
+        _import_everything()
+    except Exception:  # a failed warm-up costs speed, not service: requests import what they need
+        log.exception("warm-up imports failed")
+    finally:
+        ready.set()
+
+
+def _import_everything() -> None:
     import transformers
     from transformers import AutoConfig, AutoTokenizer, PreTrainedModel  # noqa: F401
 

@@ -178,7 +178,12 @@ class NndServicer:
             if worker is None:
                 raise errors.Unavailable(f"model {entry.name} lost its worker: {entry.last_error}")
             # A client that goes away cancels the worker's call at once (not at its next response).
-            yield from worker.run(run, timeout=timeout or None, client=context)
+            try:
+                yield from worker.run(run, timeout=timeout or None, client=context)
+            except errors.NndError:
+                if entry.gone:  # its worker was stopped under it: say why, not "Channel closed!"
+                    raise errors.Unavailable(f"model {entry.name} was unloaded while this request ran") from None
+                raise
         finally:
             self.registry.done(entry)
             if not context.is_active():  # an interrupted cell, a restarted kernel: say so in the daemon's log
@@ -267,6 +272,7 @@ class NndServicer:
     @_guard
     def Decode(self, request: nnd_pb2.DecodeRequest, context: grpc.ServicerContext) -> nnd_pb2.DecodeResponse:
         tok = self._tokenizer(request.model)
+        _check_token_ids(request.ids)
         texts = [tok.decode(list(ids.ids), skip_special_tokens=request.skip_special_tokens) for ids in request.ids]
         return nnd_pb2.DecodeResponse(texts=texts)
 
@@ -280,6 +286,14 @@ class NndServicer:
                 with open(os.path.join(tmp, name), "rb") as f:
                     out.files[name] = f.read()
         return out
+
+
+def _check_token_ids(sequences: Any) -> None:
+    # Tokenizers take unsigned 32-bit ids; a larger or negative one overflows inside them.
+    for ids in sequences:
+        for i in ids.ids:
+            if not 0 <= i < 2**32:
+                raise errors.InvalidArgument(f"token id {i} is out of range (ids are 0 .. 2**32-1)")
 
 
 def _resolve_aliases(meta: Any, graphs: list[Any]) -> None:

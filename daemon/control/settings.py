@@ -60,6 +60,11 @@ class Settings:
     # Workers gather concurrent compatible Traces this long (ms) and run them
     # as one batched forward (worker/batching.py). 0: every request alone.
     batch_window_ms: float = 2.0
+    # Uploads at once, per client (TCP host; the unix socket is one client) and in all;
+    # an Upload that sends nothing for `upload_idle_timeout_s` is cancelled (0: never).
+    max_uploads_per_client: int = 4
+    max_concurrent_uploads: int = 16
+    upload_idle_timeout_s: float = 60.0
 
     @property
     def state_file(self) -> str:

@@ -19,6 +19,7 @@ Faults, as a client sees them (docs/reliability.md has the whole story):
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -36,7 +37,7 @@ import psutil
 
 from nnd.v1 import nnd_pb2, worker_pb2, worker_pb2_grpc
 from nnd_daemon import errors
-from nnd_daemon.control import gpus
+from nnd_daemon.control import gpus, statedir
 from nnd_daemon.worker import tplaunch
 
 log = logging.getLogger("nnd.supervisor")
@@ -44,6 +45,12 @@ _serial = itertools.count(1)
 
 # (Not SingleThreadedUnaryStream: with it, concurrent calls to one worker were not concurrent.)
 OPTIONS = [("grpc.max_receive_message_length", 512 * 2**20), ("grpc.max_send_message_length", 512 * 2**20)]
+
+
+def log_name(model: str) -> str:
+    """A model's log file name: readable, and unique per name (sanitising alone makes a/b and a_b collide)."""
+    safe = "".join(c if c.isalnum() else "_" for c in model)[-40:]
+    return f"{safe}-{hashlib.sha256(model.encode()).hexdigest()[:10]}.log"
 
 
 def _tail(path: str, lines: int = 5) -> str:
@@ -97,9 +104,8 @@ class Worker:
         self.rank_pids: list[int] = []
         self._ranks: list[psutil.Process] = []
         self._log_offset = 0
-        safe = "".join(c if c.isalnum() else "_" for c in name)[-40:]
         self.socket = os.path.join(run_dir, f"w{next(_serial)}.sock")
-        self.log_path = os.path.join(log_dir, f"{safe}.log")
+        self.log_path = os.path.join(log_dir, log_name(name))
         self._on_exit = on_exit
         self._stopping = False
         self.proc: subprocess.Popen[bytes] | None = None
@@ -124,7 +130,7 @@ class Worker:
     def start(self, timeout: float) -> None:
         if os.path.exists(self.socket):
             os.unlink(self.socket)
-        logf = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
+        logf = os.fdopen(statedir.open_log(self.log_path), "ab")  # owned by the child; never through a link
         args = ["--socket", self.socket, "--name", self.name]
         args += ["--parent", str(os.getpid()), "--limits", json.dumps(self.limits)]
         if self.batch_window_ms > 0 and self.tp_size <= 1:

@@ -23,7 +23,11 @@ once no loaded model uses it.
 Access: `--no-uploads` refuses Upload, HasUpload and LoadModel(upload=)
 (PERMISSION_DENIED; models uploaded earlier are still restored);
 `--max-upload-bytes` bounds one upload (RESOURCE_EXHAUSTED). The allow-list
-(`--allow-model`) names repo ids and paths and does not apply to uploads.
+(`--allow-model`) names repo ids and paths and does not apply to uploads, so
+an upload may name no file outside itself: every shard of a safetensors index
+and every `*_file` entry in its JSON is a plain name of one of its own files
+(`check_references`). Uploads at once are capped per client and in all, and an
+idle one is cancelled (control/admission.py).
 """
 
 from __future__ import annotations
@@ -318,6 +322,7 @@ def _check_content(kind: str, folder: str) -> None:
         raise errors.InvalidArgument(f"config.json is not valid JSON ({exc})") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise errors.InvalidArgument("config.json has no model_type: it is not a transformers config")
+    check_references(folder)
     from safetensors import SafetensorError, safe_open
 
     for name in sorted(os.listdir(folder)):
@@ -327,6 +332,38 @@ def _check_content(kind: str, folder: str) -> None:
                     f.keys()
             except (SafetensorError, OSError, ValueError) as exc:
                 raise errors.InvalidArgument(f"{name} is not a safetensors file ({exc})") from None
+
+
+def check_references(folder: str) -> None:
+    """Refuse JSON that names files outside the upload: a shard index's weight_map
+    and `*_file` entries must be plain names of the upload's own files, or
+    transformers would read whatever path they give (another user's weights)."""
+    names = set(os.listdir(folder))
+    for name in sorted(names):
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(folder, name)) as f:
+                data = json.load(f)
+        except ValueError as exc:
+            raise errors.InvalidArgument(f"{name} is not valid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            continue
+        refs: list[Any] = []
+        if name.endswith(".index.json"):
+            weight_map = data.get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise errors.InvalidArgument(f"{name} has no weight_map")
+            refs += weight_map.values()
+        refs += [v for k, v in data.items() if isinstance(k, str) and k.endswith(("_file", "_files"))]
+        for ref in refs:
+            for target in ref if isinstance(ref, list) else [ref]:
+                if target is None:
+                    continue
+                if not isinstance(target, str) or not _FILE.fullmatch(target) or target not in names:
+                    raise errors.InvalidArgument(
+                        f"{name} names {str(target)[:120]!r}: only the upload's own files, by plain name, may be named"
+                    )
 
 
 _stores: dict[str, UploadStore] = {}

@@ -329,6 +329,8 @@ class _Builder:
             raise errors.NotFound(f"{where(proto)}\nthe model has no module {mv.path!r}")
         if mv.point == graph_pb2.POINT_UNSPECIFIED:
             raise errors.InvalidArgument(f"{where(proto)}\nmodule value of {mv.path!r} has no point set")
+        if mv.point not in graph_pb2.Point.values():  # proto3 keeps unknown enum numbers
+            raise errors.InvalidArgument(f"{where(proto)}\nmodule value of {mv.path!r} has an unknown point {mv.point}")
         if mv.point == graph_pb2.RESULT:
             if mv.path:
                 raise errors.InvalidArgument(f"{where(proto)}\nRESULT is only defined for the root module (path '')")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 
 SERVICE_SOCKET = "/run/nnd/nnd.sock"
@@ -49,5 +50,13 @@ def unix_path(address: str) -> str | None:
 
 
 def is_loopback(address: str) -> bool:
+    """Whether HOST:PORT names a loopback address: an IP in 127.0.0.0/8 or ::1, or
+    `localhost`. A host name that merely starts with "127." (127.0.0.1.example.com)
+    is not one."""
     host = address.rsplit(":", 1)[0].strip("[]")
-    return host in ("localhost", "127.0.0.1", "::1") or host.startswith("127.")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -98,4 +98,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a worker gathers concurrent compatible traces this long and runs them as one batched "
         "forward (0: every request runs alone)",
     )
+    p.add_argument(
+        "--upload-idle-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="cancel an upload that sends nothing for this long (0: never)",
+    )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")

@@ -13,6 +13,11 @@ from nnd import _address
 from nnd.errors import DaemonUnavailable, NndError, from_rpc_error
 from nnd.v1 import nnd_pb2_grpc
 
+try:  # imported up front: a process that has changed user may no longer read the module's file
+    import grp
+except ImportError:  # not on Windows
+    grp = None  # type: ignore[assignment]
+
 # Results stream in chunks of a few MiB; allow generous single messages.
 MAX_MESSAGE = 256 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -121,11 +126,34 @@ class Connection:
         # e.g. a worker's death, quotes logs and must pass through unchanged).
         text = str(exc)
         if isinstance(exc, DaemonUnavailable) and text.startswith(("failed to connect", "DNS resolution failed")):
+            path = _address.unix_path(self.address)
+            if path and "Permission denied" in text:
+                return DaemonUnavailable(_permission_denied(path))
             return DaemonUnavailable(f"cannot reach the nnd daemon at {self.address} (is `nnd serve` running?)")
         return exc
 
     def close(self) -> None:
         self.channel.close()
+
+
+def _permission_denied(path: str) -> str:
+    """The socket exists but this user may not use it: say so, and which group may."""
+    group = ""
+    for where in (path, os.path.dirname(path)):  # the socket, else its 0750 directory
+        try:
+            gid = os.stat(where).st_gid
+        except OSError:
+            continue
+        try:
+            group = grp.getgrgid(gid).gr_name if grp is not None else f"gid {gid}"
+        except KeyError:
+            group = f"gid {gid}"
+        break
+    who = f"members of the group {group!r}" if group else "the members of its group"
+    return (
+        f"permission denied on the nnd daemon's socket {path}: only {who} may use it; "
+        "ask the daemon's admin to add you to that group (then log in again)"
+    )
 
 
 _shared: dict[tuple[str | None, str | None], Connection] = {}

@@ -1,0 +1,65 @@
+"""The state directory: made with explicit modes, and refused when others could
+change what the daemon writes there.
+
+The daemon writes its registry, uploads and worker logs under the state
+directory. Anyone who can write that directory can swap `logs/` for a link to
+a folder of theirs and have the next worker log created there, so a state
+directory (or `logs/`, `uploads/`) that another user can write, or that is
+not the daemon's own, stops `nnd serve` at start. Files and folders are
+created with explicit modes whatever the umask (`serve` also sets umask 077).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+# Subfolders: group-readable, so an admin group may read logs; never group-writable.
+SUBDIRS = {"logs": 0o750, "uploads": 0o750}
+STATE_MODE = 0o750
+
+
+class StateDirError(RuntimeError):
+    """A state directory `nnd serve` refuses to start with (one-line reason)."""
+
+
+def prepare(state_dir: str) -> None:
+    """Create the state directory and its subfolders, or refuse ones others can write."""
+    path = os.path.abspath(state_dir)
+    if not os.path.isdir(path):
+        parent = os.path.dirname(path)
+        os.makedirs(parent, mode=0o700, exist_ok=True)
+        try:
+            os.mkdir(path, STATE_MODE)
+        except FileExistsError:
+            pass
+        os.chmod(path, STATE_MODE)
+    _check_private(path, "the state directory", follow=True)
+    for name, mode in SUBDIRS.items():
+        sub = os.path.join(path, name)
+        try:
+            os.mkdir(sub, mode)
+            os.chmod(sub, mode)  # mkdir's mode is masked by the umask
+        except FileExistsError:
+            pass
+        _check_private(sub, f"the state directory's {name}/", follow=False)
+
+
+def _check_private(path: str, what: str, *, follow: bool) -> None:
+    info = os.stat(path) if follow else os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        raise StateDirError(f"{what} {path} is a symbolic link; refusing to write through it")
+    if not stat.S_ISDIR(info.st_mode):
+        raise StateDirError(f"{what} {path} is not a directory")
+    if info.st_uid != os.geteuid():
+        raise StateDirError(f"{what} {path} belongs to uid {info.st_uid}, not to this daemon's user")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise StateDirError(
+            f"{what} {path} is writable by other users (mode {stat.S_IMODE(info.st_mode):04o}); chmod go-w it"
+        )
+
+
+def open_log(path: str) -> int:
+    """A worker log opened for appending: created 0640, never through a link."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.open(path, flags, 0o640)
