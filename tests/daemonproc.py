@@ -42,8 +42,16 @@ class Daemon:
         return self.proc.returncode
 
 
-def start_daemon(tmp: pathlib.Path, *extra: str, state_dir: str | None = None, ready_timeout: float = 60) -> Daemon:
-    """Start `nnd serve` on a socket under `tmp` and wait until it answers."""
+def start_daemon(
+    tmp: pathlib.Path,
+    *extra: str,
+    state_dir: str | None = None,
+    ready_timeout: float = 60,
+    prefix: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> Daemon:
+    """Start `nnd serve` on a socket under `tmp` and wait until it answers (`prefix`: a command that
+    runs it, e.g. setpriv as another user; `env`: added to the environment)."""
     import grpc
 
     from nnd.v1 import nnd_pb2, nnd_pb2_grpc
@@ -54,9 +62,11 @@ def start_daemon(tmp: pathlib.Path, *extra: str, state_dir: str | None = None, r
     address = f"unix://{sock}"
     log_path = str(tmp / "daemon.log")
     args = ["serve", "--address", address, "--state-dir", state, "--log-level", "INFO", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "nnd.cli", *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "nnd.cli", *args], stdout=log, stderr=subprocess.STDOUT, env=environ
+        )
     deadline = time.monotonic() + ready_timeout
     channel = grpc.insecure_channel(address)
     stub = nnd_pb2_grpc.NndStub(channel)

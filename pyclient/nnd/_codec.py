@@ -144,7 +144,8 @@ class Decoder:
         self.torch = _torchmod.available() if use_torch is None or use_torch else None
         # Shared-memory regions this request's results may lie in, by name (`_shm.Lease`s).
         self.regions = regions or {}
-        self.shm_bytes = 0  # what the shm results took, for sizing the next region
+        # Bytes the big results (shared memory or chunked) take in a region, for sizing the next one.
+        self.big_bytes = 0
 
     def value(self, v: values_pb2.Value) -> Any:
         kind = v.WhichOneof("kind")
@@ -182,10 +183,11 @@ class Decoder:
             return _meta.MetaTensor(shape, name)
         expected = math.prod(shape) * _dtypes.itemsize(name)
         data: Any
+        if t.shm or t.blob:
+            self.big_bytes += -(-expected // 64) * 64  # aligned as in a region (_shm.ALIGN)
         if t.shm:  # results through shared memory: zero-copy views (_shm.py)
             from nnd import _shm
 
-            self.shm_bytes += _shm.aligned(expected)
             lease = self.regions.get(t.shm)
             if lease is not None:
                 data = lease.view(t.shm_offset, expected)
