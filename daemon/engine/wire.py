@@ -18,6 +18,7 @@ import torch
 from nnd.v1 import nnd_pb2, values_pb2
 
 from .. import errors
+from . import numlists
 
 INLINE_LIMIT = 64 * 1024
 # Where result tensors of INLINE_LIMIT bytes or more go instead of blobs, when
@@ -183,6 +184,7 @@ class Encoder:
     total_bytes: int = 0
     max_bytes: int = 0
     inline: bool = False  # every tensor inline (inside a value that travels serialized: `saved`)
+    placed: int = 0  # tensors the blob sink took (shared memory)
 
     def count(self, nbytes: int) -> None:
         self.total_bytes += nbytes
@@ -206,6 +208,7 @@ class Encoder:
             place = sink(t)
             if place is not None:
                 msg.shm, msg.shm_offset = place
+                self.placed += 1
                 return msg
         raw = tensor_view(t)
         if len(raw) < INLINE_LIMIT or self.inline:
@@ -219,10 +222,12 @@ class Encoder:
     def saved(self, x: Any) -> tuple[values_pb2.Value, bytes | None]:
         """A saved value's message, or (when it is bigger than VALUE_LIMIT) an empty one and its
         serialized bytes, with every tensor inline: a blob of its own, chunked (`Saved.value_blob`)."""
-        first, before = len(self.blobs), self.total_bytes
+        first, before, placed = len(self.blobs), self.total_bytes, self.placed
         msg = self.value(x)
         if msg.ByteSize() <= VALUE_LIMIT:
             return msg, None
+        if len(self.blobs) == first and self.placed == placed:  # every tensor in it is inline already
+            return values_pb2.Value(), msg.SerializeToString()
         # Again, self-contained: its bytes are counted once, its tensors are not blobs of their own.
         del self.blobs[first:]
         self.total_bytes, self.inline = before, True
@@ -268,8 +273,12 @@ class Encoder:
         if isinstance(x, (list, tuple)):
             # Inside a sequence, what the wire cannot carry (a KV cache among a
             # block's inputs) becomes None so positions keep their meaning.
-            items = [self.value(v) if _carried(v) else values_pb2.Value(none=values_pb2.Empty()) for v in x]
             kind = "list" if isinstance(x, list) else "tuple"
+            numbers = numlists.encode(x)  # a tolist() of a tensor: at once
+            if numbers is not None:
+                self.count(SCALAR_BYTES * len(x))
+                return numbers
+            items = [self.value(v) if _carried(v) else values_pb2.Value(none=values_pb2.Empty()) for v in x]
             return values_pb2.Value(**{kind: values_pb2.ValueList(items=items)})
         raise errors.InvalidArgument(f"a value of type {type(x).__name__} cannot be returned")
 
