@@ -308,6 +308,7 @@ class Pool:
         # Reentrant: a garbage collection inside a locked section may run a result's finalizer (give_back).
         self.lock = threading.RLock()
         self.dirs: dict[int, Directory] = {}
+        self.refused: set[int] = set()  # groups no directory could be made for
         self.regions: dict[str, Region] = {}
         self.free: list[Region] = []
         self.hint = 0  # bytes the biggest request so far put in shared memory
@@ -344,9 +345,12 @@ class Pool:
         with self.lock:
             directory = self.dirs.get(group)
             if directory is None:
+                if group in self.refused:
+                    return Lease(self, None)
                 try:
                     directory = self.dirs[group] = Directory(group)
-                except OSError:
+                except OSError:  # e.g. not allowed to give it that group: stream, and do not try again
+                    self.refused.add(group)
                     return Lease(self, None)
             made = directory.create(size, next(self.serial))
             if made is None:
