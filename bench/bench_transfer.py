@@ -18,10 +18,11 @@ Rows:
   copies them into one buffer of the result's size, as nnd's client does;
 - shared memory (`shm=True`), repeated traces whose results are dropped before
   the next one: the client's region pool is warm (worker/shm.py, nnd/_shm.py),
-  the steady state of a notebook; the first shm trace of a process takes fresh
-  segments instead (and so does every one of a client that names no region:
+  the steady state of a notebook; the first shm trace of a process is
+  streamed instead (and so is every one of a client that names no region:
   the row says which it measured). The ceiling is a copy into memory already
-  touched.
+  touched. (The client and daemon here are one user: the worker maps the
+  region. For a daemon of another user it pwrites instead: docs/protocol.md, 10.5.)
 
 Both against a plain in-process `torch.clone` (a memcpy into fresh memory, page
 faults included) and a `copy_` into memory already touched (the bare memcpy).
@@ -158,7 +159,7 @@ def run(quick: bool) -> list[Row]:
         del got
         from nnd import _shm
 
-        # Whether the client names a region of its pool in its requests (else: a fresh segment per tensor).
+        # Whether the client names a region of its pool in its requests (else: results are streamed).
         pool = _shm.pool()
         pooled, created, busy = bool(pool.regions), pool.created, pool.busy
         time.sleep(0.1)
@@ -209,12 +210,12 @@ def run(quick: bool) -> list[Row]:
         Row(
             f"transfer: saved tensor of {mib} through shared memory (shm=True), repeated traces: "
             + (
-                "a fresh segment per tensor (this client names no region)"
+                "streamed (this client names no region)"
                 if not pooled
                 else "the client's region pool is warm"
                 if not created and not busy
                 else f"the client's region pool made {created} regions and {busy} of {warmup + repeats} traces "
-                "found every region still held by an earlier result (fresh segments)"
+                "found every region still held by an earlier result (streamed)"
             )
             + " (end to end; beyond computing it)",
             "torch copy_ into memory already touched (ceiling)",

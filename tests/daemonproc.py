@@ -43,9 +43,16 @@ class Daemon:
 
 
 def start_daemon(
-    tmp: pathlib.Path, *extra: str, state_dir: str | None = None, ready_timeout: float = 60, cwd: str | None = None
+    tmp: pathlib.Path,
+    *extra: str,
+    state_dir: str | None = None,
+    ready_timeout: float = 60,
+    prefix: tuple[str, ...] = (),
+    cwd: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> Daemon:
-    """Start `nnd serve` on a socket under `tmp` and wait until it answers."""
+    """Start `nnd serve` on a socket under `tmp` and wait until it answers (`prefix`: a command that
+    runs it, e.g. setpriv as another user; `env`: added to the environment)."""
     import grpc
 
     from nnd.v1 import nnd_pb2, nnd_pb2_grpc
@@ -56,10 +63,10 @@ def start_daemon(
     address = f"unix://{sock}"
     log_path = str(tmp / "daemon.log")
     args = ["serve", "--address", address, "--state-dir", state, "--log-level", "INFO", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "nnd.cli", *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd
+            [*prefix, sys.executable, "-m", "nnd.cli", *args], stdout=log, stderr=subprocess.STDOUT, env=environ, cwd=cwd
         )
     deadline = time.monotonic() + ready_timeout
     channel = grpc.insecure_channel(address)

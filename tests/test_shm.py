@@ -1,15 +1,14 @@
 """Results through shared memory (`shm=True`; daemon/worker/shm.py, nnd/_shm.py) against a real daemon.
 
-Two ways in. With a region (`TraceRequest.shm_region`, what `_shm.attach`
-asks for once the client knows the sizes): results land in memory the client
-owns and reuses, never over a result still alive, and every region is gone
-after the client exits, killed or not. Without one (a client's first request,
-or another language's client): one fresh segment per tensor, which the client
-unlinks itself when it takes the results; a client that exits or is killed
-without taking them has them unlinked by the worker after NND_SHM_GRACE_S; a
-worker killed with its segments still there has them removed by the daemon.
-What a request names is checked: a malformed name is refused, and a file that
-is not a proper region is never written.
+Results land in a region the client owns and reuses (`TraceRequest.shm_region`,
+what `_shm.attach` asks for once the client knows the sizes), never over a
+result still alive; every region is gone after the client exits, killed or
+not. Without a usable region (a client's first request, another language's
+client, a region that is missing, too small or not a proper file) results are
+streamed: the worker never creates shared memory of its own, so nothing of it
+outlives a worker or a daemon killed with SIGKILL. What a request names is
+checked: a malformed name is refused, and a file that is not a proper region
+is never written. (tests/test_shm_users.py: a daemon of another user.)
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import gc
 import glob
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,20 +48,12 @@ def _worker_pid(d: Daemon, model: str) -> int:
     return int(info.worker_pids[0])
 
 
-def _wait_gone(pid: int, timeout: float) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while _segments(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return _segments(pid)
-
-
-@pytest.fixture
-def shm_daemon(
-    tmp_path: pathlib.Path, tiny_models: dict[str, str], monkeypatch: pytest.MonkeyPatch
-) -> Iterator[Daemon]:
-    monkeypatch.setenv("NND_SHM_GRACE_S", "1")
-    monkeypatch.setenv("NND_SHM_REAP_S", "0.5")  # how often the worker reaps regions of dead clients
-    d = start_daemon(tmp_path)
+@pytest.fixture(scope="module")
+def shm_daemon(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, str]) -> Iterator[Daemon]:
+    """One daemon for the module: no test here changes daemon-wide state."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("NND_SHM_REAP_S", "0.5")  # how often the worker reaps regions of dead clients
+        d = start_daemon(tmp_path_factory.mktemp("shm"))
     nnd.TransformersModel(tiny_models["gpt2"], address=d.address, device="cpu", dispatch=True)
     yield d
     d.stop()
@@ -78,80 +70,80 @@ def test_shm_results_equal_streamed_ones_and_leave_nothing(shm_daemon: Daemon, t
             small = h.save()
         return big, half, small
 
-    streamed, mapped = run(False), run(True)
-    for a, b in zip(streamed, mapped, strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a, b)
-    mapped[0][0] = 42.0  # writable, and private to this client
-    pid = _worker_pid(shm_daemon, tiny_models["gpt2"])
-    assert _segments(pid) == []  # taken (unlinked) by the client at once
+    streamed = run(False)
+    for _ in range(2):  # the first learns the size (streamed), the second lands in a region
+        mapped = run(True)
+        for a, b in zip(streamed, mapped, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a, b)
+    mapped[0][0] = 42.0  # writable
+    assert _segments(_worker_pid(shm_daemon, tiny_models["gpt2"])) == []  # the worker made no shared memory
 
 
-CLIENT = textwrap.dedent(
+def test_without_a_region_results_are_streamed(shm_daemon: Daemon, tiny_models: dict[str, str]) -> None:
+    """What a client of another language gets for `shm` alone: the results, streamed."""
+    model = tiny_models["gpt2"]
+    want, _ = _run(shm_daemon.address, model, "hello world", shm=False)
+    request = _request(model, "hello world")
+    request.shm = True
+    responses = list(nnd_pb2_grpc.NndStub(grpc.insecure_channel(shm_daemon.address)).Trace(request))
+    assert [r for r in responses if r.WhichOneof("kind") == "saved" and r.saved.value.tensor.shm] == []
+    assert any(r.WhichOneof("kind") == "chunk" for r in responses)
+    assert _equal(_results.collect(iter(responses), use_torch=True).saved, want)
+    assert _segments(_worker_pid(shm_daemon, model)) == []
+
+
+KEEPER = textwrap.dedent(
     """
-    import os, signal, sys
-    import grpc
-    from nnd.v1 import graph_pb2, nnd_pb2, nnd_pb2_grpc
-    address, model, how = sys.argv[1:]
-    g = graph_pb2.Graph()
-    n = g.nodes.add(id=1)
-    n.module.path, n.module.point, n.module.invoke = "transformer.h.0", graph_pb2.OUTPUT, 0
-    n = g.nodes.add(id=2)
-    n.op.name = "expand"
-    n.op.args.add().ref = 1
-    for size in (2000, -1, -1):
-        n.op.args.add().value.int = size
-    n = g.nodes.add(id=3)
-    n.op.name = "contiguous"
-    n.op.args.add().ref = 2
-    g.nodes.add(id=4).save.value.ref = 3
-    request = nnd_pb2.TraceRequest(model=model, graph=g, shm=True)
-    request.invokes.add(text="hello world")
-    stub = nnd_pb2_grpc.NndStub(grpc.insecure_channel(address))
-    names = [r.saved.value.tensor.shm for r in stub.Trace(request) if r.WhichOneof("kind") == "saved"]
-    print(" ".join(names), flush=True)
-    if how == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
+    import sys
+    sys.path.insert(0, sys.argv[3])
+    import test_shm
+    address, model = sys.argv[1:3]
+    kept = [test_shm._run(address, model, "hello world", shm=True) for _ in range(2)]  # the 2nd in a region
+    print(kept[1][1], flush=True)
+    sys.stdin.read()  # results kept alive until the test closes stdin
     """
 )
 
 
-@pytest.mark.parametrize("how", ["exit", "kill"])
-def test_segments_a_client_never_took_are_unlinked(shm_daemon: Daemon, tiny_models: dict[str, str], how: str) -> None:
-    """A client that got the names but never mapped them (it exited, or was SIGKILLed)."""
-    proc = subprocess.run(
-        [sys.executable, "-c", CLIENT, shm_daemon.address, tiny_models["gpt2"], how],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == (-signal.SIGKILL if how == "kill" else 0), proc.stderr
-    names = proc.stdout.split()
-    assert names and all(n.startswith("nnd-") for n in names)
-    pid = _worker_pid(shm_daemon, tiny_models["gpt2"])
-    assert _wait_gone(pid, 30) == []
-
-
-def test_a_killed_worker_leaves_no_segment(
-    tmp_path: pathlib.Path, tiny_models: dict[str, str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("NND_SHM_GRACE_S", "600")  # the worker's own timer would not fire in time
+def test_a_killed_daemon_leaves_no_shared_memory(tmp_path: pathlib.Path, tiny_models: dict[str, str]) -> None:
+    """SIGKILL of the daemon while a client holds results in shared memory; then a restart."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    old = f"/dev/shm/nnd-{int(dead.stdout)}-1-abcdef01"  # what an older worker left behind, by a pid now gone
+    with open(old, "wb") as f:
+        f.write(b"x" * 4096)
     d = start_daemon(tmp_path)
+    client = None
     try:
         nnd.TransformersModel(tiny_models["gpt2"], address=d.address, device="cpu", dispatch=True)
-        proc = subprocess.run(
-            [sys.executable, "-c", CLIENT, d.address, tiny_models["gpt2"], "exit"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert proc.returncode == 0, proc.stderr
         pid = _worker_pid(d, tiny_models["gpt2"])
-        assert len(_segments(pid)) == 1
-        os.kill(pid, signal.SIGKILL)
-        assert _wait_gone(pid, 30) == []
+        client = subprocess.Popen(
+            [sys.executable, "-c", KEEPER, d.address, tiny_models["gpt2"], os.path.dirname(__file__)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert client.stdout is not None
+        region = client.stdout.readline().strip()
+        assert region and os.path.exists(f"/dev/shm/{region}")  # a result outstanding, in the client's region
+        os.kill(d.proc.pid, signal.SIGKILL)
+        d.proc.wait()
+        deadline = time.monotonic() + 30
+        while _shm.alive(pid, 0) and time.monotonic() < deadline:  # the worker follows its daemon
+            time.sleep(0.1)
+        assert not _shm.alive(pid, 0)
+        d = start_daemon(tmp_path, state_dir=d.state_dir)
+        assert not os.path.exists(old)  # removed at the start
+        assert _segments(pid) == [] and _segments(d.proc.pid) == []
+        assert os.path.exists(f"/dev/shm/{region}")  # the live client's region is the client's
     finally:
+        if client is not None:
+            client.communicate("", timeout=60)
         d.stop()
+        if os.path.exists(old):
+            os.unlink(old)
+    assert client.returncode == 0
+    assert not os.path.exists(f"/dev/shm/{region}")  # and it removed it at exit
 
 
 # ------------------------------------------------------------------ client regions
@@ -185,7 +177,7 @@ def _run(address: str, model: str, text: str, *, shm: bool) -> tuple[dict[int, t
     """The saved values by node id, and the region the request named ("" if none), as the tracer runs it."""
     request = _request(model, text)
     request.shm = shm
-    lease = _shm.attach(request) if shm else None
+    lease = _shm.attach(request, address) if shm else None
     results = _results.collect(nnd.connect(address).stream("Trace", request), use_torch=True, lease=lease)
     return results.saved, request.shm_region
 
@@ -228,12 +220,21 @@ def test_results_land_in_a_reused_region_never_over_a_live_one(shm_daemon: Daemo
 def _region(tmp_path: pathlib.Path, kind: str) -> str:
     """A file under a valid region name of this (live) process that is not a usable region."""
     start = _shm.process_start(os.getpid()) or 0
-    name = f"nnd-c{os.getpid()}-{start}-9{len(kind)}-{os.urandom(4).hex()}"
-    path = f"/dev/shm/{name}"
+    directory = f"nnd-c{os.getpid()}-{start}-{os.urandom(4).hex()}"
+    file = f"9{len(kind)}-{os.urandom(16).hex()}"
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / file).write_bytes(b"keep" * 2**18)
+    if kind == "linked-directory":
+        os.symlink(target, f"/dev/shm/{directory}")
+        return f"{directory}/{file}"
+    os.mkdir(f"/dev/shm/{directory}", 0o700)
+    path = f"/dev/shm/{directory}/{file}"
     if kind == "symlink":
-        target = tmp_path / "target"
-        target.write_bytes(b"keep" * 2**18)
-        os.symlink(target, path)
+        os.symlink(target / file, path)
+    elif kind == "open-directory":  # others could swap the region for a file of theirs
+        (pathlib.Path(path)).write_bytes(b"keep" * 2**18)
+        os.chmod(f"/dev/shm/{directory}", 0o777)
     else:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         if kind == "sparse":  # sized but not allocated: a write could SIGBUS on a full /dev/shm
@@ -241,30 +242,43 @@ def _region(tmp_path: pathlib.Path, kind: str) -> str:
         else:  # "small": allocated, but the results do not fit
             os.posix_fallocate(fd, 0, 4096)
         os.close(fd)
-    return name
+    return f"{directory}/{file}"
 
 
-@pytest.mark.parametrize("kind", ["symlink", "sparse", "small"])
+@pytest.mark.parametrize("kind", ["symlink", "linked-directory", "open-directory", "sparse", "small"])
 def test_an_unusable_region_is_never_written(
     shm_daemon: Daemon, tiny_models: dict[str, str], tmp_path: pathlib.Path, kind: str
 ) -> None:
     address, model = shm_daemon.address, tiny_models["gpt2"]
     want, _ = _run(address, model, "hello world", shm=False)
     name = _region(tmp_path, kind)
+    directory = name.split("/")[0]
     try:
         before = pathlib.Path(f"/dev/shm/{name}").read_bytes()
         request = _request(model, "hello world")
         request.shm, request.shm_region = True, name
         responses = list(nnd_pb2_grpc.NndStub(grpc.insecure_channel(address)).Trace(request))
         places = [r.saved.value.tensor.shm for r in responses if r.WhichOneof("kind") == "saved"]
-        assert name not in places and any(places)  # fresh segments instead
+        assert not any(places)  # streamed instead
         assert pathlib.Path(f"/dev/shm/{name}").read_bytes() == before
         assert _equal(_results.collect(iter(responses), use_torch=True).saved, want)
     finally:
-        os.unlink(f"/dev/shm/{name}")
+        if os.path.islink(f"/dev/shm/{directory}"):
+            os.unlink(f"/dev/shm/{directory}")
+        else:
+            shutil.rmtree(f"/dev/shm/{directory}")
 
 
-@pytest.mark.parametrize("name", ["../../etc/passwd", "nnd-c1-1-1-zzzzzzzz", "nnd-1-2-abcdef01", "x" * 300])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../../etc/passwd",
+        "nnd-c1-1-1-abcdef01",  # a region name of older clients
+        "nnd-c1-1-abcdef01/../../etc/passwd",
+        "nnd-c1-1-abcdef01/1-" + "z" * 32,
+        "x" * 300,
+    ],
+)
 def test_a_malformed_region_name_is_refused(shm_daemon: Daemon, tiny_models: dict[str, str], name: str) -> None:
     request = _request(tiny_models["gpt2"], "hello world")
     request.shm, request.shm_region = True, name

@@ -83,6 +83,9 @@ def run(ns: argparse.Namespace) -> int:
         print(f"nnd: {exc}", file=sys.stderr)
         return 1
     settings = settings_from_args(ns)
+    from nnd_daemon.worker import shm
+
+    shm.remove_segments()  # shared memory of workers gone with an earlier daemon (SIGKILL, older versions)
     serve(settings, access, grace=ns.grace)
     # Calls are drained, workers ended, state saved. Skip interpreter teardown:
     # with torch and transformers imported its garbage collection alone takes

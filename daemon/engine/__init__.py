@@ -310,21 +310,22 @@ def _emit_saved_many(
     max_bytes: int,
 ) -> None:
     # Encode everything first, so a limit violation emits nothing half-way.
-    encoder = wire.Encoder()
-    encoded: list[tuple[int, Any, list[tuple[int, bytes]]]] = []
+    encoder = wire.Encoder(max_bytes=max_bytes)
+    encoded: list[tuple[int, Any, list[tuple[int, Any]], int]] = []
     for node_id, value in saved.items():
         first_blob = len(encoder.blobs)
         proto = plans[node_id].nodes[node_id].proto
         try:
-            msg = encoder.value(value)
+            msg, serialized = encoder.saved(value)
         except errors.NndError as e:
             raise wrap(e, proto) from None
-        if max_bytes and encoder.total_bytes > max_bytes:
-            raise errors.ResourceExhausted(
-                f"{where(proto)}\nsaved values exceed the limit "
-                f"max_saved_bytes={max_bytes} ({encoder.total_bytes} bytes so far); save less or slice first"
-            )
-        encoded.append((node_id, msg, encoder.blobs[first_blob:]))
-    for node_id, msg, blobs in encoded:
-        for response in wire.saved_messages(node_id, msg, blobs):
+        value_blob = 0
+        blobs: list[tuple[int, Any]] = encoder.blobs[first_blob:]
+        if serialized is not None:  # too big for one message: the value in chunks of its own
+            value_blob = encoder.next_blob
+            encoder.next_blob += 1
+            blobs = [(value_blob, serialized)]
+        encoded.append((node_id, msg, blobs, value_blob))
+    for node_id, msg, blobs, value_blob in encoded:
+        for response in wire.saved_messages(node_id, msg, blobs, value_blob):
             emit(response)

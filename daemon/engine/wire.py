@@ -18,18 +18,26 @@ import torch
 from nnd.v1 import nnd_pb2, values_pb2
 
 from .. import errors
+from . import numlists
 
 INLINE_LIMIT = 64 * 1024
 # Where result tensors of INLINE_LIMIT bytes or more go instead of blobs, when
 # set: a callable that writes the tensor's wire bytes somewhere and returns the
-# name and offset to put in `Tensor.shm` / `Tensor.shm_offset` (the worker's
-# shared-memory path, worker/shm.py).
-blob_sink: contextvars.ContextVar[Callable[[torch.Tensor], tuple[str, int]] | None] = contextvars.ContextVar(
+# name and offset to put in `Tensor.shm` / `Tensor.shm_offset`, or None when it
+# does not fit (then it is a blob) (the worker's shared-memory path, worker/shm.py).
+blob_sink: contextvars.ContextVar[Callable[[torch.Tensor], tuple[str, int] | None] | None] = contextvars.ContextVar(
     "blob_sink", default=None
 )
 # Under gRPC's default 4 MiB receive limit with room for framing, so clients
 # with default channel settings (Go, Rust, Node) receive any result.
 CHUNK_SIZE = 4 * 1024 * 1024 - 64 * 1024
+# A saved value whose Value message would be bigger (a `tolist()` of a million
+# numbers, a long list of small tensors) travels serialized, in chunks
+# (`Saved.value_blob`), with every tensor inside it inline.
+VALUE_LIMIT = 1024 * 1024
+# Estimated encoded bytes of one scalar Value in a list (tag, length, payload),
+# counted against max_saved_bytes like tensor bytes.
+SCALAR_BYTES = 11
 
 TO_TORCH: dict[int, torch.dtype] = {
     values_pb2.FLOAT32: torch.float32,
@@ -163,12 +171,28 @@ def is_meta(t: torch.Tensor) -> bool:
 
 @dataclass
 class Encoder:
-    """Turns saved values into Value messages; big tensors become blobs."""
+    """Turns saved values into Value messages; big tensors become blobs.
+
+    Every byte a value makes the worker send counts against `max_bytes`
+    (max_saved_bytes; 0: no limit): tensor bytes, and an estimate for
+    everything else, checked as encoding goes, so a huge list is refused
+    before its messages are built."""
 
     next_blob: int = 1
     # Blob id -> a view of the saved tensor's bytes (valid while the run's saved values stay unchanged).
     blobs: list[tuple[int, memoryview]] = field(default_factory=list)
     total_bytes: int = 0
+    max_bytes: int = 0
+    inline: bool = False  # every tensor inline (inside a value that travels serialized: `saved`)
+    placed: int = 0  # tensors the blob sink took (shared memory)
+
+    def count(self, nbytes: int) -> None:
+        self.total_bytes += nbytes
+        if self.max_bytes and self.total_bytes > self.max_bytes:
+            raise errors.ResourceExhausted(
+                f"saved values exceed the limit max_saved_bytes={self.max_bytes} ({self.total_bytes} bytes so far, "
+                "non-tensor values estimated); save less or slice first"
+            )
 
     def tensor(self, t: torch.Tensor) -> values_pb2.Tensor:
         msg = values_pb2.Tensor(dtype=from_torch_dtype(t.dtype), shape=list(t.shape))
@@ -178,13 +202,16 @@ class Encoder:
             return msg
         msg.device = str(t.device)
         sink = blob_sink.get()
-        if sink is not None and t.numel() * t.element_size() >= INLINE_LIMIT:
-            msg.shm, msg.shm_offset = sink(t)
-            self.total_bytes += t.numel() * t.element_size()
-            return msg
+        nbytes = t.numel() * t.element_size()
+        self.count(nbytes)
+        if sink is not None and nbytes >= INLINE_LIMIT and not self.inline:
+            place = sink(t)
+            if place is not None:
+                msg.shm, msg.shm_offset = place
+                self.placed += 1
+                return msg
         raw = tensor_view(t)
-        self.total_bytes += len(raw)
-        if len(raw) < INLINE_LIMIT:
+        if len(raw) < INLINE_LIMIT or self.inline:
             msg.data = raw.tobytes()
         else:
             msg.blob = self.next_blob
@@ -192,9 +219,31 @@ class Encoder:
             self.next_blob += 1
         return msg
 
+    def saved(self, x: Any) -> tuple[values_pb2.Value, bytes | None]:
+        """A saved value's message, or (when it is bigger than VALUE_LIMIT) an empty one and its
+        serialized bytes, with every tensor inline: a blob of its own, chunked (`Saved.value_blob`)."""
+        first, before, placed = len(self.blobs), self.total_bytes, self.placed
+        msg = self.value(x)
+        if msg.ByteSize() <= VALUE_LIMIT:
+            return msg, None
+        if len(self.blobs) == first and self.placed == placed:  # every tensor in it is inline already
+            return values_pb2.Value(), msg.SerializeToString()
+        # Again, self-contained: its bytes are counted once, its tensors are not blobs of their own.
+        del self.blobs[first:]
+        self.total_bytes, self.inline = before, True
+        try:
+            raw = self.value(x).SerializeToString()
+        finally:
+            self.inline = False
+        return values_pb2.Value(), raw
+
     def value(self, x: Any) -> values_pb2.Value:
         if isinstance(x, torch.Tensor):
             return values_pb2.Value(tensor=self.tensor(x))
+        if isinstance(x, str):
+            self.count(len(x) + SCALAR_BYTES)
+            return values_pb2.Value(str=x)
+        self.count(SCALAR_BYTES)
         if x is None:
             return values_pb2.Value(none=values_pb2.Empty())
         if x is Ellipsis:
@@ -205,8 +254,6 @@ class Encoder:
             return values_pb2.Value(int=x)
         if isinstance(x, float):
             return values_pb2.Value(float=x)
-        if isinstance(x, str):
-            return values_pb2.Value(str=x)
         if isinstance(x, torch.dtype):
             return values_pb2.Value(dtype=from_torch_dtype(x))
         if isinstance(x, torch.Size):
@@ -221,12 +268,17 @@ class Encoder:
             return values_pb2.Value(str=str(x))
         if isinstance(x, Mapping):  # dicts and HF ModelOutputs: tensor-like fields only
             items = {str(k): self.value(v) for k, v in x.items() if _encodable(v)}
+            self.count(sum(len(k) for k in items))
             return values_pb2.Value(map=values_pb2.ValueMap(items=items))
         if isinstance(x, (list, tuple)):
             # Inside a sequence, what the wire cannot carry (a KV cache among a
             # block's inputs) becomes None so positions keep their meaning.
-            items = [self.value(v) if _carried(v) else values_pb2.Value(none=values_pb2.Empty()) for v in x]
             kind = "list" if isinstance(x, list) else "tuple"
+            numbers = numlists.encode(x)  # a tolist() of a tensor: at once
+            if numbers is not None:
+                self.count(SCALAR_BYTES * len(x))
+                return numbers
+            items = [self.value(v) if _carried(v) else values_pb2.Value(none=values_pb2.Empty()) for v in x]
             return values_pb2.Value(**{kind: values_pb2.ValueList(items=items)})
         raise errors.InvalidArgument(f"a value of type {type(x).__name__} cannot be returned")
 
@@ -243,10 +295,12 @@ def _encodable(x: Any) -> bool:
 
 
 def saved_messages(
-    node: int, value: values_pb2.Value, blobs: Iterable[tuple[int, bytes | memoryview]]
+    node: int, value: values_pb2.Value, blobs: Iterable[tuple[int, bytes | memoryview]], value_blob: int = 0
 ) -> Iterable[nnd_pb2.TraceResponse]:
-    """The Saved message for `node` followed by the chunks of its blobs, in order."""
-    yield nnd_pb2.TraceResponse(saved=nnd_pb2.Saved(node=node, value=value))
+    """The Saved message for `node` followed by the chunks of its blobs, in order (`value_blob`: the
+    first of them is the value itself, serialized; `value` is then empty)."""
+    saved = nnd_pb2.Saved(node=node, value_blob=value_blob) if value_blob else nnd_pb2.Saved(node=node, value=value)
+    yield nnd_pb2.TraceResponse(saved=saved)
     for blob, raw in blobs:
         view = memoryview(raw)
         for start in range(0, len(view), CHUNK_SIZE):
@@ -263,14 +317,20 @@ def saved_messages(
 def collect(responses: Iterable[nnd_pb2.TraceResponse]) -> dict[int, Any]:
     """Decode a response stream into {node id: value}, joining chunked blobs."""
     saved: dict[int, values_pb2.Value] = {}
+    serialized: dict[int, int] = {}  # node -> the blob holding its serialized value
     chunks: dict[int, list[bytes]] = {}
     for r in responses:
         kind = r.WhichOneof("kind")
         if kind == "saved":
-            saved[r.saved.node] = r.saved.value
+            if r.saved.value_blob:
+                serialized[r.saved.node] = r.saved.value_blob
+            else:
+                saved[r.saved.node] = r.saved.value
         elif kind == "chunk":
             chunks.setdefault(r.chunk.blob, []).append(r.chunk.data)
     joined = {k: b"".join(v) for k, v in chunks.items()}
+    for node, blob in serialized.items():
+        saved[node] = values_pb2.Value.FromString(joined.pop(blob, b""))
     return {k: decode_result(v, joined.get) for k, v in saved.items()}
 
 

@@ -84,9 +84,6 @@ def main() -> None:
     server.start()
     signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=2))
     server.wait_for_termination()
-    from nnd_daemon.worker import shm
-
-    shm.segments().unlink_all()  # shared-memory results no client took
 
 
 if __name__ == "__main__":

@@ -229,6 +229,10 @@ class Router:
         if kind == "saved":
             m = self.owner(response.saved.node)
             response.saved.node -= m.offset
+            if response.saved.value_blob:  # a serialized value: its tensors are inline, one blob to renumber
+                m.blobs += 1
+                self.blob_owner[response.saved.value_blob] = (m, m.blobs)
+                response.saved.value_blob = m.blobs
             _renumber(response.saved.value, m, self.blob_owner)
             m.buffer.append(response)
         elif kind == "chunk":

@@ -1,46 +1,43 @@
 """Results through POSIX shared memory (`TraceRequest.shm`), for clients on the daemon's host.
 
-In the manner of Triton's system shared-memory extension (the client's side
-is pyclient/nnd/_shm.py):
+In the manner of Triton's system shared-memory extension, the client owns the
+memory (its side is pyclient/nnd/_shm.py): it names one of its regions,
+`/dev/shm/nnd-c<pid>-<start>-<hex>/<serial>-<32 hex>`, in a request
+(`TraceRequest.shm_region`). Every result tensor of `wire.INLINE_LIMIT` bytes
+or more is written into it at the next 64-byte aligned offset, as far as it
+fits, and the Tensor message carries the region's name and the offset. What
+does not fit, and everything of a request that names no usable region, is
+streamed as without `shm`. The worker never creates shared memory of its own:
+nothing it makes could be left behind, or be readable by another user.
 
-- **Client regions** (`TraceRequest.shm_region`). The client owns a few
-  regions, files `/dev/shm/nnd-c<pid>-<start>-<serial>-<hex>`, and names a
-  free one in each request. Every result tensor of `wire.INLINE_LIMIT` bytes
-  or more is copied straight from the tensor into it (one copy, no
-  intermediate bytes) at the next 64-byte aligned offset, and the Tensor
-  message carries the name and offset. Mappings are cached by name (at most
+Two ways to write, by who owns the region:
+- **this worker's user** (a client of the daemon's own user): the region is
+  opened read-write and mapped; mappings are cached by name (at most
   `MAX_MAPPINGS`), so a region a client reuses is memory this process has
-  already faulted in: the copy runs at memcpy speed, not at the ~2.4 GB/s of
-  fresh pages.
-- **Fresh segments**, for a request with `shm` but no region (a client's
-  first, or one that keeps no pool) and for what does not fit in its region:
-  a file `/dev/shm/nnd-<worker pid>-<serial>-<random>` per tensor, created
-  with mode 0600 (O_EXCL). The client maps it and unlinks it at once: the
-  unlink is its acknowledgement.
+  already faulted in and the copy runs at memcpy speed, straight from the
+  tensor (one copy; GPU tensors included);
+- **another user** (a lab box: the daemon runs as a service user): the client
+  made the region writable, not readable, by the socket's group, so it is
+  opened write-only and written with pwrite (one copy from the tensor's
+  bytes). Never mapped: a mapping needs read access, and the owner could
+  shrink the file under it, which is a SIGBUS that would kill this worker
+  for every user of the model; pwrite past a shrunk end just fails or grows it.
 
-What a request may name is checked before anything is written: a region name
-must match the pattern above (else INVALID_ARGUMENT), so it cannot point
-outside /dev/shm; the file is opened without following links and used only if
-it is a regular file of this process's user with every byte allocated (so the
-writes cannot hit a full /dev/shm, which would be a SIGBUS), else the request
-falls back to fresh segments. No write goes past the file's size. (A process of
-the same user could still shrink the file during a write and crash this
-worker; it could as well kill it.)
+What a request names is checked before anything is written: it must match the
+pattern above (else INVALID_ARGUMENT), so it cannot point outside /dev/shm;
+the directory is opened without following links and must be a directory on
+/dev/shm's file system that only its owner can write; the region, opened in
+it without following links, must be a regular file of the same owner with
+every byte allocated; else the results are streamed. No write goes past the
+file's size.
 
-Cleanup whatever happens to the client:
-- fresh segments: if the request fails they are unlinked at once; otherwise
-  each one still present `grace_s` seconds (NND_SHM_GRACE_S, default 30) after
-  its response was handed over (the client died, was killed, or cannot unlink)
-  is unlinked by the worker;
-- regions: the client unlinks its own at exit; every `reap_s` seconds
-  (NND_SHM_REAP_S, default 2) the janitor unlinks the regions of processes that
-  are gone (a SIGKILLed client; its pid and start time are in the name) and
-  drops its mappings of regions that were unlinked, which frees their memory.
-  The janitor runs from a worker's first shm request on.
-A worker that exits unlinks the fresh segments it still owns; one that dies
-(SIGKILL) has them removed by the daemon (`remove_segments`, from the
-supervisor), which finds them by the pid in their names and reaps dead
-clients' regions too.
+Cleanup: the client removes its regions; the janitor (every `reap_s` seconds,
+NND_SHM_REAP_S, default 2, from a worker's first shm request on) drops its
+mappings of regions that were unlinked, which frees their memory, and removes
+the regions of dead clients of this worker's own user (only they can be
+removed by it: /dev/shm is sticky). `remove_segments` removes what older
+versions of the worker created (`nnd-<pid>-...`), at the daemon's start and
+when a worker exits.
 """
 
 from __future__ import annotations
@@ -48,50 +45,45 @@ from __future__ import annotations
 import collections
 import contextlib
 import glob
-import heapq
-import itertools
 import logging
 import mmap
 import os
-import secrets
+import re
 import stat
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
-from nnd._shm import REGION_NAME, aligned, reap_dead
+from nnd._shm import REGION_NAME, aligned, alive, reap_dead
 from nnd_daemon import errors
 
 log = logging.getLogger("nnd.worker.shm")
 
 SHM_DIR = "/dev/shm"
-PREFIX = "nnd-"
 MAX_MAPPINGS = 16  # client regions kept mapped; the least recently used goes first
-
-
-def _env_seconds(name: str, default: float) -> float:
-    try:
-        return max(0.0, float(os.environ.get(name, str(default))))
-    except ValueError:
-        return default
-
-
-def grace_s() -> float:
-    return _env_seconds("NND_SHM_GRACE_S", 30.0)
+_OLD_SEGMENT = re.compile(r"nnd-([0-9]{1,10})-[0-9]{1,12}-[0-9a-f]{8}")  # what workers created before
 
 
 def reap_s() -> float:
-    return max(0.1, _env_seconds("NND_SHM_REAP_S", 2.0))
+    try:
+        return max(0.1, float(os.environ.get("NND_SHM_REAP_S", "2")))
+    except ValueError:
+        return 2.0
 
 
-def remove_segments(pid: int) -> int:
-    """Unlink every segment worker `pid` created (called when it is gone), and dead clients' regions."""
+def remove_segments(pid: int = 0) -> int:
+    """Unlink the segments older workers of this user created: worker `pid`'s (called when it is
+    gone), or (pid 0, at the daemon's start) those of every worker that is gone; and dead clients' regions."""
     n = 0
-    for path in glob.glob(os.path.join(SHM_DIR, f"{PREFIX}{pid}-*")):
+    uid = os.geteuid()
+    for path in glob.glob(os.path.join(SHM_DIR, "nnd-[0-9]*")):
+        m = _OLD_SEGMENT.fullmatch(os.path.basename(path))
+        if m is None or (pid and int(m.group(1)) != pid) or (not pid and alive(int(m.group(1)), 0)):
+            continue
         with contextlib.suppress(OSError):
-            os.unlink(path)
-            n += 1
+            if os.lstat(path).st_uid == uid:
+                os.unlink(path)
+                n += 1
     return n + reap_dead()
 
 
@@ -99,56 +91,119 @@ def remove_segments(pid: int) -> int:
 
 
 class Region:
-    """A client's region as mapped here."""
+    """A client's region, opened (and, when it is this user's, mapped) here."""
 
-    def __init__(self, name: str, key: tuple[int, int, int], mm: mmap.mmap) -> None:
+    def __init__(self, name: str, key: tuple[int, int, int], mm: mmap.mmap | None, fd: int = -1) -> None:
         self.name = name
-        self.key = key  # (st_dev, st_ino, st_size): the file it was when mapped
-        self.mm = mm
+        self.key = key  # (st_dev, st_ino, st_size): the file it was when opened
+        self.mm = mm  # None: another user's region, written with pwrite through `fd`
+        self.fd = fd
         self.size = key[2]
 
     def write(self, t: Any, offset: int) -> None:
-        """Tensor `t`'s elements (C order, little-endian) at `offset`: one copy, from `t` into the mapping."""
-        import torch
-
+        """Tensor `t`'s elements (C order, little-endian) at `offset`: one copy, from `t` into the region."""
         nbytes = t.numel() * t.element_size()
         if offset < 0 or offset + nbytes > self.size:  # the caller checked; never write past the file
             raise errors.NndError(f"internal error: {nbytes} bytes at {offset} do not fit region {self.name}")
+        if self.mm is None:
+            from nnd_daemon.engine import wire
+
+            view = wire.tensor_view(t)
+            done = 0
+            while done < nbytes:
+                done += os.pwrite(self.fd, view[done:], offset + done)
+            return
+        import torch
+
         dst = torch.frombuffer(self.mm, dtype=t.dtype, count=t.numel(), offset=offset)
         dst.view(t.shape).copy_(t.detach())  # copy_ also gathers a non-contiguous or GPU tensor
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
 
 
 def _key(st: os.stat_result) -> tuple[int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size)
 
 
+def _unusable(st: os.stat_result, owner: int) -> str | None:
+    """Why an opened region cannot take results (None: it can)."""
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid != owner:
+        return "not of its directory's owner"
+    if st.st_size <= 0:
+        return "empty"
+    if st.st_blocks * 512 < st.st_size:
+        return "not allocated up front (posix_fallocate)"
+    return None
+
+
 class Regions:
-    """Client regions this worker has mapped, by name (an LRU cache)."""
+    """Client regions: this user's mapped (an LRU cache, by name), other users' opened per request."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._maps: collections.OrderedDict[str, Region] = collections.OrderedDict()
+        self._dev = os.stat(SHM_DIR).st_dev
 
-    def get(self, name: str) -> Region | None:
-        """The region a request names, mapped; None when it cannot be used (then fresh segments are)."""
-        if not REGION_NAME.fullmatch(name):
+    def open(self, name: str) -> Region | None:
+        """The region a request names; None when it cannot be used (then results are streamed).
+        The caller closes it (`Region.close`) when the request is done."""
+        m = REGION_NAME.fullmatch(name)
+        if m is None:
             raise errors.InvalidArgument(
-                f"shm_region {name[:80]!r} is not a region name (nnd-c<pid>-<start>-<serial>-<8 hex digits>)"
+                f"shm_region {name[:80]!r} is not a region name "
+                "(nnd-c<pid>-<start>-<8 hex digits>/<serial>-<32 hex digits>)"
             )
-        path = os.path.join(SHM_DIR, name)
         try:
-            now = _key(os.lstat(path))
+            # O_PATH: reaching a file in a directory needs search permission only, not read.
+            dfd = os.open(os.path.join(SHM_DIR, m.group(1)), os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            log.info("shared-memory region %s: directory unusable (%s); streaming", name, exc.strerror)
+            return None
+        try:
+            dst = os.fstat(dfd)
+            if dst.st_dev != self._dev or dst.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                log.info("shared-memory region %s: directory not on /dev/shm or writable by others; streaming", name)
+                return None
+            if dst.st_uid == os.geteuid():
+                return self._mapped(name, m.group(2), dfd, dst.st_uid)
+            return self._opened(name, m.group(2), dfd, dst.st_uid)
+        finally:
+            os.close(dfd)
+
+    def _mapped(self, name: str, file: str, dfd: int, owner: int) -> Region | None:
+        try:
+            now = _key(os.stat(file, dir_fd=dfd, follow_symlinks=False))
         except OSError:
-            log.info("shared-memory region %s not found; using fresh segments", name)
+            log.info("shared-memory region %s not found; streaming", name)
             return None
         with self._lock:
             region = self._maps.get(name)
             if region is not None and region.key == now:
                 self._maps.move_to_end(name)
                 return region
-        region = self._map(name, path)
-        if region is None:
+        try:
+            fd = os.open(file, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+        except OSError as exc:
+            log.info("cannot open shared-memory region %s (%s); streaming", name, exc.strerror)
             return None
+        try:
+            st = os.fstat(fd)
+            why = _unusable(st, owner)
+            if why is not None:
+                log.info("shared-memory region %s is %s; streaming", name, why)
+                return None
+            region = Region(name, _key(st), mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED))
+        except OSError as exc:
+            log.info("cannot map shared-memory region %s (%s); streaming", name, exc.strerror)
+            return None
+        finally:
+            os.close(fd)
         # Dropped mappings are not closed: a request still writing holds one; the last reference unmaps it.
         with self._lock:
             self._maps[name] = region
@@ -157,32 +212,23 @@ class Regions:
                 self._maps.popitem(last=False)
         return region
 
-    def _map(self, name: str, path: str) -> Region | None:
+    def _opened(self, name: str, file: str, dfd: int, owner: int) -> Region | None:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            fd = os.open(file, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
         except OSError as exc:
-            log.info("cannot open shared-memory region %s (%s); using fresh segments", name, exc.strerror)
+            log.info("cannot open shared-memory region %s (%s); streaming", name, exc.strerror)
             return None
         try:
             st = os.fstat(fd)
-            why = None
-            if not stat.S_ISREG(st.st_mode):
-                why = "not a regular file"
-            elif st.st_uid != os.geteuid():
-                why = "owned by another user"
-            elif st.st_size <= 0:
-                why = "empty"
-            elif st.st_blocks * 512 < st.st_size:
-                why = "not allocated up front (posix_fallocate)"
-            if why is not None:
-                log.info("shared-memory region %s is %s; using fresh segments", name, why)
-                return None
-            return Region(name, _key(st), mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED))
-        except OSError as exc:
-            log.info("cannot map shared-memory region %s (%s); using fresh segments", name, exc.strerror)
-            return None
-        finally:
+        except OSError:
             os.close(fd)
+            return None
+        why = _unusable(st, owner)
+        if why is not None:
+            os.close(fd)
+            log.info("shared-memory region %s is %s; streaming", name, why)
+            return None
+        return Region(name, _key(st), None, fd)
 
     def sweep(self) -> None:
         """Drop mappings of regions whose file is gone or replaced: that memory comes back."""
@@ -201,147 +247,83 @@ class Regions:
                 self._maps.pop(name, None)
 
 
-# ------------------------------------------------------------------ fresh segments
+class Janitor:
+    """Every `reap_s` seconds: drop mappings of unlinked regions, remove dead clients' regions."""
 
-
-class Segments:
-    """The fresh segments one worker created and has not seen acknowledged yet, and its janitor."""
-
-    def __init__(self, grace: float | None = None) -> None:
-        self.grace = grace_s() if grace is None else grace
-        self.regions = Regions()
-        self._serial = itertools.count(1)
+    def __init__(self, regions: Regions) -> None:
+        self.regions = regions
+        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._due: list[tuple[float, str]] = []  # (unlink time, name), a heap
-        self._wake = threading.Event()
-        self._janitor: threading.Thread | None = None
 
-    def write(self, t: Any) -> str:
-        """A new segment holding tensor `t`'s wire bytes (little-endian, C order); its name."""
-        from nnd_daemon.engine import wire
-
-        view = wire.tensor_view(t)
-        name = f"{PREFIX}{os.getpid()}-{next(self._serial)}-{secrets.token_hex(4)}"
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            done = 0
-            while done < len(view):  # os.write, not a mapping: a full /dev/shm is ENOSPC, not SIGBUS
-                done += os.write(fd, view[done:])
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            raise
-        os.close(fd)
-        return name
-
-    def unlink(self, names: list[str]) -> None:
-        for name in names:
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(SHM_DIR, name))
-
-    def expire(self, names: list[str]) -> None:
-        """Unlink these segments `grace` seconds from now unless their client has (or now, with no grace)."""
-        if not names:
-            return
-        if self.grace <= 0:
-            self.unlink(names)
-            return
-        when = time.monotonic() + self.grace
+    def start(self) -> None:
         with self._lock:
-            for name in names:
-                heapq.heappush(self._due, (when, name))
-        self._wake.set()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="shm-janitor", daemon=True)
+                self._thread.start()
 
-    def start_janitor(self) -> None:
-        with self._lock:
-            if self._janitor is None:
-                self._janitor = threading.Thread(target=self._sweep, name="shm-janitor", daemon=True)
-                self._janitor.start()
-
-    def _sweep(self) -> None:
+    def _loop(self) -> None:
         period = reap_s()
-        next_reap = 0.0
-        while True:
-            now = time.monotonic()
-            with self._lock:
-                expired = []
-                while self._due and self._due[0][0] <= now:
-                    expired.append(heapq.heappop(self._due)[1])
-                next_due = self._due[0][0] if self._due else float("inf")
-            gone = [n for n in expired if os.path.exists(os.path.join(SHM_DIR, n))]
-            if gone:
-                log.info("unlinking %d shared-memory result(s) no client took", len(gone))
-                self.unlink(gone)
-            if now >= next_reap:
-                next_reap = now + period
-                try:
-                    self.regions.sweep()
-                    if n := reap_dead():
-                        log.info("unlinked %d shared-memory region(s) of clients that are gone", n)
-                except Exception:  # noqa: BLE001 - the janitor must outlive any one odd file
-                    log.exception("shared-memory janitor")
-            self._wake.wait(max(0.0, min(next_due, next_reap) - time.monotonic()))
-            self._wake.clear()
-
-    def unlink_all(self) -> None:
-        """At exit: every segment this worker still owns."""
-        with self._lock:
-            self._due.clear()
-        remove_segments(os.getpid())
+        stop = threading.Event()
+        while not stop.wait(period):
+            try:
+                self.regions.sweep()
+                if n := reap_dead():
+                    log.info("removed %d shared-memory region(s) of clients that are gone", n)
+            except Exception:  # noqa: BLE001 - the janitor must outlive any one odd file
+                log.exception("shared-memory janitor")
 
 
-_segments: Segments | None = None
-_segments_lock = threading.Lock()
+_regions: Regions | None = None
+_janitor: Janitor | None = None
+_state_lock = threading.Lock()
 
 
-def segments() -> Segments:
-    global _segments
-    with _segments_lock:
-        if _segments is None:
-            _segments = Segments()
-        return _segments
+def regions() -> Regions:
+    global _regions, _janitor
+    with _state_lock:
+        if _regions is None:
+            _regions = Regions()
+            _janitor = Janitor(_regions)
+        assert _janitor is not None
+        _janitor.start()
+        return _regions
 
 
 @contextlib.contextmanager
 def results(request: Any) -> Iterator[None]:
-    """Around one request's run: with `request.request.shm`, big result tensors go to shared memory.
+    """Around one request's run: with `request.request.shm` and a usable `shm_region`, big result
+    tensors go into the client's region as far as they fit; the rest is streamed.
 
-    `request` is the WorkerRunRequest. Into the client's region when it names
-    a usable one, as far as it fits; into fresh segments otherwise. On failure
-    the fresh segments are unlinked at once; on success they expire after the
-    grace period unless taken."""
+    `request` is the WorkerRunRequest."""
     trace = getattr(request, "request", None)
-    if trace is None or not getattr(trace, "shm", False) or not os.path.isdir(SHM_DIR):
+    if trace is None or not getattr(trace, "shm", False) or not trace.shm_region or not os.path.isdir(SHM_DIR):
         yield
         return
     from nnd_daemon.engine import wire
 
-    owner = segments()
-    owner.start_janitor()
-    region = owner.regions.get(trace.shm_region) if trace.shm_region else None
+    region = regions().open(trace.shm_region)
+    if region is None:
+        yield
+        return
     used = 0
-    created: list[str] = []
 
-    def sink(t: Any) -> tuple[str, int]:
+    def sink(t: Any) -> tuple[str, int] | None:
         nonlocal used
         nbytes = t.numel() * t.element_size()
-        if region is not None and used + nbytes <= region.size:
-            offset = used
+        if used + nbytes > region.size:
+            return None
+        offset = used
+        try:
             region.write(t, offset)
-            used = aligned(offset + nbytes)
-            return region.name, offset
-        name = owner.write(t)
-        created.append(name)
-        return name, 0
+        except OSError as exc:  # e.g. the owner shrank the file and /dev/shm is full: stream it
+            log.info("cannot write shared-memory region %s (%s); streaming", region.name, exc.strerror)
+            return None
+        used = aligned(offset + nbytes)
+        return region.name, offset
 
     token = wire.blob_sink.set(sink)
     try:
         yield
-    except BaseException:
-        owner.unlink(created)
-        raise
     finally:
         wire.blob_sink.reset(token)
-    owner.expire(created)
+        region.close()

@@ -144,7 +144,8 @@ class Decoder:
         self.torch = _torchmod.available() if use_torch is None or use_torch else None
         # Shared-memory regions this request's results may lie in, by name (`_shm.Lease`s).
         self.regions = regions or {}
-        self.shm_bytes = 0  # what the shm results took, for sizing the next region
+        # Bytes the big results (shared memory or chunked) take in a region, for sizing the next one.
+        self.big_bytes = 0
 
     def value(self, v: values_pb2.Value) -> Any:
         kind = v.WhichOneof("kind")
@@ -160,7 +161,8 @@ class Decoder:
         if kind == "ellipsis":
             return Ellipsis
         if kind == "list":
-            return [self.value(i) for i in v.list.items]
+            floats = _floats(v.list)  # a tolist() of a float tensor: at once
+            return floats if floats is not None else [self.value(i) for i in v.list.items]
         if kind == "tuple":
             return tuple(self.value(i) for i in v.tuple.items)
         if kind == "size":
@@ -182,10 +184,11 @@ class Decoder:
             return _meta.MetaTensor(shape, name)
         expected = math.prod(shape) * _dtypes.itemsize(name)
         data: Any
+        if t.shm or t.blob:
+            self.big_bytes += -(-expected // 64) * 64  # aligned as in a region (_shm.ALIGN)
         if t.shm:  # results through shared memory: zero-copy views (_shm.py)
             from nnd import _shm
 
-            self.shm_bytes += _shm.aligned(expected)
             lease = self.regions.get(t.shm)
             if lease is not None:
                 data = lease.view(t.shm_offset, expected)
@@ -214,6 +217,22 @@ class Decoder:
         if name == "bfloat16":
             return (arr.astype(np.uint32) << 16).view(np.float32)
         return arr
+
+
+def _floats(items: values_pb2.ValueList) -> list[float] | None:
+    """The numbers of a long ValueList of floats alone, read at once from its bytes (each item is 11:
+    field 1, length 9, Value.float's tag, 8 bytes little-endian); None if it holds anything else."""
+    n = len(items.items)
+    if n < 64:
+        return None
+    raw = items.SerializeToString()
+    if len(raw) != 11 * n:
+        return None
+    arr = np.frombuffer(raw, dtype=[("head", "u1", 3), ("value", "<f8")])
+    head = arr["head"]
+    if not ((head[:, 0] == 0x0A) & (head[:, 1] == 9) & (head[:, 2] == 0x19)).all():
+        return None
+    return arr["value"].tolist()
 
 
 def decode(v: values_pb2.Value, blobs: Mapping[int, bytes] | None = None, *, use_torch: bool | None = None) -> Any:

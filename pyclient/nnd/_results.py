@@ -161,11 +161,11 @@ def collect(
     arrival order; values are decoded once every chunk is in.
 
     `lease`: the shared-memory region (`_shm.attach`) the request behind
-    `responses` named, settled here: back to the pool when the stream failed to
-    finish or no result lies in it, else once the results that view it are garbage."""
-    from nnd import _shm
-
+    `responses` named (if any), settled here: back to the pool when the stream
+    failed to finish or no result lies in it, else once the results that view it
+    are garbage; the size of the big results sizes the next region."""
     raw: dict[int, values_pb2.Value] = {}
+    serialized: dict[int, int] = {}  # node -> the blob holding its serialized value (Saved.value_blob)
     blobs = _Blobs()
     out = Results()
     ok = False
@@ -174,8 +174,11 @@ def collect(
         for msg in responses:
             kind = msg.WhichOneof("kind")
             if kind == "saved":
-                raw[msg.saved.node] = msg.saved.value
-                blobs.expect(msg.saved.value)
+                if msg.saved.value_blob:
+                    serialized[msg.saved.node] = msg.saved.value_blob
+                else:
+                    raw[msg.saved.node] = msg.saved.value
+                    blobs.expect(msg.saved.value)
             elif kind == "chunk":
                 blobs.add(msg.chunk.blob, msg.chunk.data)
             elif kind == "step":
@@ -187,14 +190,14 @@ def collect(
                 out.compute_s = msg.done.compute_s
             elif kind == "queued" and not msg.queued.running:
                 _say_queued(msg.queued.ahead)
-        decoder = _codec.Decoder(
-            blobs.joined(), use_torch=use_torch, regions={lease.region.name: lease} if lease is not None else None
-        )
+        joined = blobs.joined()
+        for node, blob in serialized.items():
+            raw[node] = values_pb2.Value.FromString(bytes(joined.pop(blob, b"")))
+        region = lease.region if lease is not None else None
+        decoder = _codec.Decoder(joined, use_torch=use_torch, regions={region.name: lease} if region else None)
         out.saved = {node: decoder.value(value) for node, value in raw.items()}
         ok = True
     finally:
-        if decoder is not None and decoder.shm_bytes:
-            _shm.pool().learn(decoder.shm_bytes)  # the next region is made to fit
         if lease is not None:
-            lease.finish(ok)
+            lease.finish(ok, decoder.big_bytes if decoder is not None else 0)
     return out

@@ -1,29 +1,39 @@
 """Results through shared memory (`shm=True`; the worker's side is daemon/worker/shm.py).
 
 In the manner of Triton's system shared-memory extension, the client owns the
-memory: a small pool of regions, files `/dev/shm/nnd-c<pid>-<start>-<serial>-<hex>`
-(mode 0600, every byte allocated up front so a full /dev/shm is an error here,
-never a SIGBUS in the worker), each mapped once and reused request after
+memory: a small pool of regions, each mapped once and reused request after
 request. That reuse is the point: a copy into memory already faulted in runs
 ~7x faster than one into fresh pages. A request names one free region
 (`TraceRequest.shm_region`, set by `attach`); the worker writes each big
-result into it (one copy, straight from the tensor) and answers with offsets;
-the results are zero-copy views of the mapping. A region goes back to the pool
-only when every array viewing it has been garbage-collected, so a live result
-is never overwritten.
+result into it and answers with offsets; the results are zero-copy views of
+the mapping. A region goes back to the pool only when every array viewing it
+has been garbage-collected, so a live result is never overwritten.
 
-Sizes: a client's first shm request names no region, so the worker uses fresh
-segments of its own (`take_fresh`: map, then unlink: the acknowledgement); the
-bytes that took tell the pool how big a region to make. A later result that
-outgrows its region spills into fresh segments the same way, and the next
-region is made big enough. A process has at most `MAX_REGIONS` regions; while
-all are in use by live results, requests take fresh segments too.
+Who can see what (a lab box: the daemon runs as a service user, clients as
+their own users in the socket's group). Regions live in a directory of this
+process, `/dev/shm/nnd-c<pid>-<start>-<hex>/`, as files `<serial>-<32 hex>`:
+- daemon of this user (the socket is ours): directory 0700, files 0600; the
+  worker maps them and copies into them;
+- daemon of another user: directory 0710 and files 0620, both of the
+  socket's group (which the worker has, and which lets this user reach the
+  socket). Nobody but this user can read a region, the daemon included: the
+  worker opens it write-only and writes with pwrite. Group members can
+  traverse the directory but not list it, so a region's name (128 random
+  bits) is known only to this process and the daemon it was sent to: nobody
+  else can find a region to write into it, and nobody outside the group can
+  even reach one. Sizes are not visible in /dev/shm either.
+When no region fits (a first request: the size is not known yet; all regions
+busy; the socket's group is not one of ours), results are streamed as without
+shm, and their sizes tell the pool how big a region to make. The worker never
+creates shared memory of its own.
 
-Cleanup whatever happens: regions are unlinked at normal exit (atexit); the
-regions of a process that is gone (SIGKILL) are unlinked by the daemon's worker
-within `NND_SHM_REAP_S` seconds (default 2) while it runs, and by the next nnd
-client that uses shm on the host in any case (`reap_dead`). The start time in
-the name keeps a reused pid from passing for the dead client.
+Every byte of a region is allocated up front (a full /dev/shm is an error
+here, never a SIGBUS in the worker). Cleanup whatever happens: regions are
+unlinked at normal exit (atexit); the directories of a process that is gone
+(SIGKILL) are removed by the next nnd client of the same user that uses shm
+(`reap_dead`), and by a worker of that user within `NND_SHM_REAP_S` seconds
+(default 2). The start time in the name keeps a reused pid from passing for
+the dead client.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import sys
 import threading
 import weakref
@@ -46,13 +57,16 @@ import numpy as np
 
 SHM_DIR = "/dev/shm"
 ALIGN = 64  # offsets of results in a region: cache-line aligned, for any dtype
-# A region name: pid, process start time, serial, random.
-REGION_NAME = re.compile(r"nnd-c([0-9]{1,10})-([0-9]{1,20})-([0-9]{1,12})-([0-9a-f]{8})")
-_FRESH_NAME = re.compile(r"nnd-[0-9]+-[0-9]+-[0-9a-f]+")  # segments the worker creates (worker/shm.py)
+# A process's directory of regions: pid, process start time, random.
+DIR_NAME = re.compile(r"nnd-c([0-9]{1,10})-([0-9]{1,20})-([0-9a-f]{8})")
+# A region, as a request names it: its directory, then serial and 128 random bits.
+REGION_NAME = re.compile(r"(nnd-c[0-9]{1,10}-[0-9]{1,20}-[0-9a-f]{8})/([0-9]{1,12}-[0-9a-f]{32})")
+_FRESH_NAME = re.compile(r"nnd-[0-9]+-[0-9]+-[0-9a-f]+")  # segments older workers created
 KEEP_FREE = 2  # free regions kept mapped between requests; more are unlinked
 # Regions a process has at once. Past that (results kept alive, or freed only by a later garbage
-# collection), requests take fresh segments: making a region costs more than a fresh segment.
+# collection), requests stream their results: making a region costs more than streaming once.
 MAX_REGIONS = 2
+PRIVATE = -1  # the "group" of regions for a daemon of this user: no group access
 
 
 def available(address: str) -> bool:
@@ -65,11 +79,30 @@ def aligned(nbytes: int) -> int:
 
 
 def region_max() -> int:
-    """Largest region the pool makes (NND_SHM_REGION_MAX bytes, default 1 GiB); bigger results use fresh segments."""
+    """Largest region the pool makes (NND_SHM_REGION_MAX bytes, default 1 GiB); bigger results are streamed."""
     try:
         return max(0, int(os.environ.get("NND_SHM_REGION_MAX", str(2**30))))
     except ValueError:
         return 2**30
+
+
+def access_group(address: str) -> int | None:
+    """How regions for the daemon at `address` are shared: PRIVATE (the daemon runs as this user), the
+    socket's group (another user's daemon), or None (no group to share them through: stream instead)."""
+    from nnd import _address
+
+    path = _address.unix_path(address)
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if st.st_uid == os.geteuid():
+        return PRIVATE
+    if st.st_gid in os.getgroups() or st.st_gid == os.getegid() or os.geteuid() == 0:
+        return st.st_gid
+    return None
 
 
 # ------------------------------------------------------------------ whose region, and is its owner alive
@@ -79,13 +112,13 @@ def process_start(pid: int) -> int | None:
     """Process `pid`'s start time in clock ticks since boot (0 without /proc); None if there is no such process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+            stat_line = f.read()
     except FileNotFoundError:
         return None
     except OSError:
         return 0 if not os.path.isdir("/proc/self") else None
     try:
-        return int(stat[stat.rindex(b")") + 2 :].split()[19])  # field 22; the name in (...) may hold spaces
+        return int(stat_line[stat_line.rindex(b")") + 2 :].split()[19])  # field 22; the name in (...) may hold spaces
     except (ValueError, IndexError):
         return 0
 
@@ -104,18 +137,38 @@ def alive(pid: int, start: int) -> bool:
     return now is not None and (start == 0 or now == 0 or now == start)
 
 
+_OLD_REGION = re.compile(r"nnd-c([0-9]{1,10})-([0-9]{1,20})-[0-9]{1,12}-[0-9a-f]{8}")  # before directories
+
+
+def _remove_dir(path: str) -> None:
+    """Remove a region directory of this user and the regions in it (never following a link)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for name in os.listdir(fd):
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(path)
+
+
 def reap_dead() -> int:
-    """Unlink the regions (of this user) whose creating process is gone; returns how many."""
+    """Remove the regions (of this user) whose creating process is gone; returns how many directories or files."""
     n = 0
     uid = os.geteuid()
     for path in glob.glob(os.path.join(SHM_DIR, "nnd-c*")):
-        m = REGION_NAME.fullmatch(os.path.basename(path))
+        name = os.path.basename(path)
+        m = DIR_NAME.fullmatch(name) or _OLD_REGION.fullmatch(name)
         if m is None:
             continue
         try:
-            if os.lstat(path).st_uid != uid or alive(int(m.group(1)), int(m.group(2))):
+            st = os.lstat(path)
+            if st.st_uid != uid or alive(int(m.group(1)), int(m.group(2))):
                 continue
-            os.unlink(path)
+            if stat.S_ISDIR(st.st_mode):
+                _remove_dir(path)
+            else:
+                os.unlink(path)
             n += 1
         except OSError:
             continue
@@ -125,35 +178,72 @@ def reap_dead() -> int:
 # ------------------------------------------------------------------ the pool
 
 
-class Region:
-    """One region: a file in /dev/shm and this process's mapping of it."""
+class Directory:
+    """This process's directory of regions for one group (PRIVATE: for a daemon of this user)."""
 
-    def __init__(self, name: str, size: int, mm: mmap.mmap) -> None:
-        self.name = name
-        self.path = os.path.join(SHM_DIR, name)
-        self.size = size
-        self.mm = mm
-        self.ino = os.stat(self.path).st_ino
-
-    @classmethod
-    def create(cls, size: int, serial: int) -> Region | None:
-        """A new region of `size` bytes, every page allocated; None if /dev/shm cannot hold it."""
+    def __init__(self, group: int) -> None:
+        self.group = group
         start = process_start(os.getpid()) or 0
-        name = f"nnd-c{os.getpid()}-{start}-{serial}-{secrets.token_hex(4)}"
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        while True:
+            self.name = f"nnd-c{os.getpid()}-{start}-{secrets.token_hex(4)}"
+            self.path = os.path.join(SHM_DIR, self.name)
+            try:
+                os.mkdir(self.path, 0o700)
+                break
+            except FileExistsError:  # someone took the name first: another one
+                continue
+        self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            # Allocate now: a full /dev/shm fails here (ENOSPC), not as a SIGBUS when the worker writes.
+            st = os.fstat(self.fd)
+            if st.st_uid != os.geteuid():
+                raise PermissionError(f"{self.path} is not this user's")
+            if group != PRIVATE:
+                # Search, not read: the daemon's group reaches a region by its name, nobody can list them.
+                os.fchown(self.fd, -1, group)
+                os.fchmod(self.fd, 0o710)
+        except OSError:
+            self.remove()
+            raise
+
+    def create(self, size: int, serial: int) -> tuple[str, int, mmap.mmap] | None:
+        """A new region file of `size` bytes, every page allocated and mapped: (file name, inode, mapping)."""
+        name = f"{serial}-{secrets.token_hex(16)}"
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.fd)
+        try:
+            if self.group != PRIVATE:
+                # Write-only for the daemon's group: the worker pwrites results, it can never read them.
+                os.fchown(fd, -1, self.group)
+                os.fchmod(fd, 0o620)
+            # Allocate now: a full /dev/shm fails here (ENOSPC), not when the worker writes.
             os.posix_fallocate(fd, 0, size)
             # MAP_POPULATE: the pages are already there; map them all now, once, not a fault per page later.
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            ino = os.fstat(fd).st_ino
         except OSError:
             with contextlib.suppress(OSError):
-                os.unlink(path)
+                os.unlink(name, dir_fd=self.fd)
             return None
         finally:
             os.close(fd)
-        return cls(name, size, mm)
+        return name, ino, mm
+
+    def remove(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        with contextlib.suppress(OSError):
+            _remove_dir(self.path)
+
+
+class Region:
+    """One region: a file in this process's directory and this process's mapping of it."""
+
+    def __init__(self, directory: Directory, file: str, ino: int, size: int, mm: mmap.mmap) -> None:
+        self.group = directory.group
+        self.name = f"{directory.name}/{file}"  # what a request names
+        self.path = os.path.join(directory.path, file)
+        self.size = size
+        self.mm = mm
+        self.ino = ino
 
     def intact(self) -> bool:
         """Still the file this process created (nobody unlinked or replaced it)."""
@@ -170,35 +260,43 @@ class Region:
 
 
 class Lease:
-    """One request's use of one region, from `attach` until its results are garbage."""
+    """One request's use of one region (or of none: then its results are streamed, and their size is
+    learnt), from `attach` until its results are garbage."""
 
-    def __init__(self, pool: Pool, region: Region) -> None:
+    def __init__(self, pool: Pool, region: Region | None) -> None:
         self.pool = pool
         self.region = region
         self.holder: np.ndarray | None = None
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         """The result bytes at `offset`: a writable uint8 view of the region (no copy)."""
-        if offset < 0 or offset % ALIGN or offset + nbytes > self.region.size:
+        region = self.region
+        if region is None or offset < 0 or offset % ALIGN or offset + nbytes > region.size:
             raise ValueError(
                 f"the daemon placed a result of {nbytes} bytes at offset {offset} of shared-memory region "
-                f"{self.region.name} ({self.region.size} bytes)"
+                f"{region.name if region else None} ({region.size if region else 0} bytes)"
             )
         if self.holder is None:
             # Every result array is a view of this one array (numpy keeps it as their base), so its
             # finalizer runs exactly when the last of them is gone.
-            self.holder = np.frombuffer(self.region.mm, dtype=np.uint8)
+            self.holder = np.frombuffer(region.mm, dtype=np.uint8)
         return self.holder[offset : offset + nbytes]
 
-    def finish(self, ok: bool) -> None:
-        """The request's stream ended (`ok`: completely, its results decoded)."""
+    def finish(self, ok: bool, need: int = 0) -> None:
+        """The request's stream ended (`ok`: completely, its results decoded); `need`: bytes its big
+        results took, which sizes the next region."""
+        if need:
+            self.pool.learn(need)
+        region = self.region
+        if region is None:
+            return
         if not ok:
             # The worker may still be writing (a cancelled or timed-out call): never reuse it.
-            self.pool.retire(self.region)
+            self.pool.retire(region)
         elif self.holder is None:
-            self.pool.give_back(self.region)
+            self.pool.give_back(region)
         else:
-            weakref.finalize(self.holder, self.pool.give_back, self.region)
+            weakref.finalize(self.holder, self.pool.give_back, region)
             self.holder = None
 
 
@@ -209,50 +307,63 @@ class Pool:
         self.pid = os.getpid()
         # Reentrant: a garbage collection inside a locked section may run a result's finalizer (give_back).
         self.lock = threading.RLock()
+        self.dirs: dict[int, Directory] = {}
+        self.refused: set[int] = set()  # groups no directory could be made for
         self.regions: dict[str, Region] = {}
         self.free: list[Region] = []
         self.hint = 0  # bytes the biggest request so far put in shared memory
         self.serial = itertools.count(1)
         self.created = 0  # regions made so far (a warm pool makes none)
-        self.busy = 0  # requests that took fresh segments because every region was in use
+        self.busy = 0  # requests streamed because every region was in use
         self.reaped = False
 
-    def lease(self) -> Lease | None:
-        """A free region big enough for what requests have needed so far; None before anything is known."""
-        lease = self._reuse()
+    def lease(self, group: int) -> Lease:
+        """A free region of `group` big enough for what requests have needed so far; one without a
+        region before anything is known."""
+        lease = self._reuse(group)
         if lease is None and len(self.regions) > len(self.free):
             # A result may still sit in a reference cycle (a tracer the user keeps, a container of
             # proxies): a young-generation collection (~0.1 ms) hands its region back before a new one is made.
             gc.collect(1)
-            lease = self._reuse()
+            lease = self._reuse(group)
         if lease is not None or not self.hint:
-            return lease
+            return lease or Lease(self, None)
         with self.lock:
             want = self.hint
-            # Nothing fits: drop what is free (too small or tampered with) and make one, if allowed.
+            # Nothing fits: drop what is free (too small, of another group, tampered with) and make one, if allowed.
             stale, self.free = self.free, []
             for old in stale:
                 self._drop(old)
             if len(self.regions) >= MAX_REGIONS:
                 self.busy += 1
-                return None
+                return Lease(self, None)
             reap = not self.reaped
             self.reaped = True
         if reap:
             reap_dead()  # once per process: what SIGKILLed clients left behind
         size = -(-want // mmap.PAGESIZE) * mmap.PAGESIZE
-        region = Region.create(size, next(self.serial))
-        if region is None:
-            return None
         with self.lock:
+            directory = self.dirs.get(group)
+            if directory is None:
+                if group in self.refused:
+                    return Lease(self, None)
+                try:
+                    directory = self.dirs[group] = Directory(group)
+                except OSError:  # e.g. not allowed to give it that group: stream, and do not try again
+                    self.refused.add(group)
+                    return Lease(self, None)
+            made = directory.create(size, next(self.serial))
+            if made is None:
+                return Lease(self, None)
+            region = Region(directory, made[0], made[1], size, made[2])
             self.regions[region.name] = region
             self.created += 1
         return Lease(self, region)
 
-    def _reuse(self) -> Lease | None:
+    def _reuse(self, group: int) -> Lease | None:
         with self.lock:
             for region in sorted(self.free, key=lambda r: r.size):
-                if self.hint and region.size >= self.hint and region.intact():
+                if self.hint and region.group == group and region.size >= self.hint and region.intact():
                     self.free.remove(region)
                     return Lease(self, region)
         return None
@@ -286,6 +397,9 @@ class Pool:
             for region in list(self.regions.values()):
                 self._drop(region)
             self.free.clear()
+            for directory in self.dirs.values():
+                directory.remove()
+            self.dirs.clear()
 
 
 _pool: Pool | None = None
@@ -301,19 +415,23 @@ def pool() -> Pool:
         return _pool
 
 
-def attach(request: Any) -> Lease | None:
+def attach(request: Any, address: str) -> Lease:
     """Have `request`'s big results written into a region of the pool, when one is free.
 
-    The caller hands the lease to `_results.collect`, which settles it when the stream ends.
-    None: no region free (or none sized yet); the worker then makes fresh segments."""
-    lease = pool().lease()
-    if lease is not None:
+    The caller hands the lease to `_results.collect`, which settles it when the
+    stream ends. A lease without a region (none free, none sized yet, no way to
+    share one with the daemon at `address`): the results are streamed."""
+    group = access_group(address)
+    if group is None:
+        return Lease(pool(), None)
+    lease = pool().lease(group)
+    if lease.region is not None:
         request.shm_region = lease.region.name
     return lease
 
 
 def take_fresh(name: str, offset: int, nbytes: int) -> Any:
-    """A writable private mapping of fresh segment `name` (the worker's, one per tensor); the segment is unlinked."""
+    """A writable private mapping of fresh segment `name` (an older worker's, one per tensor); it is unlinked."""
     if not _FRESH_NAME.fullmatch(name):
         raise ValueError(f"the daemon sent an invalid shared-memory segment name {name!r}")
     if offset != 0:
@@ -322,10 +440,7 @@ def take_fresh(name: str, offset: int, nbytes: int) -> Any:
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
-        raise OSError(
-            f"cannot open the shared-memory result {path}: {exc.strerror}. The daemon's worker creates it for "
-            "its own user; run the client as that user, or trace without shm=True"
-        ) from None
+        raise OSError(f"cannot open the shared-memory result {path}: {exc.strerror}") from None
     try:
         size = os.fstat(fd).st_size
         if size < nbytes:
@@ -334,7 +449,5 @@ def take_fresh(name: str, offset: int, nbytes: int) -> Any:
         return mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE) if nbytes else bytearray()
     finally:
         os.close(fd)
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass  # another user's segment in a sticky /dev/shm: the worker's timer unlinks it

@@ -288,7 +288,7 @@ class Tracer:
 
         request = self._request()
         # Into a region of this process's pool when one is free (_shm.py); `collect` settles the lease.
-        lease = _shm.attach(request) if request.shm else None
+        lease = _shm.attach(request, self.model._conn.address) if request.shm else None
         stream = self.model._conn.stream(self._method, request, timeout=self._options.get("timeout"))
         watch = self._options.get("on_token")  # generate(..., on_token=print): each step's tokens, live
 

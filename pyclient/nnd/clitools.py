@@ -38,14 +38,20 @@ def collect(stream: Any) -> tuple[dict[int, values_pb2.Value], dict[int, bytearr
     saved: dict[int, values_pb2.Value] = {}
     blobs: dict[int, bytearray] = {}
     steps: list[nnd_pb2.StepTokens] = []
+    serialized: dict[int, int] = {}  # node -> the blob holding its serialized value (Saved.value_blob)
     for msg in stream:
         kind = msg.WhichOneof("kind")
         if kind == "saved":
-            saved[msg.saved.node] = msg.saved.value
+            if msg.saved.value_blob:
+                serialized[msg.saved.node] = msg.saved.value_blob
+            else:
+                saved[msg.saved.node] = msg.saved.value
         elif kind == "chunk":
             blobs.setdefault(msg.chunk.blob, bytearray()).extend(msg.chunk.data)
         elif kind == "step":
             steps.append(msg.step)
+    for node, blob in serialized.items():
+        saved[node] = values_pb2.Value.FromString(bytes(blobs.pop(blob, b"")))
     return saved, blobs, steps
 
 

@@ -434,12 +434,14 @@ class DeleteEditResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class Saved(_message.Message):
-    __slots__ = ("node", "value")
+    __slots__ = ("node", "value", "value_blob")
     NODE_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_BLOB_FIELD_NUMBER: _ClassVar[int]
     node: int
     value: _values_pb2.Value
-    def __init__(self, node: _Optional[int] = ..., value: _Optional[_Union[_values_pb2.Value, _Mapping]] = ...) -> None: ...
+    value_blob: int
+    def __init__(self, node: _Optional[int] = ..., value: _Optional[_Union[_values_pb2.Value, _Mapping]] = ..., value_blob: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("blob", "data")
