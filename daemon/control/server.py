@@ -39,7 +39,7 @@ OPTIONS = [
 # over; threads start on demand. (Each worker has more: worker/service.py.)
 HANDLER_THREADS = 256
 # These stream a worker's serialized responses through unchanged.
-_RAW_RESPONSES = {"Scan", "Trace", "Generate"}
+_RAW_RESPONSES = {"Scan", "Trace", "Generate", "Interact"}
 
 
 def _handlers(servicer: NndServicer) -> grpc.GenericRpcHandler:
@@ -51,6 +51,11 @@ def _handlers(servicer: NndServicer) -> grpc.GenericRpcHandler:
         serialize = (lambda b: b) if method.name in _RAW_RESPONSES else resp.SerializeToString
         fn = getattr(servicer, method.name, None)
         if fn is None:  # not implemented yet: gRPC answers UNIMPLEMENTED
+            continue
+        if method.client_streaming and method.server_streaming:  # Interact: parsed one by one, malformed ends it
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                fn, request_deserializer=_parser(req), response_serializer=serialize
+            )
             continue
         if method.client_streaming:  # Upload: messages in, one answer out (control/uploads.py refuses malformed ones)
             handlers[method.name] = grpc.stream_unary_rpc_method_handler(

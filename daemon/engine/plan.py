@@ -96,6 +96,22 @@ class Plan:
     grads: dict[int, dict[int, list[int]]] = field(default_factory=dict)
     # Module nodes whose tensors must require grad (the sources of every gradient asked for).
     grad_sources: set[int] = field(default_factory=set)
+    # What planned it: a running interactive request adds nodes through it (`extend`).
+    builder: Any = None
+
+    def extend(self, graph: graph_pb2.Graph, max_constant_bytes: int = 0) -> list[PlanNode]:
+        """Validate and plan nodes added to a running request (after a sync point)."""
+        assert self.builder is not None
+        if max_constant_bytes:
+            size = _constant_bytes(graph)
+            if size > max_constant_bytes:
+                raise errors.ResourceExhausted(
+                    f"the added nodes' constants hold {size} bytes, over the limit "
+                    f"max_constant_bytes={max_constant_bytes}"
+                )
+        added = self.builder.extend(graph)
+        self.has_stop = self.has_stop or any(n.kind == "stop" for n in added)
+        return added
 
     @property
     def needs_grad(self) -> bool:
@@ -194,7 +210,22 @@ class _Builder:
         for node in self.nodes.values():
             self.check_causality(node)
         has_stop = any(n.kind == "stop" for n in self.nodes.values())
-        return Plan(self.nodes, self.scopes, self.paths, has_stop, self.grads, self.grad_sources)
+        return Plan(self.nodes, self.scopes, self.paths, has_stop, self.grads, self.grad_sources, self)
+
+    def extend(self, graph: graph_pb2.Graph) -> list[PlanNode]:
+        top = max(self.nodes, default=0)
+        for proto in graph.nodes:
+            if proto.id <= top:
+                raise errors.InvalidArgument(
+                    f"{where(proto)}\nnodes added to a running request need ids above every earlier node's "
+                    f"({proto.id} follows {top})"
+                )
+            top = proto.id
+        self.add_part(graph, _same, edit=False)
+        added = [self.nodes[p.id] for p in graph.nodes]
+        for node in added:
+            self.check_causality(node)
+        return added
 
     def add_part(self, graph: graph_pb2.Graph, ids: IdMap, *, edit: bool) -> None:
         offset = len(self.scopes)

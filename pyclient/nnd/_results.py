@@ -149,13 +149,17 @@ def collect(
     use_torch: bool | None = None,
     on_step: Callable[[StepToken], None] | None = None,
     lease: Lease | None = None,
+    until_paused: bool = False,
 ) -> Results:
     """Read a whole response stream. Chunks of a blob are concatenated in
     arrival order; values are decoded once every chunk is in.
 
     `lease`: the shared-memory region (`_shm.attach`) the request behind
     `responses` named, settled here: back to the pool when the stream failed to
-    finish or no result lies in it, else once the results that view it are garbage."""
+    finish or no result lies in it, else once the results that view it are garbage.
+
+    `until_paused`: stop at an Interact stream's Paused message (a sync point's
+    values), leaving the rest of the stream unread."""
     from nnd import _shm
 
     raw: dict[int, values_pb2.Value] = {}
@@ -178,6 +182,8 @@ def collect(
                     on_step(step)
             elif kind == "done":
                 out.compute_s = msg.done.compute_s
+            elif kind == "paused" and until_paused:
+                break
         decoder = _codec.Decoder(
             blobs.joined(), use_torch=use_torch, regions={lease.region.name: lease} if lease is not None else None
         )

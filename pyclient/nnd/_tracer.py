@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from nnd import _concrete, _context, _inputs, _meta, _rebind, _results, _source
+from nnd import _concrete, _context, _inputs, _interact, _meta, _rebind, _results, _source
 from nnd._cache import Cache, CacheView
 from nnd._graph import GraphBuilder
 from nnd._loops import Loop, StepIter, every_step
@@ -59,7 +59,8 @@ class Tracer:
 
     _method = "Trace"
     # shm=True: big saved tensors come back through shared memory (same host, unix socket; _shm.py).
-    _options_allowed: frozenset[str] = frozenset({"keep_alive", "shm", "timeout"})
+    # pause_timeout: seconds the daemon keeps a run paused at a sync point waiting for this client.
+    _options_allowed: frozenset[str] = frozenset({"keep_alive", "shm", "timeout", "pause_timeout"})
     _sessionable = True  # may be part of `with model.session():`
 
     def __init__(self, model: TransformersModel, data: Any = _NO_INPUT, **options: Any) -> None:
@@ -82,6 +83,7 @@ class Tracer:
         self._concrete_saves: list[_meta.Size] = []
         self._client_saves: list[tuple[Proxy, int]] = []
         self._recording = False
+        self._interaction: _interact.Interaction | None = None  # open once a sync point needed a value
         self._options = options
         self.tokens: list[_results.StepToken] = []
         """Tokens streamed per generation step (Generate only)."""
@@ -218,6 +220,18 @@ class Tracer:
     def _concrete(self, proxy: Proxy) -> Any:
         return _concrete.query(self, proxy)
 
+    def _sync(self, proxy: Proxy) -> Any:
+        """The real value of `proxy` now, mid-run (a sync point; _interact.py)."""
+        if self._session is not None:
+            raise NotImplementedError(
+                "a real value inside a session's block is not supported yet: read it in a trace of its own, "
+                "or save it and use it after the session"
+            )
+        ref = proxy._ref()
+        if self._interaction is None:
+            self._interaction = _interact.Interaction(self)
+        return self._interaction.value(ref)
+
     # -- running
     def __enter__(self) -> Tracer:
         self._recording = True
@@ -231,6 +245,8 @@ class Tracer:
         _context.pop(self)
         self._recording = False
         if exc_type is not None:
+            if self._interaction is not None:
+                self._interaction.cancel()
             return
         if self._session is not None:
             self._session._add(self)  # sent with the session's other blocks when it ends
@@ -268,6 +284,9 @@ class Tracer:
     def _run(self) -> None:
         from nnd import _shm
 
+        if self._interaction is not None:
+            self._deliver(self._interaction.finish())
+            return
         request = self._request()
         # Into a region of this process's pool when one is free (_shm.py); `collect` settles the lease.
         lease = _shm.attach(request) if request.shm else None
@@ -308,6 +327,11 @@ class ScanTracer(Tracer):
     _method = "Scan"
     _sessionable = False
 
+    def _sync(self, proxy: Proxy) -> Any:
+        from nnd._usage import value_not_known
+
+        raise value_not_known("a real value in a scan (it runs on fake tensors)", _source.location().text)
+
 
 class GenerateTracer(Tracer):
     """A generate block: the graph runs during generation. Module values at
@@ -321,6 +345,7 @@ class GenerateTracer(Tracer):
             "keep_alive",
             "shm",
             "timeout",
+            "pause_timeout",
             "max_new_tokens",
             "min_new_tokens",
             "do_sample",

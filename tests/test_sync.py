@@ -1,0 +1,147 @@
+"""Sync points against a real daemon: real values inside a block (Nnd.Interact).
+
+Each test checks numbers against the same model run in-process with plain
+torch hooks, so a value that came from the wrong place, or an edit that did
+not apply after a sync, fails.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import nnd
+
+PROMPT = "Hello world"
+
+
+@pytest.fixture(scope="module")
+def gpt2(daemon, tiny_models):
+    model = nnd.TransformersModel(tiny_models["gpt2"], address=daemon.address, device="cpu", dispatch=True)
+    yield model
+    model.release()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_models["gpt2"]).eval()
+
+
+def _outputs(reference, prompt, zero_layer=None):
+    """Block outputs and logits of the in-process model; optionally zero one block's output."""
+    got = {}
+    handles = []
+    for i, block in enumerate(reference.transformer.h):
+
+        def hook(module, args, output, i=i):
+            out = output[0] if isinstance(output, tuple) else output
+            if i == zero_layer:
+                out[:] = 0
+            got[i] = out.clone()
+
+        handles.append(block.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            logits = reference(**reference_tokens(reference, prompt)).logits
+    finally:
+        for h in handles:
+            h.remove()
+    return got, logits
+
+
+def reference_tokens(reference, prompt):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(reference.name_or_path)
+    return tok(prompt, return_tensors="pt")
+
+
+def test_item_tolist_and_numpy_are_real_values(gpt2, reference):
+    expected, _ = _outputs(reference, PROMPT)
+    with gpt2.trace(PROMPT) as tracer:
+        h = gpt2.transformer.h[0].output
+        total = h.sum().item()
+        first = h[0, 0, :3].tolist()
+        arr = np.asarray(h[0, -1])
+    assert total == pytest.approx(expected[0].sum().item(), rel=1e-5)
+    assert first == pytest.approx(expected[0][0, 0, :3].tolist(), rel=1e-5)
+    assert isinstance(arr, np.ndarray) and np.allclose(arr, expected[0][0, -1].numpy(), atol=1e-6)
+    assert tracer._interaction is not None and tracer._interaction.syncs == 3
+
+
+def test_branch_on_a_value_then_edit_a_later_module(gpt2, reference):
+    # The branch is taken (the norm is positive): the later block's output is zeroed, in the same forward.
+    with gpt2.trace(PROMPT):
+        if gpt2.transformer.h[0].output.norm() > 0:
+            gpt2.transformer.h[1].output[:] = 0
+        logits = gpt2.lm_head.output.save()
+    _, want = _outputs(reference, PROMPT, zero_layer=1)
+    _, plain = _outputs(reference, PROMPT)
+    assert torch.allclose(logits, want, atol=1e-5)
+    assert not torch.allclose(logits, plain, atol=1e-3)
+
+
+def test_branch_not_taken_leaves_the_model_alone(gpt2, reference):
+    with gpt2.trace(PROMPT):
+        if gpt2.transformer.h[0].output.norm() < 0:
+            gpt2.transformer.h[1].output[:] = 0
+        logits = gpt2.lm_head.output.save()
+    _, plain = _outputs(reference, PROMPT)
+    assert torch.allclose(logits, plain, atol=1e-5)
+
+
+def test_print_and_format_show_values(gpt2, reference, capsys):
+    expected, _ = _outputs(reference, PROMPT)
+    with gpt2.trace(PROMPT):
+        s = gpt2.transformer.h[0].output.sum()
+        print(s)
+        text = f"{gpt2.transformer.h[0].output.sum():.3f}"
+    assert text == f"{expected[0].sum().item():.3f}"
+    assert capsys.readouterr().out.strip() == str(expected[0].sum())
+
+
+def test_index_from_a_value(gpt2, reference):
+    _, logits = _outputs(reference, PROMPT)
+    top = int(logits[0, -1].argmax())
+    with gpt2.trace(PROMPT):
+        best = gpt2.lm_head.output[0, -1].argmax()
+        row = [0.0] * 100
+        row[best] = 1.0  # __index__
+        picked = gpt2.lm_head.output[0, -1, best].save()
+    assert row.index(1.0) == top
+    assert float(picked) == pytest.approx(float(logits[0, -1, top]), rel=1e-5)
+
+
+def test_out_of_order_after_a_sync_names_both_lines(gpt2):
+    with pytest.raises(nnd.OutOfOrderError) as info:
+        with gpt2.trace(PROMPT):
+            late = gpt2.transformer.h[1].output.sum().item()  # the sync: paused after block 1
+            gpt2.transformer.h[0].output[:] = late  # block 0 already ran
+    text = str(info.value)
+    assert "gpt2.transformer.h[0].output[:] = late" in text
+    assert "gpt2.transformer.h[1].output.sum().item()" in text or "late = " in text
+
+
+def test_model_is_free_after_a_failed_sync(gpt2, reference):
+    with pytest.raises(nnd.OutOfOrderError):
+        with gpt2.trace(PROMPT):
+            gpt2.transformer.h[1].output.sum().item()
+            gpt2.transformer.h[0].output.sum().item()
+    with gpt2.trace(PROMPT):
+        logits = gpt2.lm_head.output.save()
+    _, plain = _outputs(reference, PROMPT)
+    assert torch.allclose(logits, plain, atol=1e-5)
+
+
+def test_an_exception_in_the_block_frees_the_paused_model(gpt2, reference):
+    with pytest.raises(ZeroDivisionError):
+        with gpt2.trace(PROMPT):
+            gpt2.transformer.h[0].output.sum().item()
+            1 / 0
+    with gpt2.trace(PROMPT):  # would wait on the model lock if the paused run still held it
+        logits = gpt2.lm_head.output.save()
+    _, plain = _outputs(reference, PROMPT)
+    assert torch.allclose(logits, plain, atol=1e-5)
