@@ -186,13 +186,17 @@ class NndServicer:
                 yield worker_pb2.WorkerInteractRequest(client=msg)
 
         request = start.request
-        entry = self.registry.acquire(request.model, auto_dispatch=not request.no_auto_dispatch, keep_alive=request.keep_alive)
+        entry = self.registry.acquire(
+            request.model, auto_dispatch=not request.no_auto_dispatch, keep_alive=request.keep_alive
+        )
         try:
             worker = entry.worker
             if worker is None:
                 raise errors.Unavailable(f"model {entry.name} lost its worker: {entry.last_error}")
             remaining = context.time_remaining()
-            timeout = remaining if remaining is not None and remaining < 1e8 else self.settings.limits.default_deadline_s
+            timeout = (
+                remaining if remaining is not None and remaining < 1e8 else self.settings.limits.default_deadline_s
+            )
             yield from worker.interact(upstream(), timeout=timeout or None, client=context)
         finally:
             self.registry.done(entry)

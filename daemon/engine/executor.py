@@ -296,7 +296,12 @@ class Executor:
                     f"{where(node.proto)}\ngradients cannot be added after a sync point",
                     exc_type="NotImplementedError",
                 )
-            if node.kind == "skip" and node.hook == PRE and node.target and node.target.path not in self.hooks.skip_paths:
+            if (
+                node.kind == "skip"
+                and node.hook == PRE
+                and node.target
+                and node.target.path not in self.hooks.skip_paths
+            ):
                 raise errors.InvalidArgument(
                     f"{where(node.proto)}\na whole-batch skip must be recorded before the first sync point"
                 )

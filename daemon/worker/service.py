@@ -155,7 +155,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             errors.abort(context, errors.FailedPrecondition("worker has no model loaded"))
         first = next(requests, None)
         if first is None or not first.HasField("run") or first.client.WhichOneof("kind") != "start":
-            errors.abort(context, errors.InvalidArgument("an Interact stream starts with the run and its InteractStart"))
+            errors.abort(
+                context, errors.InvalidArgument("an Interact stream starts with the run and its InteractStart")
+            )
         stop = threading.Event()
         inbox: queue.Queue[Any] = queue.Queue()
 
