@@ -145,3 +145,106 @@ def test_an_exception_in_the_block_frees_the_paused_model(gpt2, reference):
         logits = gpt2.lm_head.output.save()
     _, plain = _outputs(reference, PROMPT)
     assert torch.allclose(logits, plain, atol=1e-5)
+
+
+def _hf_generate_layer0(reference, prompt, steps, edit=None):
+    """Block 0's output at every generation step of the in-process model (greedy), with an optional per-step edit."""
+    seen = []
+
+    def hook(module, args, output):
+        out = output[0] if isinstance(output, tuple) else output
+        if edit is not None:
+            edit(len(seen), out)
+        seen.append(out.clone())
+
+    handle = reference.transformer.h[0].register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            ids = reference.generate(
+                **reference_tokens(reference, prompt),
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                do_sample=False,
+                pad_token_id=1,
+            )
+    finally:
+        handle.remove()
+    return seen, ids
+
+
+def test_loop_body_runs_per_step_and_appends_one_value_each(gpt2, reference):
+    seen, ids = _hf_generate_layer0(reference, PROMPT, 3)
+    hs = []
+    bodies = []
+    with gpt2.generate(PROMPT, max_new_tokens=3, min_new_tokens=3) as tracer:
+        for step in tracer.iter[:]:
+            bodies.append(step)
+            hs.append(gpt2.transformer.h[0].output.save())
+        out = tracer.result.save()
+    assert bodies == [0, 1, 2]
+    assert len(hs) == 3
+    for got, want in zip(hs, seen, strict=True):
+        assert torch.allclose(got, want, atol=1e-5)
+    assert out.tolist() == ids.tolist()
+
+
+def test_per_step_condition_on_the_step_number(gpt2, reference):
+    vector = 30 * torch.linspace(-1, 1, 64)
+
+    def edit(step, out):
+        if step == 1:
+            out[:, -1, :] += vector
+
+    _, want = _hf_generate_layer0(reference, PROMPT, 4, edit)
+    with gpt2.generate(PROMPT, max_new_tokens=4, min_new_tokens=4) as tracer:
+        for step in tracer.iter[:]:
+            if step == 1:
+                gpt2.transformer.h[0].output[:, -1, :] += vector
+        ids = tracer.result.save()
+    assert ids.tolist() == want.tolist()
+
+
+def test_sync_inside_a_generation_step_edits_that_step(gpt2, reference):
+    # Per step: read block 0's norm (a sync, paused inside that step), zero block 1's output when it is
+    # above the prompt step's norm. The decision is Python's, on real values, at every step.
+    norms = []
+    with gpt2.generate(PROMPT, max_new_tokens=3, min_new_tokens=3) as tracer:
+        for step in tracer.iter[:]:
+            norm = gpt2.transformer.h[0].output[:, -1].norm().item()
+            norms.append(norm)
+            if step > 0 and norm > norms[0]:
+                gpt2.transformer.h[1].output[:] = 0
+        ids = tracer.result.save()
+    assert len(norms) == 3
+
+    # The same decisions in-process, with hooks: the norms and the generated ids must match.
+    ref_norms: list[float] = []
+
+    def read(module, args, output):
+        out = output[0] if isinstance(output, tuple) else output
+        ref_norms.append(out[:, -1].norm().item())
+
+    def zero(module, args, output):
+        step = len(ref_norms) - 1
+        if step > 0 and ref_norms[step] > ref_norms[0]:
+            out = output[0] if isinstance(output, tuple) else output
+            out[:] = 0
+
+    handles = [
+        reference.transformer.h[0].register_forward_hook(read),
+        reference.transformer.h[1].register_forward_hook(zero),
+    ]
+    try:
+        with torch.no_grad():
+            want = reference.generate(
+                **reference_tokens(reference, PROMPT),
+                max_new_tokens=3,
+                min_new_tokens=3,
+                do_sample=False,
+                pad_token_id=1,
+            )
+    finally:
+        for h in handles:
+            h.remove()
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+    assert ids.tolist() == want.tolist()

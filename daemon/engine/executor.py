@@ -102,6 +102,7 @@ class Executor:
         self.send = send
         self.max_constant_bytes = max_constant_bytes
         self.forward_done = False
+        self.step = -1  # the generation step running (its root call)
         # Interactive: nodes added later may name any module, so every module is hooked.
         paths = set(self.modules) if interaction is not None else plan.paths
         self.hooks = HookSet(model, paths, skip_paths, self.at_pre, self.at_post, self.take_skip)
@@ -164,6 +165,7 @@ class Executor:
     def at_pre(self, path: str, call: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.poll()
         if path == "":
+            self.step = call
             self.begin_step(call)
         events = self.collect(path, PRE, call)
         if not events and not self.caches.wants(path):
@@ -257,7 +259,7 @@ class Executor:
         (the one the forward stands at, returned to be handled there) or asks for a value not there yet."""
         self.run_ready()
         inter = self.interaction
-        while inter is not None and inter.due(lambda i: i in self.root.values):
+        while inter is not None and inter.due(self.has_value):
             late = self.pause(key)
             if late:
                 return late
@@ -267,7 +269,7 @@ class Executor:
     def pause(self, key: HookKey | None) -> list[tuple[Frame, PlanNode]]:
         inter = self.interaction
         assert inter is not None and self.send is not None
-        self.send({i: self.root.values[i] for i in inter.want})
+        self.send({i: self.value_of(i) for i in inter.want})
         inter.paused_at = self.plan.nodes[inter.want[-1]].proto
         msg = inter.wait()
         added = self.plan.extend(msg.graph, self.max_constant_bytes)
@@ -280,10 +282,18 @@ class Executor:
         assert inter is not None
         for i in inter.want:
             node = self.plan.nodes.get(i)
-            if node is None or node.scope != 0 or node.kind in ("stop", "cache", "set", "skip", "set_grad"):
-                raise errors.InvalidArgument(
-                    f"a sync point asks for node {i}, which is not a top-level value of the request"
-                )
+            if node is None or node.kind in ("stop", "cache", "set", "skip", "set_grad"):
+                raise errors.InvalidArgument(f"a sync point asks for node {i}, which is not a value of the request")
+
+    def frames_of(self, scope: int) -> list[Frame]:
+        return [self.root] if scope == 0 else [f for (s, _), f in sorted(self.loops.items()) if s == scope]
+
+    def has_value(self, node_id: int) -> bool:
+        node = self.plan.nodes.get(node_id)
+        return node is not None and any(node_id in f.values for f in self.frames_of(node.scope))
+
+    def value_of(self, node_id: int) -> Any:
+        return next(f.values[node_id] for f in self.frames_of(self.plan.nodes[node_id].scope) if node_id in f.values)
 
     def attach(self, added: list[PlanNode], key: HookKey | None) -> list[tuple[Frame, PlanNode]]:
         """Make nodes added while paused part of the run; return those that belong at hook `key`."""
@@ -305,20 +315,35 @@ class Executor:
                 raise errors.InvalidArgument(
                     f"{where(node.proto)}\na whole-batch skip must be recorded before the first sync point"
                 )
-            if node.kind not in ("stop", "external"):
-                self.root.pending.add(node.id)
-            if node.kind in RUNNABLE:
-                self.root.runnable[node.id] = None
-            if node.target is None:
+            if node.scope == 0:
+                late += self.attach_to(self.root, node, key)
                 continue
-            hook = (node.target.path, node.hook, node.target.call)
-            if hook == key:
-                late.append((self.root, node))
-            elif self.passed(hook):
-                raise self.out_of_order(node)
-            else:
-                self.events.setdefault(hook, []).append(node.id)
+            if node.target is not None:
+                self.loop_events.setdefault((node.target.path, node.hook), []).append(node.id)
+            # Steps that have begun already run it from now on; later steps pick it up in begin_step.
+            for step in range(self.step + 1):
+                if self.selected(node.scope, step):
+                    frame = self.loops.get((node.scope, step))
+                    if frame is None:
+                        frame = self.loops[(node.scope, step)] = Frame(node.scope, step, [], self.plan)
+                    late += self.attach_to(frame, node, key)
         return late
+
+    def attach_to(self, frame: Frame, node: PlanNode, key: HookKey | None) -> list[tuple[Frame, PlanNode]]:
+        if node.kind not in ("stop", "external"):
+            frame.pending.add(node.id)
+        if node.kind in RUNNABLE:
+            frame.runnable[node.id] = None
+        if node.target is None:
+            return []
+        hook = (node.target.path, node.hook, node.target.call + (frame.step if frame.scope else 0))
+        if hook == key:
+            return [(frame, node)]
+        if self.passed(hook):
+            raise self.out_of_order(node)
+        if frame.scope == 0:
+            self.events.setdefault(hook, []).append(node.id)
+        return []
 
     def passed(self, hook: HookKey) -> bool:
         path, kind, call = hook
@@ -354,11 +379,12 @@ class Executor:
             self.settle(None)
             if inter.finished:
                 return
-            missing = next(i for i in inter.want if i not in self.root.values)
+            missing = next(i for i in inter.want if not self.has_value(i))
             node = self.plan.nodes[missing]
-            late = self.missing_input(self.root, node) if node.kind != "module" else node
+            frame = next(iter(self.frames_of(node.scope)), self.root)
+            late = self.missing_input(frame, node) if node.kind != "module" else node
             raise errors.InvalidArgument(
-                f"{where(node.proto)}\na sync point needs this value, which never ran: {self.never_ran(late, self.root)}"
+                f"{where(node.proto)}\na sync point needs this value, which never ran: {self.never_ran(late, frame)}"
             )
 
     # ------------------------------------------------------------ reading and writing module values

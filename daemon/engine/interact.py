@@ -46,11 +46,6 @@ class Interaction:
             )
         if msg is GONE:
             raise errors.Cancelled("the client went away while the run was paused; it was cancelled")
-        if msg.graph.scopes:
-            raise errors.InvalidArgument(
-                "loop scopes cannot be added to a running request: unroll the loop (one top-level node per "
-                "step, with its call index)"
-            )
         self.want = list(msg.want)
-        self.finished = msg.finish
+        self.finished = msg.finish or not msg.want
         return msg

@@ -192,6 +192,7 @@ class _Builder:
         self.grads: dict[int, dict[int, list[int]]] = {}
         self.grad_sources: set[int] = set()
         self._depends: dict[int, frozenset[int]] = {}
+        self.request_offset = 0  # the request's scope k is scopes[request_offset + k - 1]
 
     def build(self) -> Plan:
         for ext_id, value in sorted(self.external.items()):
@@ -213,7 +214,14 @@ class _Builder:
         return Plan(self.nodes, self.scopes, self.paths, has_stop, self.grads, self.grad_sources, self)
 
     def extend(self, graph: graph_pb2.Graph) -> list[PlanNode]:
+        """Nodes (and loop scopes, numbered after the request's earlier ones) added to a running request."""
         top = max(self.nodes, default=0)
+        for s, scope in enumerate(graph.scopes):
+            if scope.steps.WhichOneof("kind") is None:
+                raise errors.InvalidArgument(f"added scope {s + 1} has no step selector (all, range or steps)")
+            self.scopes.append(scope.steps)
+        request_scopes = len(self.scopes) - self.request_offset
+        added: list[PlanNode] = []
         for proto in graph.nodes:
             if proto.id <= top:
                 raise errors.InvalidArgument(
@@ -221,14 +229,23 @@ class _Builder:
                     f"({proto.id} follows {top})"
                 )
             top = proto.id
-        self.add_part(graph, _same, edit=False)
-        added = [self.nodes[p.id] for p in graph.nodes]
+            if proto.scope > request_scopes:
+                raise errors.InvalidArgument(
+                    f"{where(proto)}\nnode {proto.id} is in scope {proto.scope} but the request has "
+                    f"{request_scopes} loop scope(s)"
+                )
+            scope = proto.scope + self.request_offset if proto.scope else 0
+            node = self.node(proto, proto.id, scope)
+            self.nodes[node.id] = node
+            added.append(node)
         for node in added:
             self.check_causality(node)
         return added
 
     def add_part(self, graph: graph_pb2.Graph, ids: IdMap, *, edit: bool) -> None:
         offset = len(self.scopes)
+        if not edit:
+            self.request_offset = offset
         for s, scope in enumerate(graph.scopes):
             if scope.steps.WhichOneof("kind") is None:
                 raise errors.InvalidArgument(f"scope {s + 1} has no step selector (all, range or steps)")
@@ -395,7 +412,7 @@ class _Builder:
     def base_step(self, scope: int) -> int:
         if scope == 0:
             return 0
-        sel = self.graph.scopes[scope - 1].steps
+        sel = self.scopes[scope - 1]  # `scope` counts the edits' scopes too
         kind = sel.WhichOneof("kind")
         if kind == "range" and sel.range.HasField("start"):
             return max(sel.range.start, 0)

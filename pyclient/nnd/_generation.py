@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     from nnd._model import TransformersModel
 
 
+DEFAULT_MAX_NEW_TOKENS = 20  # the daemon's (and transformers') length when none is given
+
 GENERATE_OPTIONS = frozenset(
     {"max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stream_text"}
 )

@@ -84,6 +84,9 @@ class Tracer:
         self._client_saves: list[tuple[Proxy, int]] = []
         self._recording = False
         self._interaction: _interact.Interaction | None = None  # open once a sync point needed a value
+        # Unrolled loop passes: scope -> its step; saves made in them -> their scope (one value, not a list).
+        self._unrolled: dict[int, int] = {}
+        self._unrolled_saves: dict[int, int] = {}
         self._options = options
         self.tokens: list[_results.StepToken] = []
         """Tokens streamed per generation step (Generate only)."""
@@ -184,8 +187,13 @@ class Tracer:
     @property
     def iter(self) -> StepIter:
         """Select generation steps: `for step in tracer.iter[:]:` (all),
-        `tracer.iter[1:3]`, `tracer.iter[[0, 2]]`. The body is recorded once."""
+        `tracer.iter[1:3]`, `tracer.iter[[0, 2]]`. The body runs once per
+        selected step, with `step` its number (see _loops.py)."""
         return StepIter(self)
+
+    def _steps_known(self) -> int:
+        """How many forward passes the block makes (a trace: one)."""
+        return 1
 
     def all(self) -> Loop:
         """`with tracer.all():` — run the body at every generation step."""
@@ -209,7 +217,10 @@ class Tracer:
         if proxy._node is None and proxy._pending is None:  # client-side value (streamer tokens)
             self._client_saves.append((proxy, self._builder.scope))
             return
-        self._saved[self._builder.save(proxy)] = proxy
+        node = self._builder.save(proxy)
+        self._saved[node] = proxy
+        if self._builder.scope in self._unrolled:
+            self._unrolled_saves[node] = self._builder.scope
 
     def _save_constant(self, value: Any) -> None:
         self._builder.save(value)
@@ -297,8 +308,14 @@ class Tracer:
     def _deliver(self, results: _results.Results) -> None:
         self.compute_s = results.compute_s
         for node, proxy in self._saved.items():
-            if node in results.saved:
-                proxy._value = results.saved[node]
+            if node not in results.saved:
+                continue
+            value = results.saved[node]
+            if node in self._unrolled_saves:  # one pass of an unrolled loop: its step's value, if reached
+                if not value:
+                    continue
+                value = value[0]
+            proxy._value = value
         for node, cache in self._caches.items():
             cache.fill(results.saved.get(node))
         for proxy, scope in self._client_saves:
@@ -363,6 +380,25 @@ class GenerateTracer(Tracer):
         request = super()._request()
         request.generate.CopyFrom(generate_options(**self._options))
         return request
+
+    def _steps_known(self) -> int:
+        from nnd._generation import DEFAULT_MAX_NEW_TOKENS
+
+        return int(self._options.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
+
+    def _deliver(self, results: _results.Results) -> None:
+        super()._deliver(results)
+        reached = len(self.tokens)
+        missed = sorted({step for step in self._unrolled.values() if step >= reached})
+        if missed:
+            import warnings
+
+            warnings.warn(
+                f"step(s) {missed} of a `tracer.iter` loop were never reached: the generation stopped after "
+                f"{reached} step(s), so that part of the loop did not run and values saved there are missing. "
+                "To hold a generation to the loop's count, pass `min_new_tokens=`.",
+                stacklevel=4,
+            )
 
     def _client_value(self, scope: int) -> Any:
         """`model.generator.streamer.output`: the streamed ids, per step inside
