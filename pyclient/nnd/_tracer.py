@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from nnd import _concrete, _context, _inputs, _interact, _meta, _rebind, _results, _source
+from nnd import _concrete, _context, _inputs, _interact, _meta, _objects, _rebind, _results, _source
 from nnd._cache import Cache, CacheView
 from nnd._graph import GraphBuilder
 from nnd._loops import Loop, StepIter, every_step
@@ -62,6 +62,7 @@ class Tracer:
     # pause_timeout: seconds the daemon keeps a run paused at a sync point waiting for this client.
     _options_allowed: frozenset[str] = frozenset({"keep_alive", "shm", "timeout", "pause_timeout"})
     _sessionable = True  # may be part of `with model.session():`
+    _delivers_values = True  # values placed in saved objects / outer containers come back (not an edit)
 
     def __init__(self, model: TransformersModel, data: Any = _NO_INPUT, **options: Any) -> None:
         unknown = set(options) - self._options_allowed
@@ -87,6 +88,11 @@ class Tracer:
         # Unrolled loop passes: scope -> its step; saves made in them -> their scope (one value, not a list).
         self._unrolled: dict[int, int] = {}
         self._unrolled_saves: dict[int, int] = {}
+        # `obj.save()` on any object, and the containers the user's frame held when the block opened:
+        # the block's values inside them are delivered (_objects.py).
+        self._saved_objects: list[Any] = []
+        self._outer: list[Any] = []
+        self._holders: list[Any] = []
         self._options = options
         self.tokens: list[_results.StepToken] = []
         """Tokens streamed per generation step (Generate only)."""
@@ -246,13 +252,21 @@ class Tracer:
     # -- running
     def __enter__(self) -> Tracer:
         self._recording = True
+        self._outer = _objects.containers_of(_source.user_frame())
         _context.push(self)
+        _objects.mount()
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         __tracebackhide__ = True  # noqa: F841  (pytest/IPython hide this frame)
+        _objects.unmount()
+        holders = self._saved_objects + self._outer
+        self._holders = holders  # filled after the block (a session's: after the session)
+        self._outer = []
+        if exc_type is None and self._delivers_values:
+            _objects.save_held(self, holders)
         _context.pop(self)
         self._recording = False
         if exc_type is not None:
@@ -268,8 +282,12 @@ class Tracer:
             # The daemon's message quotes the user's line; point the traceback at the `with`.
             raise err.with_traceback(None) from None
         frame = _source.user_frame()
+        replacements = self._replacements()
         if frame is not None:
-            _rebind.rebind(frame, self._replacements())
+            _rebind.rebind(frame, replacements)
+        _objects.fill(holders, replacements)
+        self._saved_objects.clear()
+        self._holders = []
         # Tracer -> proxy -> tracer is a cycle: without this, results (and the shared-memory
         # regions or buffers they view) would live until a full garbage collection, not until `del`.
         self._saved.clear()
