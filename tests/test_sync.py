@@ -7,6 +7,8 @@ not apply after a sync, fails.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -248,3 +250,43 @@ def test_sync_inside_a_generation_step_edits_that_step(gpt2, reference):
             h.remove()
     assert norms == pytest.approx(ref_norms, rel=1e-5)
     assert ids.tolist() == want.tolist()
+
+
+def test_a_pause_past_its_timeout_cancels_the_run_and_frees_the_model(gpt2, reference):
+    with pytest.raises(nnd.DeadlineExceeded, match="paused at a sync point for more than 0.5 s"):
+        with gpt2.trace(PROMPT, pause_timeout=0.5):
+            gpt2.transformer.h[0].output.sum().item()  # the worker starts waiting for the next message here
+            time.sleep(3)  # longer than the pause timeout, which began before the value was sent
+            gpt2.transformer.h[1].output.sum().item()
+    with gpt2.trace(PROMPT):
+        logits = gpt2.lm_head.output.save()
+    _, plain = _outputs(reference, PROMPT)
+    assert torch.allclose(logits, plain, atol=1e-5)
+
+
+def test_a_client_that_goes_away_while_paused_frees_the_model(gpt2, daemon, tiny_models, reference):
+    # Another process pauses a run and is killed while paused; the model must serve the next request.
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import os, sys, nnd
+        model = nnd.TransformersModel({tiny_models["gpt2"]!r}, address={daemon.address!r}, device="cpu")
+        with model.trace({PROMPT!r}, pause_timeout=600):
+            model.transformer.h[0].output.sum().item()
+            print("paused", flush=True)
+            sys.stdin.readline()  # held here until killed
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "paused"
+    finally:
+        proc.kill()
+        proc.wait()
+    with gpt2.trace(PROMPT, timeout=120):  # with the 600 s pause still holding the model, this would time out
+        logits = gpt2.lm_head.output.save()
+    _, plain = _outputs(reference, PROMPT)
+    assert torch.allclose(logits, plain, atol=1e-5)

@@ -74,5 +74,13 @@ class Generator:
 
     @property
     def output(self) -> Proxy:
-        """The generated token ids (the same as `tracer.result`)."""
+        """Deprecated (as in nnsight): the generated token ids; read `tracer.result`."""
+        import warnings
+
+        warnings.warn(
+            "model.generator.output is deprecated; use tracer.result instead "
+            "(model.generator.streamer.output still gives per-step tokens).",
+            FutureWarning,
+            stacklevel=2,
+        )
         return _context.current("`model.generator.output`").result

@@ -104,7 +104,7 @@ class Loop:
         warnings.warn(
             "The `with tracer.iter[...]:` / `with tracer.all():` block form is deprecated; use "
             "`for step in tracer.iter[...]:` instead.",
-            DeprecationWarning,
+            FutureWarning,  # nnsight's deprecations are FutureWarnings, shown by default
             stacklevel=2,
         )
         self._scope = self._tracer._builder.push_scope(self._steps)

@@ -67,7 +67,7 @@ def test_step_selectors(model, fake):
             model.lm_head.output.save()
         for _ in tracer.iter[[0, 2]]:
             model.lm_head.output.save()
-        with pytest.warns(DeprecationWarning, match="deprecated; use `for step in tracer.iter"):
+        with pytest.warns(FutureWarning, match="deprecated; use `for step in tracer.iter"):
             with tracer.all():  # nnsight's deprecated form: recorded once, runs at every step
                 model.lm_head.output.save()
         for _ in tracer.iter[-1:]:
@@ -125,8 +125,9 @@ def test_generated_ids_as_tensor(model, fake):
             yield nnd_pb2.TraceResponse(saved=nnd_pb2.Saved(node=node, value=values_pb2.Value(tensor=t)))
 
     fake[0].reply = reply
-    with model.generate("hi", max_new_tokens=3):
-        out = model.generator.output.save()
+    with pytest.warns(FutureWarning, match=r"model.generator.output is deprecated; use tracer.result"):
+        with model.generate("hi", max_new_tokens=3):
+            out = model.generator.output.save()
     assert out.tolist() == [[1, 2, 3]]
     node = last_generate(fake).graph.nodes[0]
     assert node.module.point == graph_pb2.RESULT
