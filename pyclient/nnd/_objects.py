@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from nnd._tracer import Tracer
 
 _MAX_DEPTH = 4
+_MAX_ITEMS = 100_000  # as _rebind: a container this big holds data, not a block's values
 _CONTAINERS = (list, dict, tuple)
 _lock = threading.Lock()
 _open = 0
@@ -86,7 +87,7 @@ def containers_of(frame: FrameType | None) -> list[Any]:
 def proxies_in(obj: Any, depth: int = 0) -> Iterator[Proxy]:
     if isinstance(obj, Proxy):
         yield obj
-    elif depth < _MAX_DEPTH and type(obj) in _CONTAINERS:
+    elif depth < _MAX_DEPTH and type(obj) in _CONTAINERS and len(obj) <= _MAX_ITEMS:  # big data is not walked
         items = obj.values() if isinstance(obj, dict) else obj
         for item in list(items):
             yield from proxies_in(item, depth + 1)
