@@ -88,8 +88,15 @@ class Loop:
         self._steps = steps
         self._scope = 0
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[Any]:
         tracer = self._tracer
+        if not tracer._unroll_loops:  # a stored edit: its loop runs at the steps of every later generation
+            scope = tracer._builder.push_scope(self._steps)
+            try:
+                yield Step(scope)
+            finally:
+                tracer._builder.pop_scope()
+            return
         for step in steps_of(self._steps, tracer._steps_known()):
             one = graph_pb2.StepSelector()
             one.steps.steps.append(step)

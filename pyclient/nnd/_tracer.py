@@ -63,6 +63,7 @@ class Tracer:
     _options_allowed: frozenset[str] = frozenset({"keep_alive", "shm", "timeout", "pause_timeout"})
     _sessionable = True  # may be part of `with model.session():`
     _delivers_values = True  # values placed in saved objects / outer containers come back (not an edit)
+    _unroll_loops = True  # `for step in tracer.iter[...]` runs per step in Python (not in an edit)
 
     def __init__(self, model: TransformersModel, data: Any = _NO_INPUT, **options: Any) -> None:
         unknown = set(options) - self._options_allowed
