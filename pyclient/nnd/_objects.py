@@ -55,6 +55,10 @@ def mount() -> None:
         _open += 1
         if _open > 1:
             return
+        # `nnd.save` is a lazy module attribute: bind it first, or `object.save` would answer for it.
+        import nnd
+
+        nnd.__getattr__("save")
         namespace = _object_dict()
         _previous.append(namespace.get("save", _MISSING))
         namespace["save"] = save_any
