@@ -2,7 +2,7 @@
 
 Plain HF `generate` in-process (no saves; `min_new_tokens=32` so all 32 come) vs
 nnd `model.generate(..., max_new_tokens=32)` with `for step in tracer.iter[:]:
-h = layer.output.save()`, and nnsight 0.8.1's generate with the same per-step
+hs.append(layer.output.save())`, and nnsight 0.8.1's generate with the same per-step
 save as a second alternative. nnd cannot ask for min_new_tokens, so the run
 checks that nnd produced all 32 steps too. A third row gives CPU time, which
 a busy machine disturbs much less than wall time (see bench_trace.py).
@@ -44,10 +44,11 @@ def run(quick: bool) -> list[Row]:
         ours = nnd.TransformersModel(path, address=d.address, device="cpu", dispatch=True)
 
         def with_nnd() -> list:
+            hs = []
             with ours.generate(PROMPT, max_new_tokens=NEW) as tracer:
-                for _ in tracer.iter[:]:
-                    h = ours.transformer.h[mid].output.save()
-            return h
+                for _ in tracer.iter[:]:  # the body runs per step, as in nnsight: one append each
+                    hs.append(ours.transformer.h[mid].output.save())
+            return hs
 
         got, ref, theirs = with_nnd(), plain(), with_nnsight()
         if (

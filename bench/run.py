@@ -25,6 +25,7 @@ import harness  # noqa: E402  (sets OMP_NUM_THREADS & co. before anything import
 # Table order; each module has NAME and run(quick) -> list[Row].
 MODULES = {
     "trace": "bench_trace",
+    "sync": "bench_sync",
     "generate": "bench_generate",
     "scan-8b": "bench_scan8b",
     "load-rss": "bench_load_rss",

@@ -58,9 +58,10 @@ def test_per_step_edit_matches_hf_generate_with_a_hook(gpt2, reference):
 
 def test_per_step_saves_count_and_shapes(gpt2):
     with gpt2.generate(PROMPT, max_new_tokens=5) as tracer:
-        for _ in tracer.iter[:]:
-            saved = gpt2.transformer.h[1].output.save()  # one entry per step
-    assert isinstance(saved, list) and len(saved) == 5
+        saved = []
+        for _ in tracer.iter[:]:  # the body runs once per step
+            saved.append(gpt2.transformer.h[1].output.save())
+    assert len(saved) == 5
     n = len(gpt2.tokenizer(PROMPT)["input_ids"])
     assert saved[0].shape == (1, n, 64)  # the prompt pass
     assert all(s.shape == (1, 1, 64) for s in saved[1:])  # one new position per step

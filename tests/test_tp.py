@@ -239,8 +239,9 @@ def test_seeded_sampling_matches(tp2, tp1):
 def test_generation_with_per_step_reads(tp2, tp1):
     def block(m):
         with m.generate(PROMPT, max_new_tokens=3) as tracer:
+            gate = []
             for _ in tracer.iter[:]:
-                gate = m.model.layers[1].mlp.gate_proj.output[:, -1].save()
+                gate.append(m.model.layers[1].mlp.gate_proj.output[:, -1].save())
             ids = tracer.result.save()
         return gate, ids
 

@@ -44,7 +44,7 @@ HANDLER_THREADS = 256
 # GetServerInfo and health answering whatever else runs (control/admission.py).
 RESERVED_THREADS = 32
 # These stream a worker's serialized responses through unchanged.
-_RAW_RESPONSES = {"Scan", "Trace", "Generate"}
+_RAW_RESPONSES = {"Scan", "Trace", "Generate", "Interact"}
 
 
 def _handlers(servicer: NndServicer, admission: Admission) -> grpc.GenericRpcHandler:
@@ -56,6 +56,11 @@ def _handlers(servicer: NndServicer, admission: Admission) -> grpc.GenericRpcHan
         serialize = (lambda b: b) if method.name in _RAW_RESPONSES else resp.SerializeToString
         fn = getattr(servicer, method.name, None)
         if fn is None:  # not implemented yet: gRPC answers UNIMPLEMENTED
+            continue
+        if method.client_streaming and method.server_streaming:  # Interact: parsed one by one, malformed ends it
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                fn, request_deserializer=_parser(req), response_serializer=serialize
+            )
             continue
         if method.client_streaming:  # Upload: messages in, one answer out (control/uploads.py refuses malformed ones)
             handlers[method.name] = grpc.stream_unary_rpc_method_handler(

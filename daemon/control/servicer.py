@@ -160,6 +160,47 @@ class NndServicer:
         run = worker_pb2.WorkerRunRequest(request=request, generate=generate, edits=meta.edits.stacks(request.edits))
         yield from self._on_worker(request.model, run, context, request.no_auto_dispatch, request.keep_alive)
 
+    @_guard
+    def Interact(self, messages: Iterator[Any], context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Check the first message, add the edits' graphs, then pass messages both ways unparsed by the worker."""
+        first = next(messages, None)
+        if first is None or getattr(first, "WhichOneof", lambda _: None)("kind") != "start":
+            text = getattr(first, "text", "an Interact stream starts with an InteractStart")
+            raise errors.InvalidArgument(text)
+        start = first.start
+        requests.check(start.request, self.settings.limits, generate=start.generate)
+        meta = self.registry.get(start.request.model).meta
+        _resolve_aliases(meta, [start.request.graph])
+        run = worker_pb2.WorkerRunRequest(
+            request=start.request, generate=start.generate, edits=meta.edits.stacks(start.request.edits)
+        )
+
+        def upstream() -> Iterator[worker_pb2.WorkerInteractRequest]:
+            yield worker_pb2.WorkerInteractRequest(run=run, client=first)
+            for msg in messages:
+                if not isinstance(msg, nnd_pb2.InteractRequest):  # malformed bytes: end the run
+                    return
+                if msg.HasField("more"):
+                    # Aliases (`model.layers` on any architecture) resolve here, as in a Trace.
+                    _resolve_aliases(meta, [msg.more.graph])
+                yield worker_pb2.WorkerInteractRequest(client=msg)
+
+        request = start.request
+        entry = self.registry.acquire(
+            request.model, auto_dispatch=not request.no_auto_dispatch, keep_alive=request.keep_alive
+        )
+        try:
+            worker = entry.worker
+            if worker is None:
+                raise errors.Unavailable(f"model {entry.name} lost its worker: {entry.last_error}")
+            remaining = context.time_remaining()
+            timeout = (
+                remaining if remaining is not None and remaining < 1e8 else self.settings.limits.default_deadline_s
+            )
+            yield from worker.interact(upstream(), timeout=timeout or None, client=context)
+        finally:
+            self.registry.done(entry)
+
     def _on_worker(
         self,
         model: str,

@@ -284,6 +284,29 @@ class Worker:
         finally:
             call.cancel()
 
+    def interact(
+        self,
+        messages: Iterator[worker_pb2.WorkerInteractRequest],
+        *,
+        timeout: float | None,
+        client: grpc.ServicerContext | None = None,
+    ) -> Iterator[bytes]:
+        """An interactive run (Nnd.Interact): the client's messages in, the worker's responses out as bytes."""
+        assert self.channel is not None
+        call = self.channel.stream_stream(
+            "/nnd.v1.Worker/Interact",
+            request_serializer=worker_pb2.WorkerInteractRequest.SerializeToString,
+            response_deserializer=None,
+        )(messages, timeout=timeout)
+        if client is not None and not client.add_callback(call.cancel):
+            call.cancel()
+        try:
+            yield from call
+        except grpc.RpcError as err:
+            raise self.translate(err, started=_started(call)) from None
+        finally:
+            call.cancel()
+
     def status(self, timeout: float = 2.0) -> worker_pb2.WorkerStatus | None:
         if self.stub is None:
             return None

@@ -29,10 +29,11 @@ from . import batch as batching
 from . import generation, plan, scan, wire
 from .executor import Executor, StopForward
 from .failures import where, wrap
+from .interact import Interaction
 from .limits import EngineLimits
 from .ops import ATTRIBUTES, OPS
 
-__all__ = ["ATTRIBUTES", "MODES", "OPS", "EngineLimits", "run", "run_session", "run_worker"]
+__all__ = ["ATTRIBUTES", "MODES", "OPS", "EngineLimits", "Interaction", "run", "run_session", "run_worker"]
 
 MODES = ("trace", "scan", "generate")
 
@@ -48,18 +49,29 @@ def run(
     limits: EngineLimits | None = None,
     edits: Mapping[str, Sequence[graph_pb2.Graph]] | None = None,
     lend: Callable[[], None] | None = None,
+    interaction: Interaction | None = None,
 ) -> None:
     """Run `request.graph` on `model` and stream its results through `emit`.
 
     `edits` maps stored edit ids to their graphs; `request.edits` names the
     ones applied first. `lend`, called between generation steps, may run other
     requests on the model (worker/turns.py); this request's hooks and random
-    state are set aside meanwhile. Raises only `nnd_daemon.errors` exceptions.
+    state are set aside meanwhile. With `interaction` the run pauses at the
+    client's sync points (interact.py). Raises only `nnd_daemon.errors` exceptions.
     """
     try:
         limits = limits or EngineLimits()
         done = _run(
-            model, tokenizer, request, mode=mode, emit=emit, cancelled=cancelled, limits=limits, edits=edits, lend=lend
+            model,
+            tokenizer,
+            request,
+            mode=mode,
+            emit=emit,
+            cancelled=cancelled,
+            limits=limits,
+            edits=edits,
+            interaction=interaction,
+            lend=lend,
         )
         _emit_saved(done.plan, done.saved, emit, limits.max_saved_bytes)
         emit(nnd_pb2.TraceResponse(done=nnd_pb2.TraceDone(compute_s=done.compute_s)))
@@ -162,16 +174,27 @@ def run_worker(
     cancelled: Callable[[], bool] = lambda: False,
     limits: EngineLimits | None = None,
     lend: Callable[[], None] | None = None,
+    interaction: Interaction | None = None,
 ) -> None:
     """Run what a worker is sent: a Trace, a Generate or a Session, with the edit graphs it carries.
     A Generate lends the model between its steps through `lend` (see `run`)."""
     edits = {edit_id: list(stack.graphs) for edit_id, stack in request.edits.items()}
     if request.HasField("session"):
+        if interaction is not None:
+            raise errors.InvalidArgument("a session cannot be run interactively; send its blocks as a Session")
         run_session(model, tokenizer, request.session, emit=emit, cancelled=cancelled, limits=limits, edits=edits)
         return
     mode = "generate" if request.generate else "trace"
     run(
-        model, tokenizer, request.request, mode=mode, emit=emit, cancelled=cancelled, limits=limits, edits=edits,
+        model,
+        tokenizer,
+        request.request,
+        mode=mode,
+        emit=emit,
+        cancelled=cancelled,
+        limits=limits,
+        edits=edits,
+        interaction=interaction,
         lend=lend,
     )
 
@@ -223,6 +246,7 @@ def _run(
     edits: Mapping[str, Sequence[graph_pb2.Graph]] | None = None,
     external: Mapping[int, Any] | None = None,
     lend: Callable[[], None] | None = None,
+    interaction: Interaction | None = None,
 ) -> _Done:
     if mode not in MODES:
         raise errors.InvalidArgument(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
@@ -250,6 +274,10 @@ def _run(
     opts = generation.options(request.generate, limits) if mode == "generate" else None
     total_steps = opts.max_new_tokens if opts else 1
 
+    def send(values: dict[int, Any]) -> None:  # a sync point's values, then Paused
+        _emit_saved(the_plan, values, emit, limits.max_saved_bytes)
+        emit(nnd_pb2.TraceResponse(paused=nnd_pb2.Paused(nodes=list(values))))
+
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         constant: Callable[[Any], Any] = lambda v: v  # noqa: E731
@@ -264,12 +292,17 @@ def _run(
             cancelled=cancelled,
             scan=mode == "scan",
             constant=constant,
+            interaction=interaction,
+            send=send,
+            max_constant_bytes=limits.max_constant_bytes,
         )
+        if interaction is not None:
+            executor.check_wants()
         _grad_scope(model, stack, the_plan.needs_grad and mode != "scan")
         stack.enter_context(executor.hooks.installed())
         try:
             executor.poll()
-            executor.run_ready()  # nodes that need only constants
+            executor.settle(None)  # nodes that need only constants
             placed = inputs.to(batching.input_device(model))
             if opts is not None:
                 between = None
@@ -291,6 +324,7 @@ def _run(
         except Exception as e:
             last = executor.writes[-1].proto if executor.writes else None
             raise wrap(e, last, scan=mode == "scan") from None
+        executor.drain()
         executor.check_complete()
         saved = executor.saved()
     compute_s = time.perf_counter() - started

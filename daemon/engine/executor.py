@@ -9,6 +9,11 @@ Gradients (grads.py) run inside this same loop: a Backward node is an op whose
 execution drives autograd, and autograd's tensor hooks bind Grad nodes and
 apply SetGrad nodes as gradients arrive. Caches record module values at the
 end of each hook, after the graph's writes there.
+
+Sync points (interact.py): with an Interaction, every module is hooked; once
+the values the client asked for exist, the executor sends them and waits for
+the client's next nodes at the hook where it stands. Nodes for that hook are
+handled there; nodes for hooks already passed are an out-of-order error.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from .. import errors
 from . import grads, modules, sharding, values
 from .failures import where, wrap
 from .hooks import HookSet
+from .interact import Interaction
 from .plan import POST, PRE, RESULT, Const, Plan, PlanNode, Ref, Seq
 
 HookKey = tuple[str, str, int]
@@ -64,6 +70,9 @@ class Executor:
         cancelled: Callable[[], bool],
         scan: bool = False,
         constant: Callable[[Any], Any] = lambda v: v,
+        interaction: Interaction | None = None,
+        send: Callable[[dict[int, Any]], None] | None = None,
+        max_constant_bytes: int = 0,
     ) -> None:
         self.plan = plan
         self.modules = modules.table(model)
@@ -90,7 +99,14 @@ class Executor:
         self.skips: dict[str, Any] = {}
         self.writes: list[PlanNode] = []  # writes applied, for errors raised later by the model
         skip_paths = {n.target.path for n in plan.nodes.values() if n.kind == "skip" and n.hook == PRE and n.target}
-        self.hooks = HookSet(model, plan.paths, skip_paths, self.at_pre, self.at_post, self.take_skip)
+        self.interaction = interaction
+        self.send = send
+        self.max_constant_bytes = max_constant_bytes
+        self.forward_done = False
+        self.step = -1  # the generation step running (its root call)
+        # Interactive: nodes added later may name any module, so every module is hooked.
+        paths = set(self.modules) if interaction is not None else plan.paths
+        self.hooks = HookSet(model, paths, skip_paths, self.at_pre, self.at_post, self.take_skip)
         # Tensor parallel: values the graph touches are gathered whole at the hook and split back after.
         self.shard = sharding.of(model)
         for node in plan.nodes.values():  # values of earlier traces of a session
@@ -151,6 +167,7 @@ class Executor:
     def at_pre(self, path: str, call: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.poll()
         if path == "":
+            self.step = call
             self.begin_step(call)
         events = self.collect(path, PRE, call)
         if not events and not self.caches.wants(path):
@@ -159,17 +176,19 @@ class Executor:
         self.current = key
         state: list[Any] = self.shard.enter(path, PRE, [list(args), dict(kwargs)])
         changed = self.shard.sharded(path, PRE)
-        for frame, node in events:
-            if node.kind == "module":
-                if node.id in self.grad_sources and node.target is not None:
-                    changed = grads.require_grad_pre(node.target.point, state) or changed
-                self.bind(frame, node, key, self.read_pre(node, state))
-            elif node.kind == "set":
-                self.write_pre(node, state, self.write_value(frame, node, self.pre_like(node, state)))
-                changed = True
-            elif node.kind == "skip":
-                like = values.first_tensor(state)
-                self.skips[path] = self.shard.leave(path, POST, self.write_value(frame, node, like))
+        while events:
+            for frame, node in events:
+                if node.kind == "module":
+                    if node.id in self.grad_sources and node.target is not None:
+                        changed = grads.require_grad_pre(node.target.point, state) or changed
+                    self.bind(frame, node, key, self.read_pre(node, state))
+                elif node.kind == "set":
+                    self.write_pre(node, state, self.write_value(frame, node, self.pre_like(node, state)))
+                    changed = True
+                elif node.kind == "skip":
+                    like = values.first_tensor(state)
+                    self.skips[path] = self.shard.leave(path, POST, self.write_value(frame, node, like))
+            events = self.settle(key)
         self.finish_hook(key, record=lambda: self.caches.record(path, PRE, call, state))
         if changed:
             state = self.shard.leave(path, PRE, state)
@@ -185,21 +204,24 @@ class Executor:
         self.current = key
         state = [self.shard.enter(path, POST, output)]
         changed = self.shard.sharded(path, POST)
-        for frame, node in events:
-            if node.kind == "module":
-                if node.id in self.grad_sources:
-                    changed = grads.require_grad(state) or changed
-                self.bind(frame, node, key, self.view(state[0], node))
-            else:  # set, or skip of one invoke's rows
-                value = self.write_value(frame, node, values.first_tensor(state[0]))
-                if node.invoke is None:
-                    state[0] = value
-                    changed = True
-                else:
-                    start, stop = self.rows[node.invoke]
-                    self.guard(
-                        node, lambda v=value, a=start, b=stop: values.write_rows(state[0], v, a, b, self.batch_size)
-                    )
+        while events:
+            for frame, node in events:
+                if node.kind == "module":
+                    if node.id in self.grad_sources:
+                        changed = grads.require_grad(state) or changed
+                    self.bind(frame, node, key, self.view(state[0], node))
+                else:  # set, or skip of one invoke's rows
+                    value = self.write_value(frame, node, values.first_tensor(state[0]))
+                    if node.invoke is None:
+                        state[0] = value
+                        changed = True
+                    else:
+                        start, stop = self.rows[node.invoke]
+                        self.guard(
+                            node,
+                            lambda v=value, a=start, b=stop: values.write_rows(state[0], v, a, b, self.batch_size),
+                        )
+            events = self.settle(key)
         self.finish_hook(key, record=lambda: self.caches.record(path, POST, call, state[0]))
         return self.shard.leave(path, POST, state[0]) if changed else None
 
@@ -208,11 +230,14 @@ class Executor:
         key = ("", RESULT, 0)
         self.current = key
         state = [result]
-        for frame, node in events:
-            if node.id in self.grad_sources:
-                grads.require_grad(state)
-            self.bind(frame, node, key, self.view(state[0], node))
+        while events:
+            for frame, node in events:
+                if node.id in self.grad_sources:
+                    grads.require_grad(state)
+                self.bind(frame, node, key, self.view(state[0], node))
+            events = self.settle(key)
         self.finish_hook(key, stop=False)
+        self.forward_done = True
 
     def take_skip(self, path: str) -> tuple[bool, Any]:
         if path in self.skips:
@@ -225,8 +250,144 @@ class Executor:
             record()
         self.completed.add(key)
         self.current = None
-        if stop and self.plan.has_stop and all(f.done() for f in self.frames()):
+        finished = self.interaction is None or self.interaction.finished
+        if stop and finished and self.plan.has_stop and all(f.done() for f in self.frames()):
             raise StopForward
+
+    # ------------------------------------------------------------ sync points
+
+    def settle(self, key: HookKey | None) -> list[tuple[Frame, PlanNode]]:
+        """Run what can run; at a sync point pause, until the client adds nodes for hook `key`
+        (the one the forward stands at, returned to be handled there) or asks for a value not there yet."""
+        self.run_ready()
+        inter = self.interaction
+        while inter is not None and inter.due(self.has_value):
+            late = self.pause(key)
+            if late:
+                return late
+            self.run_ready()
+        return []
+
+    def pause(self, key: HookKey | None) -> list[tuple[Frame, PlanNode]]:
+        inter = self.interaction
+        assert inter is not None and self.send is not None
+        self.send({i: self.value_of(i) for i in inter.want})
+        inter.paused_at = self.plan.nodes[inter.want[-1]].proto
+        msg = inter.wait()
+        added = self.plan.extend(msg.graph, self.max_constant_bytes)
+        late = self.attach(added, key)
+        self.check_wants()
+        return late
+
+    def check_wants(self) -> None:
+        inter = self.interaction
+        assert inter is not None
+        for i in inter.want:
+            node = self.plan.nodes.get(i)
+            if node is None or node.kind in ("stop", "cache", "set", "skip", "set_grad"):
+                raise errors.InvalidArgument(f"a sync point asks for node {i}, which is not a value of the request")
+
+    def frames_of(self, scope: int) -> list[Frame]:
+        return [self.root] if scope == 0 else [f for (s, _), f in sorted(self.loops.items()) if s == scope]
+
+    def has_value(self, node_id: int) -> bool:
+        node = self.plan.nodes.get(node_id)
+        return node is not None and any(node_id in f.values for f in self.frames_of(node.scope))
+
+    def value_of(self, node_id: int) -> Any:
+        return next(f.values[node_id] for f in self.frames_of(self.plan.nodes[node_id].scope) if node_id in f.values)
+
+    def attach(self, added: list[PlanNode], key: HookKey | None) -> list[tuple[Frame, PlanNode]]:
+        """Make nodes added while paused part of the run; return those that belong at hook `key`."""
+        late: list[tuple[Frame, PlanNode]] = []
+        for node in added:
+            if node.kind == "cache":
+                raise errors.InvalidArgument(f"{where(node.proto)}\nopen a cache before the first sync point")
+            if node.kind in ("backward", "grad", "set_grad"):
+                raise errors.InvalidArgument(
+                    f"{where(node.proto)}\ngradients cannot be added after a sync point",
+                    exc_type="NotImplementedError",
+                )
+            if (
+                node.kind == "skip"
+                and node.hook == PRE
+                and node.target
+                and node.target.path not in self.hooks.skip_paths
+            ):
+                raise errors.InvalidArgument(
+                    f"{where(node.proto)}\na whole-batch skip must be recorded before the first sync point"
+                )
+            if node.scope == 0:
+                late += self.attach_to(self.root, node, key)
+                continue
+            if node.target is not None:
+                self.loop_events.setdefault((node.target.path, node.hook), []).append(node.id)
+            # Steps that have begun already run it from now on; later steps pick it up in begin_step.
+            for step in range(self.step + 1):
+                if self.selected(node.scope, step):
+                    frame = self.loops.get((node.scope, step))
+                    if frame is None:
+                        frame = self.loops[(node.scope, step)] = Frame(node.scope, step, [], self.plan)
+                    late += self.attach_to(frame, node, key)
+        return late
+
+    def attach_to(self, frame: Frame, node: PlanNode, key: HookKey | None) -> list[tuple[Frame, PlanNode]]:
+        if node.kind not in ("stop", "external"):
+            frame.pending.add(node.id)
+        if node.kind in RUNNABLE:
+            frame.runnable[node.id] = None
+        if node.target is None:
+            return []
+        hook = (node.target.path, node.hook, node.target.call + (frame.step if frame.scope else 0))
+        if hook == key:
+            return [(frame, node)]
+        if self.passed(hook):
+            raise self.out_of_order(node)
+        if frame.scope == 0:
+            self.events.setdefault(hook, []).append(node.id)
+        return []
+
+    def passed(self, hook: HookKey) -> bool:
+        path, kind, call = hook
+        if kind == RESULT or self.forward_done:
+            return self.forward_done
+        made = self.hooks.calls.get(path, 0)
+        if kind == PRE:
+            return made > call
+        return made > call and call not in self.hooks.active.get(path, ())
+
+    def out_of_order(self, node: PlanNode) -> errors.NndError:
+        assert node.target is not None and self.interaction is not None
+        point = {graph_pb2.OUTPUT: "output", graph_pb2.INPUT: "input", graph_pb2.INPUTS: "inputs"}.get(
+            node.target.point, "result"
+        )
+        name = repr(node.target.path) if node.target.path else "the model"
+        paused = self.interaction.paused_at
+        at = where(paused) if paused is not None else "a sync point"
+        return errors.InvalidArgument(
+            f"{where(node.proto)}\nasks for the {point} of {name} (call {node.target.call}), which the model "
+            f"already ran past: the run was paused for a value at {at}, so lines after it can only use modules "
+            "that run later in the forward",
+            exc_type="OutOfOrderError",
+        )
+
+    def drain(self) -> None:
+        """After the forward: answer the client until it finishes (values of nodes that need no module)."""
+        self.forward_done = True
+        inter = self.interaction
+        if inter is None:
+            return
+        while True:
+            self.settle(None)
+            if inter.finished:
+                return
+            missing = next(i for i in inter.want if not self.has_value(i))
+            node = self.plan.nodes[missing]
+            frame = next(iter(self.frames_of(node.scope)), self.root)
+            late = self.missing_input(frame, node) if node.kind != "module" else node
+            raise errors.InvalidArgument(
+                f"{where(node.proto)}\na sync point needs this value, which never ran: {self.never_ran(late, frame)}"
+            )
 
     # ------------------------------------------------------------ reading and writing module values
 

@@ -96,6 +96,22 @@ class Plan:
     grads: dict[int, dict[int, list[int]]] = field(default_factory=dict)
     # Module nodes whose tensors must require grad (the sources of every gradient asked for).
     grad_sources: set[int] = field(default_factory=set)
+    # What planned it: a running interactive request adds nodes through it (`extend`).
+    builder: Any = None
+
+    def extend(self, graph: graph_pb2.Graph, max_constant_bytes: int = 0) -> list[PlanNode]:
+        """Validate and plan nodes added to a running request (after a sync point)."""
+        assert self.builder is not None
+        if max_constant_bytes:
+            size = _constant_bytes(graph)
+            if size > max_constant_bytes:
+                raise errors.ResourceExhausted(
+                    f"the added nodes' constants hold {size} bytes, over the limit "
+                    f"max_constant_bytes={max_constant_bytes}"
+                )
+        added = self.builder.extend(graph)
+        self.has_stop = self.has_stop or any(n.kind == "stop" for n in added)
+        return added
 
     @property
     def needs_grad(self) -> bool:
@@ -176,6 +192,7 @@ class _Builder:
         self.grads: dict[int, dict[int, list[int]]] = {}
         self.grad_sources: set[int] = set()
         self._depends: dict[int, frozenset[int]] = {}
+        self.request_offset = 0  # the request's scope k is scopes[request_offset + k - 1]
 
     def build(self) -> Plan:
         for ext_id, value in sorted(self.external.items()):
@@ -194,10 +211,41 @@ class _Builder:
         for node in self.nodes.values():
             self.check_causality(node)
         has_stop = any(n.kind == "stop" for n in self.nodes.values())
-        return Plan(self.nodes, self.scopes, self.paths, has_stop, self.grads, self.grad_sources)
+        return Plan(self.nodes, self.scopes, self.paths, has_stop, self.grads, self.grad_sources, self)
+
+    def extend(self, graph: graph_pb2.Graph) -> list[PlanNode]:
+        """Nodes (and loop scopes, numbered after the request's earlier ones) added to a running request."""
+        top = max(self.nodes, default=0)
+        for s, scope in enumerate(graph.scopes):
+            if scope.steps.WhichOneof("kind") is None:
+                raise errors.InvalidArgument(f"added scope {s + 1} has no step selector (all, range or steps)")
+            self.scopes.append(scope.steps)
+        request_scopes = len(self.scopes) - self.request_offset
+        added: list[PlanNode] = []
+        for proto in graph.nodes:
+            if proto.id <= top:
+                raise errors.InvalidArgument(
+                    f"{where(proto)}\nnodes added to a running request need ids above every earlier node's "
+                    f"({proto.id} follows {top})"
+                )
+            top = proto.id
+            if proto.scope > request_scopes:
+                raise errors.InvalidArgument(
+                    f"{where(proto)}\nnode {proto.id} is in scope {proto.scope} but the request has "
+                    f"{request_scopes} loop scope(s)"
+                )
+            scope = proto.scope + self.request_offset if proto.scope else 0
+            node = self.node(proto, proto.id, scope)
+            self.nodes[node.id] = node
+            added.append(node)
+        for node in added:
+            self.check_causality(node)
+        return added
 
     def add_part(self, graph: graph_pb2.Graph, ids: IdMap, *, edit: bool) -> None:
         offset = len(self.scopes)
+        if not edit:
+            self.request_offset = offset
         for s, scope in enumerate(graph.scopes):
             if scope.steps.WhichOneof("kind") is None:
                 raise errors.InvalidArgument(f"scope {s + 1} has no step selector (all, range or steps)")
@@ -366,7 +414,7 @@ class _Builder:
     def base_step(self, scope: int) -> int:
         if scope == 0:
             return 0
-        sel = self.graph.scopes[scope - 1].steps
+        sel = self.scopes[scope - 1]  # `scope` counts the edits' scopes too
         kind = sel.WhichOneof("kind")
         if kind == "range" and sel.range.HasField("start"):
             return max(sel.range.start, 0)

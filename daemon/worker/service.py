@@ -172,6 +172,78 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 lend=self._run_lock.lend,
             )
 
+    # -- Interact -------------------------------------------------------------
+    def Interact(self, requests: Iterator[worker_pb2.WorkerInteractRequest], context: grpc.ServicerContext) -> Any:
+        """A run the client steers at sync points: it runs alone (never batched) and holds the model while paused."""
+        from nnd_daemon import engine
+        from nnd_daemon.engine import interact
+
+        if self.model is None:
+            errors.abort(context, errors.FailedPrecondition("worker has no model loaded"))
+        first = next(requests, None)
+        if first is None or not first.HasField("run") or first.client.WhichOneof("kind") != "start":
+            errors.abort(
+                context, errors.InvalidArgument("an Interact stream starts with the run and its InteractStart")
+            )
+        stop = threading.Event()
+        inbox: queue.Queue[Any] = queue.Queue()
+
+        def gone() -> None:
+            stop.set()
+            inbox.put(interact.GONE)  # wakes a paused run at once
+
+        context.add_callback(gone)
+
+        def read() -> None:
+            try:
+                for msg in requests:
+                    inbox.put(msg.client.more if msg.client.WhichOneof("kind") == "more" else interact.GONE)
+            except Exception:  # noqa: BLE001 - the stream broke: same as the client going away
+                pass
+            inbox.put(interact.GONE)
+
+        def receive(timeout: float) -> Any:
+            try:
+                return inbox.get(timeout=timeout)
+            except queue.Empty:
+                return None
+
+        threading.Thread(target=read, name="interact-read", daemon=True).start()
+        interaction = interact.Interaction(first.client.start, receive)
+        out: queue.Queue[Any] = queue.Queue()
+        run = first.run
+
+        def work() -> None:
+            try:
+                with self._run_lock:  # alone: a paused run must not hold other clients' rows
+                    if stop.is_set():
+                        raise errors.Cancelled("request cancelled before it ran")
+                    out.put(_STARTED)
+                    engine.run_worker(
+                        self.model,
+                        self.tokenizer,
+                        run,
+                        emit=out.put,
+                        cancelled=stop.is_set,
+                        limits=self.limits,
+                        interaction=interaction,
+                    )
+                out.put(_END)
+            except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
+                out.put(exc)
+
+        threading.Thread(target=work, name="interact", daemon=True).start()
+        while True:
+            item = out.get()
+            if item is _END:
+                return
+            if item is _STARTED:
+                context.send_initial_metadata(((errors.STARTED_KEY, "1"),))
+                continue
+            if isinstance(item, BaseException):
+                _abort(context, item)
+            yield item
+
     # -- Status -------------------------------------------------------------
     def Status(self, request: worker_pb2.WorkerStatusRequest, context: grpc.ServicerContext) -> Any:
         status = worker_pb2.WorkerStatus(

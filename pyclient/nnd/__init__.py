@@ -46,6 +46,7 @@ _LAZY = {
     "Cancelled": ("nnd.errors", "Cancelled"),
     "DeadlineExceeded": ("nnd.errors", "DeadlineExceeded"),
     "ExportError": ("nnd.errors", "ExportError"),
+    "OutOfOrderError": ("nnd.errors", "OutOfOrderError"),
 }
 
 __all__ = ["__version__", *_LAZY]
@@ -75,6 +76,7 @@ if TYPE_CHECKING:  # static types for the lazy names (redundant aliases re-expor
     from nnd.errors import LimitExceeded as LimitExceeded
     from nnd.errors import ModelNotFound as ModelNotFound
     from nnd.errors import NndError as NndError
+    from nnd.errors import OutOfOrderError as OutOfOrderError
     from nnd.errors import Unauthenticated as Unauthenticated
     from nnd.errors import Unsupported as Unsupported
     from nnd.errors import WrongState as WrongState

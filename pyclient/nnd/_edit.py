@@ -44,6 +44,9 @@ class EditTracer(Tracer):
         super().__enter__()
         return self if self._inplace else (self, self.edited)
 
+    _delivers_values = False  # an edit saves nothing
+    _unroll_loops = False  # its loops run at the steps of later generations, whose length it cannot know
+
     def invoke(self, data: Any = None) -> Any:  # type: ignore[override]
         raise TypeError("an edit applies to every input of later traces; it takes no invoke")
 

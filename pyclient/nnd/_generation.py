@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     from nnd._model import TransformersModel
 
 
+DEFAULT_MAX_NEW_TOKENS = 20  # the daemon's (and transformers') length when none is given
+
 GENERATE_OPTIONS = frozenset(
     {"max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stream_text"}
 )
@@ -73,5 +75,13 @@ class Generator:
 
     @property
     def output(self) -> Proxy:
-        """The generated token ids (the same as `tracer.result`)."""
+        """Deprecated (as in nnsight): the generated token ids; read `tracer.result`."""
+        import warnings
+
+        warnings.warn(
+            "model.generator.output is deprecated; use tracer.result instead "
+            "(model.generator.streamer.output still gives per-step tokens).",
+            FutureWarning,
+            stacklevel=2,
+        )
         return _context.current("`model.generator.output`").result

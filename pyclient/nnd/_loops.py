@@ -1,11 +1,19 @@
-"""Loop scopes over generation steps: `tracer.iter[...]` and `tracer.all()`.
+"""Loops over generation steps: `tracer.iter[...]` and `tracer.all()`.
 
-The body of a loop is recorded once, into a scope the daemon runs at every
-selected step; so the iterator yields exactly once.
+`for step in tracer.iter[...]:` runs its body once per step in Python, as
+nnsight does, with `step` the step's number: the generation's length is known
+(max_new_tokens), so the loop is unrolled, each pass recorded into a scope of
+its own that the daemon runs at that one step. Appends, per-step `if`s and
+sync points inside the body behave as in nnsight. A step the generation never
+reaches (it stopped early) runs nothing; the block warns, as nnsight does.
+
+`with tracer.all():` / `with tracer.iter[...]:` (nnsight's deprecated form)
+records its body once into a scope the daemon runs at every selected step.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -80,19 +88,56 @@ class Loop:
         self._steps = steps
         self._scope = 0
 
-    def __iter__(self) -> Iterator[Step]:
-        scope = self._tracer._builder.push_scope(self._steps)
-        try:
-            yield Step(scope)
-        finally:
-            self._tracer._builder.pop_scope()
+    def __iter__(self) -> Iterator[Any]:
+        tracer = self._tracer
+        if not tracer._unroll_loops:  # a stored edit: its loop runs at the steps of every later generation
+            scope = tracer._builder.push_scope(self._steps)
+            try:
+                yield Step(scope)
+            finally:
+                tracer._builder.pop_scope()
+            return
+        for step in steps_of(self._steps, tracer._steps_known()):
+            one = graph_pb2.StepSelector()
+            one.steps.steps.append(step)
+            scope = tracer._builder.push_scope(one)
+            tracer._unrolled[scope] = step
+            try:
+                yield step
+            finally:
+                tracer._builder.pop_scope()
 
     def __enter__(self) -> Step:
+        warnings.warn(
+            "The `with tracer.iter[...]:` / `with tracer.all():` block form is deprecated; use "
+            "`for step in tracer.iter[...]:` instead.",
+            FutureWarning,  # nnsight's deprecations are FutureWarnings, shown by default
+            stacklevel=2,
+        )
         self._scope = self._tracer._builder.push_scope(self._steps)
         return Step(self._scope)
 
     def __exit__(self, *exc: object) -> None:
         self._tracer._builder.pop_scope()
+
+
+def steps_of(sel: graph_pb2.StepSelector, total: int) -> list[int]:
+    """The steps a selector picks out of `total` (what the daemon's executor selects)."""
+    span = range(total)
+    kind = sel.WhichOneof("kind")
+    if kind == "all":
+        return list(span)
+    if kind == "range":
+        r = sel.range
+        part = span[
+            slice(
+                r.start if r.HasField("start") else None,
+                r.stop if r.HasField("stop") else None,
+                r.step if r.HasField("step") else None,
+            )
+        ]
+        return list(part)
+    return [span[s] for s in sel.steps.steps if -total <= s < total]
 
 
 class StepIter:

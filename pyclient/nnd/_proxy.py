@@ -29,6 +29,8 @@ _BINARY = {
 }  # fmt: skip
 _COMPARE = ("lt", "le", "eq", "ne", "gt", "ge")
 _UNARY = {"neg": "neg", "pos": "pos", "abs": "abs", "invert": "invert"}
+# Methods whose answer is a Python value, not a tensor: they need the real value now.
+_CONCRETE_METHODS = frozenset({"item", "tolist", "numpy"})
 _INPLACE = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor")
 
 
@@ -154,6 +156,8 @@ class Proxy:
             raise AttributeError(name)
         if not self._live():
             return getattr(self.value, name)
+        if name in _CONCRETE_METHODS:  # `.item()`, `.tolist()`, `.numpy()`: a sync point
+            return lambda *args, **kwargs: getattr(self._real(), name)(*args, **kwargs)
         return Proxy(self._tracer, None, pending=(self, name))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -206,33 +210,45 @@ class Proxy:
             return
         self._tracer._recorder()._record("setitem", [self, key, value], {})
 
-    # -- value-dependent Python: refused while recording
-    def _refuse(self, what: str) -> Any:
+    # -- value-dependent Python: a sync point while recording (_interact.py)
+    def _real(self) -> Any:
+        """The real value: after the block the saved one; inside it, fetched mid-run."""
         if not self._live():
-            return None
-        raise value_not_known(what, _source.location().text)
+            return self.value
+        return self._tracer._recorder()._sync(self)
 
     def __bool__(self) -> bool:
-        return bool(self.value) if not self._live() else self._refuse("`bool()` (an `if`, `and`, `or`, `not`)")
+        return bool(self._real())
 
     def __float__(self) -> float:
-        return float(self.value) if not self._live() else self._refuse("`float()`")
+        return float(self._real())
 
     def __int__(self) -> int:
-        return int(self.value) if not self._live() else self._refuse("`int()`")
+        return int(self._real())
 
     def __index__(self) -> int:
-        return operator.index(self.value) if not self._live() else self._refuse("using it as an index")
+        return operator.index(self._real())
 
     def __complex__(self) -> complex:
-        return complex(self.value) if not self._live() else self._refuse("`complex()`")
+        return complex(self._real())
 
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._live():
-            self._refuse("converting it to a numpy array")
         import numpy as np
 
-        return np.asarray(self.value, *args, **kwargs)
+        value = self._real()
+        if hasattr(value, "detach"):  # a torch tensor
+            value = value.detach().cpu().numpy()
+        return np.asarray(value, *args, **kwargs)
+
+    def __str__(self) -> str:
+        if self._value is _UNSET and self._live():
+            return str(self._real())
+        return repr(self)
+
+    def __format__(self, spec: str) -> str:
+        if self._value is _UNSET and self._live():
+            return format(self._real(), spec)
+        return format(self._value, spec) if self._value is not _UNSET else format(repr(self), spec)
 
     # numpy: defer `ndarray + proxy` to our reflected operators
     __array_ufunc__ = None

@@ -77,6 +77,11 @@ def _inside(value: Any, replacements: Replacements, depth: int) -> tuple[bool, A
     return False, value
 
 
+def replace_inside(container: Any, replacements: Replacements) -> None:
+    """Replace the proxies inside a list or dict (and the tuples it holds), in place."""
+    _inside(container, replacements, 1)
+
+
 def _rebind_dict(namespace: dict[str, Any], replacements: Replacements) -> list[str]:
     changed = []
     for name, value in list(namespace.items()):

@@ -156,6 +156,7 @@ def collect(
     use_torch: bool | None = None,
     on_step: Callable[[StepToken], None] | None = None,
     lease: Lease | None = None,
+    until_paused: bool = False,
 ) -> Results:
     """Read a whole response stream. Chunks of a blob are concatenated in
     arrival order; values are decoded once every chunk is in.
@@ -163,7 +164,10 @@ def collect(
     `lease`: the shared-memory region (`_shm.attach`) the request behind
     `responses` named (if any), settled here: back to the pool when the stream
     failed to finish or no result lies in it, else once the results that view it
-    are garbage; the size of the big results sizes the next region."""
+    are garbage; the size of the big results sizes the next region.
+
+    `until_paused`: stop at an Interact stream's Paused message (a sync point's
+    values), leaving the rest of the stream unread."""
     raw: dict[int, values_pb2.Value] = {}
     serialized: dict[int, int] = {}  # node -> the blob holding its serialized value (Saved.value_blob)
     blobs = _Blobs()
@@ -190,6 +194,8 @@ def collect(
                 out.compute_s = msg.done.compute_s
             elif kind == "queued" and not msg.queued.running:
                 _say_queued(msg.queued.ahead)
+            elif kind == "paused" and until_paused:
+                break
         joined = blobs.joined()
         for node, blob in serialized.items():
             raw[node] = values_pb2.Value.FromString(bytes(joined.pop(blob, b"")))

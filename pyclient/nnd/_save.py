@@ -22,6 +22,9 @@ def save(value: T) -> T:
         return value
     if isinstance(value, _meta.Size):
         value.save()
+    if type(value) in (list, dict, tuple):  # a container: the block's values inside it come back
+        tracer._saved_objects.append(value)
+        return value
     try:
         tracer._save_constant(value)
     except TypeError:

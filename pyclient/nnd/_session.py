@@ -13,7 +13,7 @@ from collections.abc import Hashable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from nnd import _context, _rebind, _results, _source
+from nnd import _context, _objects, _rebind, _results, _source
 from nnd.errors import NndError
 from nnd.v1 import nnd_pb2
 
@@ -122,8 +122,11 @@ class Session:
             for tracer in self._traces:
                 replacements.update(tracer._replacements())
             _rebind.rebind(frame, replacements)
+            for tracer in self._traces:
+                _objects.fill(tracer._holders, replacements)
         for tracer in self._traces:
             tracer._saved.clear()  # see Tracer.__exit__
+            tracer._holders = []
 
     def _run(self) -> None:
         traces = self._traces

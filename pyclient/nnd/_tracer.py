@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from nnd import _concrete, _context, _inputs, _meta, _rebind, _results, _source
+from nnd import _concrete, _context, _inputs, _interact, _meta, _objects, _rebind, _results, _source
 from nnd._cache import Cache, CacheView
 from nnd._graph import GraphBuilder
 from nnd._loops import Loop, StepIter, every_step
@@ -59,8 +59,11 @@ class Tracer:
 
     _method = "Trace"
     # shm=True: big saved tensors come back through shared memory (same host, unix socket; _shm.py).
-    _options_allowed: frozenset[str] = frozenset({"keep_alive", "shm", "timeout"})
+    # pause_timeout: seconds the daemon keeps a run paused at a sync point waiting for this client.
+    _options_allowed: frozenset[str] = frozenset({"keep_alive", "shm", "timeout", "pause_timeout"})
     _sessionable = True  # may be part of `with model.session():`
+    _delivers_values = True  # values placed in saved objects / outer containers come back (not an edit)
+    _unroll_loops = True  # `for step in tracer.iter[...]` runs per step in Python (not in an edit)
 
     def __init__(self, model: TransformersModel, data: Any = _NO_INPUT, **options: Any) -> None:
         unknown = set(options) - self._options_allowed
@@ -82,6 +85,15 @@ class Tracer:
         self._concrete_saves: list[_meta.Size] = []
         self._client_saves: list[tuple[Proxy, int]] = []
         self._recording = False
+        self._interaction: _interact.Interaction | None = None  # open once a sync point needed a value
+        # Unrolled loop passes: scope -> its step; saves made in them -> their scope (one value, not a list).
+        self._unrolled: dict[int, int] = {}
+        self._unrolled_saves: dict[int, int] = {}
+        # `obj.save()` on any object, and the containers the user's frame held when the block opened:
+        # the block's values inside them are delivered (_objects.py).
+        self._saved_objects: list[Any] = []
+        self._outer: list[Any] = []
+        self._holders: list[Any] = []
         self._options = options
         self.tokens: list[_results.StepToken] = []
         self._failure: str | None = None  # why the block did not complete, for its values' errors
@@ -183,8 +195,13 @@ class Tracer:
     @property
     def iter(self) -> StepIter:
         """Select generation steps: `for step in tracer.iter[:]:` (all),
-        `tracer.iter[1:3]`, `tracer.iter[[0, 2]]`. The body is recorded once."""
+        `tracer.iter[1:3]`, `tracer.iter[[0, 2]]`. The body runs once per
+        selected step, with `step` its number (see _loops.py)."""
         return StepIter(self)
+
+    def _steps_known(self) -> int:
+        """How many forward passes the block makes (a trace: one)."""
+        return 1
 
     def all(self) -> Loop:
         """`with tracer.all():` — run the body at every generation step."""
@@ -208,7 +225,10 @@ class Tracer:
         if proxy._node is None and proxy._pending is None:  # client-side value (streamer tokens)
             self._client_saves.append((proxy, self._builder.scope))
             return
-        self._saved[self._builder.save(proxy)] = proxy
+        node = self._builder.save(proxy)
+        self._saved[node] = proxy
+        if self._builder.scope in self._unrolled:
+            self._unrolled_saves[node] = self._builder.scope
 
     def _save_constant(self, value: Any) -> None:
         self._builder.save(value)
@@ -219,23 +239,45 @@ class Tracer:
     def _concrete(self, proxy: Proxy) -> Any:
         return _concrete.query(self, proxy)
 
+    def _sync(self, proxy: Proxy) -> Any:
+        """The real value of `proxy` now, mid-run (a sync point; _interact.py)."""
+        if self._session is not None:
+            raise NotImplementedError(
+                "a real value inside a session's block is not supported yet: read it in a trace of its own, "
+                "or save it and use it after the session"
+            )
+        ref = proxy._ref()
+        if self._interaction is None:
+            self._interaction = _interact.Interaction(self)
+        return self._interaction.value(ref)
+
     # -- running
     def __enter__(self) -> Tracer:
         from nnd import _ipython
 
         _ipython.install()  # in a notebook, the daemon's errors show the user's cell and line (once per shell)
         self._recording = True
+        self._outer = _objects.containers_of(_source.user_frame())
         _context.push(self)
+        _objects.mount()
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         __tracebackhide__ = True  # noqa: F841  (pytest/IPython hide this frame)
+        _objects.unmount()
+        holders = self._saved_objects + self._outer
+        self._holders = holders  # filled after the block (a session's: after the session)
+        self._outer = []
+        if exc_type is None and self._delivers_values:
+            _objects.save_held(self, holders)
         _context.pop(self)
         self._recording = False
         if exc_type is not None:
             self._failure = f"{exc_type.__name__} inside the block, before it ran"
+            if self._interaction is not None:
+                self._interaction.cancel()
             return
         if self._session is not None:
             self._session._add(self)  # sent with the session's other blocks when it ends
@@ -252,8 +294,12 @@ class Tracer:
             self._failure = "interrupted: " + self._progress()
             raise KeyboardInterrupt(f"nnd: {self._failure}; the daemon stopped the request") from None
         frame = _source.user_frame()
+        replacements = self._replacements()
         if frame is not None:
-            _rebind.rebind(frame, self._replacements())
+            _rebind.rebind(frame, replacements)
+        _objects.fill(holders, replacements)
+        self._saved_objects.clear()
+        self._holders = []
         # Tracer -> proxy -> tracer is a cycle: without this, results (and the shared-memory
         # regions or buffers they view) would live until a full garbage collection, not until `del`.
         self._saved.clear()
@@ -286,6 +332,9 @@ class Tracer:
     def _run(self) -> None:
         from nnd import _shm
 
+        if self._interaction is not None:
+            self._deliver(self._interaction.finish())
+            return
         request = self._request()
         # Into a region of this process's pool when one is free (_shm.py); `collect` settles the lease.
         lease = _shm.attach(request, self.model._conn.address) if request.shm else None
@@ -303,8 +352,14 @@ class Tracer:
     def _deliver(self, results: _results.Results) -> None:
         self.compute_s = results.compute_s
         for node, proxy in self._saved.items():
-            if node in results.saved:
-                proxy._value = results.saved[node]
+            if node not in results.saved:
+                continue
+            value = results.saved[node]
+            if node in self._unrolled_saves:  # one pass of an unrolled loop: its step's value, if reached
+                if not value:
+                    continue
+                value = value[0]
+            proxy._value = value
         for node, cache in self._caches.items():
             cache.fill(results.saved.get(node))
         for proxy, scope in self._client_saves:
@@ -333,6 +388,11 @@ class ScanTracer(Tracer):
     _method = "Scan"
     _sessionable = False
 
+    def _sync(self, proxy: Proxy) -> Any:
+        from nnd._usage import value_not_known
+
+        raise value_not_known("a real value in a scan (it runs on fake tensors)", _source.location().text)
+
 
 class GenerateTracer(Tracer):
     """A generate block: the graph runs during generation. Module values at
@@ -346,6 +406,7 @@ class GenerateTracer(Tracer):
             "keep_alive",
             "shm",
             "timeout",
+            "pause_timeout",
             "max_new_tokens",
             "min_new_tokens",
             "do_sample",
@@ -364,6 +425,25 @@ class GenerateTracer(Tracer):
         request = super()._request()
         request.generate.CopyFrom(generate_options(**self._options))
         return request
+
+    def _steps_known(self) -> int:
+        from nnd._generation import DEFAULT_MAX_NEW_TOKENS
+
+        return int(self._options.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
+
+    def _deliver(self, results: _results.Results) -> None:
+        super()._deliver(results)
+        reached = len(self.tokens)
+        missed = sorted({step for step in self._unrolled.values() if step >= reached})
+        if missed:
+            import warnings
+
+            warnings.warn(
+                f"step(s) {missed} of a `tracer.iter` loop were never reached: the generation stopped after "
+                f"{reached} step(s), so that part of the loop did not run and values saved there are missing. "
+                "To hold a generation to the loop's count, pass `min_new_tokens=`.",
+                stacklevel=4,
+            )
 
     def _client_value(self, scope: int) -> Any:
         """`model.generator.streamer.output`: the streamed ids, per step inside

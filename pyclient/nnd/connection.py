@@ -120,6 +120,17 @@ class Connection:
         finally:
             call.cancel()
 
+    def bidi(self, method: str, requests: Iterator[Any], *, timeout: float | None = None) -> Iterator[Any]:
+        """A bidirectional stream (Interact): `requests` is read by gRPC as it goes; iterating the
+        answer raises nnd exceptions; closing it cancels the call."""
+        call = getattr(self.stub, method)(requests, timeout=timeout, metadata=self._metadata())
+        try:
+            yield from call
+        except grpc.RpcError as err:
+            raise self._translate(err) from None
+        finally:
+            call.cancel()
+
     def _translate(self, err: grpc.RpcError) -> Exception:
         exc = from_rpc_error(err)
         # gRPC's own words for "nothing listens there" (a daemon's UNAVAILABLE,

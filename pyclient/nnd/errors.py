@@ -66,6 +66,12 @@ class ExportError(NndError, RuntimeError):
     client, with torch's reason, before anything is sent to the daemon."""
 
 
+class OutOfOrderError(InvalidRequest):
+    """After a sync point (a real value read inside a block), a line used a
+    module the paused forward had already run past (nnsight's OutOfOrderError).
+    The message names both lines."""
+
+
 _BY_CODE: dict[grpc.StatusCode, type[NndError]] = {
     grpc.StatusCode.UNAVAILABLE: DaemonUnavailable,
     grpc.StatusCode.NOT_FOUND: ModelNotFound,
@@ -100,7 +106,9 @@ def from_rpc_error(err: grpc.RpcError) -> NndError:
     for key, value in trailing or ():
         if key == EXC_TYPE_KEY:
             exc_type = value
-    if exc_type in _ALLOWED_BUILTINS and not issubclass(base, getattr(builtins, exc_type)):
+    if exc_type == "OutOfOrderError" and base is InvalidRequest:
+        cls: type[NndError] = OutOfOrderError
+    elif exc_type in _ALLOWED_BUILTINS and not issubclass(base, getattr(builtins, exc_type)):
         cls = _mix(base, getattr(builtins, exc_type))
     else:
         cls = base

@@ -93,13 +93,16 @@ def test_shape_error_is_a_runtime_error_quoting_the_line(gpt2):
 
 def test_generate_loops_and_tokens(gpt2):
     with gpt2.generate(PROMPT, max_new_tokens=3) as tracer:
-        for _ in tracer.iter[:]:
-            picks = gpt2.lm_head.output[:, -1].argmax(-1).save()
+        picks = []
+        for _ in tracer.iter[:]:  # the body runs once per step (nnsight's semantics)
+            picks.append(gpt2.lm_head.output[:, -1].argmax(-1).save())
+            last = gpt2.lm_head.output[:, -1].argmax(-1).save()
         ids = tracer.result.save()
     n = len(gpt2.tokenizer(PROMPT)["input_ids"])
     assert ids.shape == (1, n + 3)
     assert isinstance(picks, list) and len(picks) == 3
     assert [int(p) for p in picks] == ids[0, n:].tolist()
+    assert int(last) == ids[0, -1]  # a name bound in the loop holds the last step's value
     assert [t.id for t in tracer.tokens] == ids[0, n:].tolist()
 
 

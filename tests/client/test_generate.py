@@ -8,7 +8,6 @@ import pytest
 import torch
 from fakedaemon import saves
 
-import nnd
 from nnd.v1 import graph_pb2, nnd_pb2, values_pb2
 
 
@@ -33,31 +32,30 @@ def last_generate(fake) -> nnd_pb2.TraceRequest:
     return [r for m, r in fake[0].requests if m == "Generate"][-1]
 
 
-def test_iter_records_the_body_once_into_a_scope(model, fake):
+def test_iter_runs_the_body_once_per_step_each_pass_in_a_scope_of_its_step(model, fake):
     fake[0].reply = gen_reply()
     with model.generate("hi", max_new_tokens=3, do_sample=True, temperature=0.7, top_k=5, seed=1) as tracer:
         first = model.lm_head.output.argmax(-1).save()
-        bodies = 0
-        for step in tracer.iter[1:3]:  # noqa: B007
-            bodies += 1
-            per_step = model.lm_head.output.argmax(-1).save()
+        bodies = []
+        per_step = []
+        for step in tracer.iter[1:3]:
+            bodies.append(step)
+            per_step.append(model.lm_head.output.argmax(-1).save())
             model.transformer.h[0].output[:] *= 0.5
         tokens = model.generator.streamer.output.save()
         out = tracer.result.save()
-    assert bodies == 1
+    assert bodies == [1, 2]  # nnsight's semantics: the body runs per step, `step` is its number
     req = last_generate(fake)
     opts = req.generate
     assert (opts.max_new_tokens, opts.do_sample, opts.top_k, opts.seed) == (3, True, 5, 1)
     assert abs(opts.temperature - 0.7) < 1e-9
     g = req.graph
-    assert len(g.scopes) == 1
-    rng = g.scopes[0].steps.range
-    assert rng.start == 1 and rng.stop == 3 and not rng.HasField("step")
+    assert [list(sc.steps.steps.steps) for sc in g.scopes] == [[1], [2]]  # one single-step scope per pass
     scopes = [n.scope for n in g.nodes]
-    assert scopes[:3] == [0, 0, 0] and set(scopes[3:-3]) == {1} and scopes[-2:] == [0, 0]
+    assert scopes[:3] == [0, 0, 0] and set(scopes[3:-3]) == {1, 2} and scopes[-2:] == [0, 0]
     assert all(n.module.call == 0 for n in g.nodes if n.WhichOneof("kind") == "module")
-    assert first == -1 and per_step == [0, 1, 2] and out == -1
-    assert isinstance(step, nnd._loops.Step)
+    # A pass's save is that step's value, not a list (the fake answers step lists [0, 1, 2] per scope).
+    assert first == -1 and per_step == [0, 0] and out == -1
     assert [t.id for t in tracer.tokens] == [10, 11, 12] and tracer.tokens[0].text == "t10"
     assert tokens.tolist() == [[10, 11, 12]]
 
@@ -69,21 +67,33 @@ def test_step_selectors(model, fake):
             model.lm_head.output.save()
         for _ in tracer.iter[[0, 2]]:
             model.lm_head.output.save()
-        with tracer.all():
+        with pytest.warns(FutureWarning, match="deprecated; use `for step in tracer.iter"):
+            with tracer.all():  # nnsight's deprecated form: recorded once, runs at every step
+                model.lm_head.output.save()
+        for _ in tracer.iter[-1:]:
             model.lm_head.output.save()
-        for _ in tracer.iter:
-            pass
     scopes = last_generate(fake).graph.scopes
-    assert scopes[0].steps.HasField("all") and scopes[2].steps.HasField("all") and scopes[3].steps.HasField("all")
-    assert list(scopes[1].steps.steps.steps) == [0, 2]
+    picked = [list(s.steps.steps.steps) if s.steps.HasField("steps") else "all" for s in scopes]
+    assert picked == [[0], [1], [2], [0], [2], "all", [2]]
 
 
-def test_branching_on_a_step_refuses(model, fake):
-    with pytest.raises(TypeError, match="tracer.iter"):
-        with model.generate("hi") as tracer:
-            for step in tracer.iter[:]:
-                if step == 2:
-                    pass
+def test_branching_on_a_step_number_is_plain_python(model, fake):
+    fake[0].reply = gen_reply()
+    with model.generate("hi", max_new_tokens=3) as tracer:
+        for step in tracer.iter[:]:
+            if step == 2:
+                model.transformer.h[0].output[:] = 0
+    g = last_generate(fake).graph
+    sets = [n for n in g.nodes if n.WhichOneof("kind") == "op" and n.op.name == "setitem"]
+    assert len(sets) == 1 and list(g.scopes[sets[0].scope - 1].steps.steps.steps) == [2]
+
+
+def test_steps_the_generation_never_reached_warn(model, fake):
+    fake[0].reply = gen_reply(steps=2)  # the generation stops after 2 of 4 steps
+    with pytest.warns(UserWarning, match=r"step\(s\) \[2, 3\] of a `tracer.iter` loop were never reached"):
+        with model.generate("hi", max_new_tokens=4) as tracer:
+            for _ in tracer.iter[:]:
+                model.lm_head.output.save()
 
 
 def test_stream_yields_tokens_and_cancels(model, fake):
@@ -115,8 +125,9 @@ def test_generated_ids_as_tensor(model, fake):
             yield nnd_pb2.TraceResponse(saved=nnd_pb2.Saved(node=node, value=values_pb2.Value(tensor=t)))
 
     fake[0].reply = reply
-    with model.generate("hi", max_new_tokens=3):
-        out = model.generator.output.save()
+    with pytest.warns(FutureWarning, match=r"model.generator.output is deprecated; use tracer.result"):
+        with model.generate("hi", max_new_tokens=3):
+            out = model.generator.output.save()
     assert out.tolist() == [[1, 2, 3]]
     node = last_generate(fake).graph.nodes[0]
     assert node.module.point == graph_pb2.RESULT

@@ -90,9 +90,9 @@ def test_torch_functions_and_methods(model, fake):
         torch.ones(16) + p
         p.sum(dim=-1)
         p.logits  # noqa: B018
-        p.argmax(-1).item()
+        p.argmax(-1).float()
     g = last(fake).graph
-    assert ops(g) == ["softmax", "softmax", "cat", "add", "sum", "argmax", "item"]
+    assert ops(g) == ["softmax", "softmax", "cat", "add", "sum", "argmax", "float"]
     by_name = {n.op.name: n for n in g.nodes if kind(n) == "op"}
     cat = by_name["cat"]
     assert [a.ref for a in cat.op.args[0].list.items] == [1, 2] and value_of(cat.op.kwargs["dim"]) == 0
@@ -182,15 +182,12 @@ def test_source_locations_point_at_this_file(model, fake):
     assert g.nodes[-1].loc.line == gelu.loc.line + 1
 
 
-def test_values_are_not_known_while_recording(model, fake):
+def test_values_are_not_known_in_a_scan(model, fake):
+    # In a trace a real value is a sync point (tests/test_sync.py); a scan runs on fake tensors.
     with pytest.raises(nnd.ValueNotKnown, match="not known while recording"):
-        with model.trace("hi"):
+        with model.scan("hi"):
             if model.lm_head.output.sum() > 0:
                 pass
-    for convert in (bool, float, int):
-        with pytest.raises(TypeError, match="save it|Save it"):
-            with model.trace("hi"):
-                convert(model.lm_head.output.sum().item())
 
 
 def test_outside_a_block(model):

@@ -381,6 +381,44 @@ class SessionRequest(_message.Message):
     scan: bool
     def __init__(self, model: _Optional[str] = ..., traces: _Optional[_Iterable[_Union[SessionTrace, _Mapping]]] = ..., no_auto_dispatch: _Optional[bool] = ..., keep_alive: _Optional[str] = ..., scan: _Optional[bool] = ...) -> None: ...
 
+class InteractStart(_message.Message):
+    __slots__ = ("request", "generate", "want", "pause_timeout_s", "finish")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    WANT_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
+    request: TraceRequest
+    generate: bool
+    want: _containers.RepeatedScalarFieldContainer[int]
+    pause_timeout_s: float
+    finish: bool
+    def __init__(self, request: _Optional[_Union[TraceRequest, _Mapping]] = ..., generate: _Optional[bool] = ..., want: _Optional[_Iterable[int]] = ..., pause_timeout_s: _Optional[float] = ..., finish: _Optional[bool] = ...) -> None: ...
+
+class InteractContinue(_message.Message):
+    __slots__ = ("graph", "want", "finish")
+    GRAPH_FIELD_NUMBER: _ClassVar[int]
+    WANT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
+    graph: _graph_pb2.Graph
+    want: _containers.RepeatedScalarFieldContainer[int]
+    finish: bool
+    def __init__(self, graph: _Optional[_Union[_graph_pb2.Graph, _Mapping]] = ..., want: _Optional[_Iterable[int]] = ..., finish: _Optional[bool] = ...) -> None: ...
+
+class InteractRequest(_message.Message):
+    __slots__ = ("start", "more")
+    START_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    start: InteractStart
+    more: InteractContinue
+    def __init__(self, start: _Optional[_Union[InteractStart, _Mapping]] = ..., more: _Optional[_Union[InteractContinue, _Mapping]] = ...) -> None: ...
+
+class Paused(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, nodes: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class CreateEditRequest(_message.Message):
     __slots__ = ("model", "graph", "name", "base", "replace")
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -478,18 +516,20 @@ class Queued(_message.Message):
     def __init__(self, ahead: _Optional[int] = ..., running: _Optional[bool] = ...) -> None: ...
 
 class TraceResponse(_message.Message):
-    __slots__ = ("saved", "chunk", "step", "done", "queued")
+    __slots__ = ("saved", "chunk", "step", "done", "paused", "queued")
     SAVED_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     saved: Saved
     chunk: Chunk
     step: StepTokens
     done: TraceDone
+    paused: Paused
     queued: Queued
-    def __init__(self, saved: _Optional[_Union[Saved, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., step: _Optional[_Union[StepTokens, _Mapping]] = ..., done: _Optional[_Union[TraceDone, _Mapping]] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ...) -> None: ...
+    def __init__(self, saved: _Optional[_Union[Saved, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., step: _Optional[_Union[StepTokens, _Mapping]] = ..., done: _Optional[_Union[TraceDone, _Mapping]] = ..., paused: _Optional[_Union[Paused, _Mapping]] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("model", "texts", "no_special_tokens")

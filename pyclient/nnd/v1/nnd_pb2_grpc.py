@@ -99,6 +99,11 @@ class NndStub:
                 request_serializer=nnd_dot_v1_dot_nnd__pb2.SessionRequest.SerializeToString,
                 response_deserializer=nnd_dot_v1_dot_nnd__pb2.TraceResponse.FromString,
                 _registered_method=True)
+        self.Interact = channel.stream_stream(
+                '/nnd.v1.Nnd/Interact',
+                request_serializer=nnd_dot_v1_dot_nnd__pb2.InteractRequest.SerializeToString,
+                response_deserializer=nnd_dot_v1_dot_nnd__pb2.TraceResponse.FromString,
+                _registered_method=True)
         self.CreateEdit = channel.unary_unary(
                 '/nnd.v1.Nnd/CreateEdit',
                 request_serializer=nnd_dot_v1_dot_nnd__pb2.CreateEditRequest.SerializeToString,
@@ -245,6 +250,23 @@ class NndServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Interact(self, request_iterator, context):
+        """A Trace or Generate the client steers while it runs (sync points; see
+        docs/protocol.md, "Interact"). The first message starts the run with the
+        graph recorded so far and the node ids whose values the client needs now;
+        the worker runs until those values exist, pauses there, sends them (Saved
+        messages, then one Paused) and waits for the next message: more nodes
+        (which attach to hooks the forward has not passed yet) and what to send
+        next, or `finish`. A node aimed at a hook already passed fails with
+        INVALID_ARGUMENT (exception type OutOfOrderError) naming both lines. A
+        paused request holds its model and runs alone; if no message comes within
+        the pause timeout, or the client goes away, it is cancelled and the model
+        freed at once. The stream then ends as a Trace's does (saved values, Done).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CreateEdit(self, request, context):
         """Store a graph that is applied before every later request that names it
         in `TraceRequest.edits` (nnsight's `model.edit()`). Requests that do not
@@ -354,6 +376,11 @@ def add_NndServicer_to_server(servicer, server):
             'Session': grpc.unary_stream_rpc_method_handler(
                     servicer.Session,
                     request_deserializer=nnd_dot_v1_dot_nnd__pb2.SessionRequest.FromString,
+                    response_serializer=nnd_dot_v1_dot_nnd__pb2.TraceResponse.SerializeToString,
+            ),
+            'Interact': grpc.stream_stream_rpc_method_handler(
+                    servicer.Interact,
+                    request_deserializer=nnd_dot_v1_dot_nnd__pb2.InteractRequest.FromString,
                     response_serializer=nnd_dot_v1_dot_nnd__pb2.TraceResponse.SerializeToString,
             ),
             'CreateEdit': grpc.unary_unary_rpc_method_handler(
@@ -737,6 +764,33 @@ class Nnd:
             target,
             '/nnd.v1.Nnd/Session',
             nnd_dot_v1_dot_nnd__pb2.SessionRequest.SerializeToString,
+            nnd_dot_v1_dot_nnd__pb2.TraceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Interact(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/nnd.v1.Nnd/Interact',
+            nnd_dot_v1_dot_nnd__pb2.InteractRequest.SerializeToString,
             nnd_dot_v1_dot_nnd__pb2.TraceResponse.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,101 @@
+"""sync: what a real value inside a block costs, and loops over generation steps.
+
+One sync point (`.item()` mid-trace) beside the same trace without it, on a
+GPT-2 4×64 and 12×768: the extra should be about one round trip (measured as
+a minimal unary call to the daemon) plus the value's transfer. And a loop of
+32 generated steps with one append each, nnd against nnsight 0.8.1 in-process.
+"""
+
+from __future__ import annotations
+
+import harness
+from harness import PROMPT, Row, ms
+
+NAME = "sync"
+
+
+STEPS = 32
+
+
+def run(quick: bool) -> list[Row]:
+    harness.one_thread()
+    shapes = [(4, 64)] if quick else [(4, 64), (12, 768)]
+    repeats = 5 if quick else 20
+    rows: list[Row] = []
+    with harness.daemon(NAME) as d:
+        for i, (layers, width) in enumerate(shapes):
+            rows += _shape(d, layers, width, repeats, loop=i == 0)
+    return rows
+
+
+def _shape(d: object, layers: int, width: int, repeats: int, *, loop: bool) -> list[Row]:
+    import torch
+
+    import nnd
+    from nnd.v1 import nnd_pb2
+
+    path, _tok, _hf, lm = harness.gpt2_subjects(layers, width)
+    ours = nnd.TransformersModel(path, address=d.address, device="cpu", dispatch=True)  # type: ignore[attr-defined]
+    mid = layers // 2
+    shape = f"GPT-2 {layers}×{width}"
+
+    def plain() -> torch.Tensor:
+        with ours.trace(PROMPT):
+            h = ours.transformer.h[mid].output.save()
+        return h
+
+    def one_sync() -> torch.Tensor:
+        with ours.trace(PROMPT):
+            ours.transformer.h[mid].output.sum().item()
+            h = ours.transformer.h[mid].output.save()
+        return h
+
+    def round_trip() -> None:
+        ours._conn.call("GetModel", nnd_pb2.GetModelRequest(model=ours.name))
+
+    torch.testing.assert_close(one_sync(), plain())
+    t = harness.interleaved({"plain": plain, "sync": one_sync, "rtt": round_trip}, warmup=2, repeats=repeats)
+    extra = t["sync"] - t["plain"]
+    rows = [
+        Row(
+            f"one sync point (.item()) in a trace ({shape})",
+            "the same trace, no sync",
+            ms(t["plain"]),
+            ms(t["sync"]),
+            t["sync"] / t["plain"],
+            target=f"extra {harness.plus_ms(extra)} vs one round trip {ms(t['rtt'])}",
+            raw={k + "_s": v for k, v in t.items()} | {"layers": layers, "width": width},
+        )
+    ]
+    if loop:
+
+        def loop_nnd() -> list:
+            hs = []
+            with ours.generate(PROMPT, max_new_tokens=STEPS, min_new_tokens=STEPS) as tracer:
+                for _ in tracer.iter[0:STEPS]:
+                    hs.append(ours.transformer.h[0].output[:, -1].save())
+            return hs
+
+        def loop_nnsight() -> list:
+            hs = []
+            with lm.generate(PROMPT, max_new_tokens=STEPS, min_new_tokens=STEPS) as tracer:
+                for _ in tracer.iter[0:STEPS]:
+                    hs.append(lm.transformer.h[0].output[:, -1].save())
+            return hs
+
+        a, b = loop_nnd(), loop_nnsight()
+        assert len(a) == len(b) == STEPS
+        torch.testing.assert_close(a[-1], b[-1], atol=1e-4, rtol=0)
+        g = harness.interleaved({"nnd": loop_nnd, "nnsight": loop_nnsight}, warmup=1, repeats=max(3, repeats // 4))
+        rows.append(
+            Row(
+                f"generate {STEPS} steps, one append per step ({shape})",
+                "nnsight generate in-process",
+                ms(g["nnsight"]),
+                ms(g["nnd"]),
+                g["nnd"] / g["nnsight"],
+                raw={k + "_s": v for k, v in g.items()},
+            )
+        )
+    ours.release()
+    return rows

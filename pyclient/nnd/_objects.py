@@ -1,0 +1,124 @@
+"""`.save()` on any object, and values a block puts into containers outside it.
+
+nnsight gives every object a `.save()` while it is imported (`[].save()`,
+`dict().save()`), and delivers the values a block places into containers that
+existed before it (`results["h"] = h`) without `.save()`. nnd does both for
+the duration of a block: `save` is mounted on `object` while any block is open
+(removed when the last one closes), and at a block's end the proxies found in
+saved objects and in the containers its frame held when it opened are saved,
+then replaced by their values in place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from nnd import _context, _rebind
+from nnd._proxy import Proxy
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+    from nnd._tracer import Tracer
+
+_MAX_DEPTH = 4
+_MAX_ITEMS = 100_000  # as _rebind: a container this big holds data, not a block's values
+_CONTAINERS = (list, dict, tuple)
+_lock = threading.Lock()
+_open = 0
+_previous: list[Any] = []  # what `object.save` was before nnd mounted its own (nnsight's, or nothing)
+_MISSING: Any = object()
+
+
+def save_any(self: Any) -> Any:
+    """`obj.save()` inside a block: keep `obj`, and the block's values inside it, after the block."""
+    tracer = _context.current_or_none()
+    if tracer is None:
+        raise ValueError("`.save()` marks a value to return from a `with model.trace(...):` block; call it inside one")
+    tracer._saved_objects.append(self)
+    return self
+
+
+def _object_dict() -> dict[str, Any]:
+    # The real dict behind `object.__dict__` (a read-only mappingproxy), as nnsight's C extension reaches it.
+    return gc.get_referents(object.__dict__)[0]  # type: ignore[no-any-return]
+
+
+def mount() -> None:
+    """A block opens: `object.save` exists until the last open block closes."""
+    global _open
+    with _lock:
+        _open += 1
+        if _open > 1:
+            return
+        # `nnd.save` is a lazy module attribute: bind it first, or `object.save` would answer for it.
+        import nnd
+
+        nnd.__getattr__("save")
+        namespace = _object_dict()
+        _previous.append(namespace.get("save", _MISSING))
+        namespace["save"] = save_any
+        ctypes.pythonapi.PyType_Modified(ctypes.py_object(object))
+
+
+def unmount() -> None:
+    global _open
+    with _lock:
+        _open = max(0, _open - 1)
+        if _open or not _previous:
+            return
+        namespace = _object_dict()
+        before = _previous.pop()
+        if before is _MISSING:
+            namespace.pop("save", None)
+        else:
+            namespace["save"] = before
+        ctypes.pythonapi.PyType_Modified(ctypes.py_object(object))
+
+
+def containers_of(frame: FrameType | None) -> list[Any]:
+    """The lists and dicts the user's frame holds when a block opens (its outer containers)."""
+    if frame is None:
+        return []
+    names = frame.f_locals
+    return [v for v in list(names.values()) if type(v) in (list, dict)]
+
+
+def proxies_in(obj: Any, depth: int = 0) -> Iterator[Proxy]:
+    if isinstance(obj, Proxy):
+        yield obj
+    elif depth < _MAX_DEPTH and type(obj) in _CONTAINERS and len(obj) <= _MAX_ITEMS:  # big data is not walked
+        items = obj.values() if isinstance(obj, dict) else obj
+        for item in list(items):
+            yield from proxies_in(item, depth + 1)
+
+
+def save_held(tracer: Tracer, holders: list[Any]) -> None:
+    """Save the block's unsaved values found in `holders` (saved objects, outer containers)."""
+    saved = {id(p) for p in tracer._saved.values()}
+    builder = tracer._builder
+    scopes: dict[int, int] | None = None
+    for holder in holders:
+        for proxy in proxies_in(holder):
+            if proxy._tracer is not tracer or not proxy._live() or proxy._resolved or id(proxy) in saved:
+                continue
+            if scopes is None:
+                scopes = {n.id: n.scope for n in builder.graph.nodes}
+            # The save goes where the value lives (a loop pass's scope: that step's value).
+            builder._scopes.append(scopes.get(proxy._ref(), 0))
+            try:
+                proxy.save()
+            finally:
+                builder._scopes.pop()
+            saved.add(id(proxy))
+
+
+def fill(holders: list[Any], replacements: _rebind.Replacements) -> None:
+    """Replace the proxies inside `holders` by their values, in place."""
+    for holder in holders:
+        if type(holder) in (list, dict):
+            _rebind.replace_inside(holder, replacements)

@@ -1,0 +1,117 @@
+"""Blocks written as nnsight 0.8.1 users write them, run unchanged by nnsight
+(tests/nnsight_compat_reference.py, in a process of its own) and by nnd
+(tests/test_nnsight_compat.py). Each takes a model (nnsight's LanguageModel or
+nnd's TransformersModel, same weights) and returns plain results to compare.
+
+Values come back the ways nnsight 0.8 delivers them: `.save()`, `.save()` on
+a container made in the block, and containers that live outside the block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+PROMPT = "The Eiffel Tower is in the city of"
+
+
+def loop_appends_saved(model: Any) -> dict[str, Any]:
+    hs = []
+    with model.generate(PROMPT, max_new_tokens=3, min_new_tokens=3) as tracer:
+        for step in tracer.iter[:]:  # noqa: B007
+            hs.append(model.transformer.h[0].output[:, -1].save())
+    return {"hs": hs}
+
+
+def loop_appends_into_an_outer_list(model: Any) -> dict[str, Any]:
+    hs = []
+    steps = []
+    with model.generate(PROMPT, max_new_tokens=3, min_new_tokens=3) as tracer:
+        for step in tracer.iter[:]:
+            hs.append(model.transformer.h[1].output[:, -1])  # no .save(): the list lives outside the block
+            # After the module access: nnsight starts one more pass of an open-ended loop and cuts it
+            # at its first module access; nnd runs exactly the steps the generation makes.
+            steps.append(step)
+    return {"hs": hs, "steps": steps}
+
+
+def per_step_condition(model: Any) -> dict[str, Any]:
+    with model.generate(PROMPT, max_new_tokens=4, min_new_tokens=4) as tracer:
+        # Bounded: in nnsight, statements after an open-ended `tracer.iter[:]` loop do not run.
+        for step in tracer.iter[0:4]:
+            h = model.transformer.h[0].output  # nnsight's loop advances on a module access
+            if step == 2:
+                h[:, -1] = 0
+        ids = tracer.result.save()
+    return {"ids": ids}
+
+
+def branch_on_a_value(model: Any) -> dict[str, Any]:
+    with model.trace(PROMPT):
+        if model.transformer.h[0].output.norm() > 0:
+            model.transformer.h[1].output[:] = 0
+        taken = model.lm_head.output.save()
+    with model.trace(PROMPT):
+        if model.transformer.h[0].output.norm() < 0:
+            model.transformer.h[1].output[:] = 0
+        not_taken = model.lm_head.output.save()
+    return {"taken": taken, "not_taken": not_taken}
+
+
+def item_format_numpy_outer_dict(model: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with model.trace(PROMPT):  # modules in forward order, as nnsight requires
+        out["numpy"] = np.asarray(model.transformer.h[0].output[0, -1].detach())
+        out["h"] = model.transformer.h[1].output  # an outer container: delivered without .save()
+        logits = model.lm_head.output[0, -1]
+        out["item"] = logits.max().item()
+        out["tolist"] = logits[:4].tolist()
+        out["text"] = f"best={logits.argmax()}"
+    return out
+
+
+def save_on_any_object(model: Any) -> dict[str, Any]:
+    with model.trace(PROMPT):
+        picks = [].save()
+        table = dict().save()
+        table["h0"] = model.transformer.h[0].output[0, -1]
+        picks.append(model.lm_head.output[0, -1].argmax())
+    return {"picks": picks, "table": table}
+
+
+def sync_inside_generation(model: Any) -> dict[str, Any]:
+    norms = []
+    with model.generate(PROMPT, max_new_tokens=3, min_new_tokens=3) as tracer:
+        for step in tracer.iter[0:3]:
+            norm = model.transformer.h[0].output[:, -1].norm().item()
+            norms.append(norm)
+            if step > 0 and norm > norms[0]:
+                model.transformer.h[1].output[:] = 0
+        ids = tracer.result.save()
+    return {"norms": norms, "ids": ids}
+
+
+def out_of_order_after_a_sync(model: Any) -> dict[str, Any]:
+    try:
+        with model.trace(PROMPT):
+            model.transformer.h[1].output.sum().item()
+            model.transformer.h[0].output[:] = 0
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        return {"error": type(exc).__name__}
+    return {"error": None}
+
+
+BLOCKS = {
+    f.__name__: f
+    for f in (
+        loop_appends_saved,
+        loop_appends_into_an_outer_list,
+        per_step_condition,
+        branch_on_a_value,
+        item_format_numpy_outer_dict,
+        save_on_any_object,
+        sync_inside_generation,
+        out_of_order_after_a_sync,
+    )
+}

@@ -1,0 +1,292 @@
+"""Sync points against a real daemon: real values inside a block (Nnd.Interact).
+
+Each test checks numbers against the same model run in-process with plain
+torch hooks, so a value that came from the wrong place, or an edit that did
+not apply after a sync, fails.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import nnd
+
+PROMPT = "Hello world"
+
+
+@pytest.fixture(scope="module")
+def gpt2(daemon, tiny_models):
+    model = nnd.TransformersModel(tiny_models["gpt2"], address=daemon.address, device="cpu", dispatch=True)
+    yield model
+    model.release()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_models["gpt2"]).eval()
+
+
+def _outputs(reference, prompt, zero_layer=None):
+    """Block outputs and logits of the in-process model; optionally zero one block's output."""
+    got = {}
+    handles = []
+    for i, block in enumerate(reference.transformer.h):
+
+        def hook(module, args, output, i=i):
+            out = output[0] if isinstance(output, tuple) else output
+            if i == zero_layer:
+                out[:] = 0
+            got[i] = out.clone()
+
+        handles.append(block.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            logits = reference(**reference_tokens(reference, prompt)).logits
+    finally:
+        for h in handles:
+            h.remove()
+    return got, logits
+
+
+def reference_tokens(reference, prompt):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(reference.name_or_path)
+    return tok(prompt, return_tensors="pt")
+
+
+def test_item_tolist_and_numpy_are_real_values(gpt2, reference):
+    expected, _ = _outputs(reference, PROMPT)
+    with gpt2.trace(PROMPT) as tracer:
+        h = gpt2.transformer.h[0].output
+        total = h.sum().item()
+        first = h[0, 0, :3].tolist()
+        arr = np.asarray(h[0, -1])
+    assert total == pytest.approx(expected[0].sum().item(), rel=1e-5)
+    assert first == pytest.approx(expected[0][0, 0, :3].tolist(), rel=1e-5)
+    assert isinstance(arr, np.ndarray) and np.allclose(arr, expected[0][0, -1].numpy(), atol=1e-6)
+    assert tracer._interaction is not None and tracer._interaction.syncs == 3
+
+
+def test_branch_on_a_value_then_edit_a_later_module(gpt2, reference):
+    # The branch is taken (the norm is positive): the later block's output is zeroed, in the same forward.
+    with gpt2.trace(PROMPT):
+        if gpt2.transformer.h[0].output.norm() > 0:
+            gpt2.transformer.h[1].output[:] = 0
+        logits = gpt2.lm_head.output.save()
+    _, want = _outputs(reference, PROMPT, zero_layer=1)
+    _, plain = _outputs(reference, PROMPT)
+    assert torch.allclose(logits, want, atol=1e-5)
+    assert not torch.allclose(logits, plain, atol=1e-3)
+
+
+def test_branch_not_taken_leaves_the_model_alone(gpt2, reference):
+    with gpt2.trace(PROMPT):
+        if gpt2.transformer.h[0].output.norm() < 0:
+            gpt2.transformer.h[1].output[:] = 0
+        logits = gpt2.lm_head.output.save()
+    _, plain = _outputs(reference, PROMPT)
+    assert torch.allclose(logits, plain, atol=1e-5)
+
+
+def test_print_and_format_show_values(gpt2, reference, capsys):
+    expected, _ = _outputs(reference, PROMPT)
+    with gpt2.trace(PROMPT):
+        s = gpt2.transformer.h[0].output.sum()
+        print(s)
+        text = f"{gpt2.transformer.h[0].output.sum():.3f}"
+    assert text == f"{expected[0].sum().item():.3f}"
+    assert capsys.readouterr().out.strip() == str(expected[0].sum())
+
+
+def test_index_from_a_value(gpt2, reference):
+    _, logits = _outputs(reference, PROMPT)
+    top = int(logits[0, -1].argmax())
+    with gpt2.trace(PROMPT):
+        best = gpt2.lm_head.output[0, -1].argmax()
+        row = [0.0] * 100
+        row[best] = 1.0  # __index__
+        picked = gpt2.lm_head.output[0, -1, best].save()
+    assert row.index(1.0) == top
+    assert float(picked) == pytest.approx(float(logits[0, -1, top]), rel=1e-5)
+
+
+def test_out_of_order_after_a_sync_names_both_lines(gpt2):
+    with pytest.raises(nnd.OutOfOrderError) as info:
+        with gpt2.trace(PROMPT):
+            late = gpt2.transformer.h[1].output.sum().item()  # the sync: paused after block 1
+            gpt2.transformer.h[0].output[:] = late  # block 0 already ran
+    text = str(info.value)
+    assert "gpt2.transformer.h[0].output[:] = late" in text
+    assert "gpt2.transformer.h[1].output.sum().item()" in text or "late = " in text
+
+
+def test_model_is_free_after_a_failed_sync(gpt2, reference):
+    with pytest.raises(nnd.OutOfOrderError):
+        with gpt2.trace(PROMPT):
+            gpt2.transformer.h[1].output.sum().item()
+            gpt2.transformer.h[0].output.sum().item()
+    with gpt2.trace(PROMPT):
+        logits = gpt2.lm_head.output.save()
+    _, plain = _outputs(reference, PROMPT)
+    assert torch.allclose(logits, plain, atol=1e-5)
+
+
+def test_an_exception_in_the_block_frees_the_paused_model(gpt2, reference):
+    with pytest.raises(ZeroDivisionError):
+        with gpt2.trace(PROMPT):
+            gpt2.transformer.h[0].output.sum().item()
+            raise ZeroDivisionError("the user's code failed while the run was paused")
+    with gpt2.trace(PROMPT):  # would wait on the model lock if the paused run still held it
+        logits = gpt2.lm_head.output.save()
+    _, plain = _outputs(reference, PROMPT)
+    assert torch.allclose(logits, plain, atol=1e-5)
+
+
+def _hf_generate_layer0(reference, prompt, steps, edit=None):
+    """Block 0's output at every generation step of the in-process model (greedy), with an optional per-step edit."""
+    seen = []
+
+    def hook(module, args, output):
+        out = output[0] if isinstance(output, tuple) else output
+        if edit is not None:
+            edit(len(seen), out)
+        seen.append(out.clone())
+
+    handle = reference.transformer.h[0].register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            ids = reference.generate(
+                **reference_tokens(reference, prompt),
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                do_sample=False,
+                pad_token_id=1,
+            )
+    finally:
+        handle.remove()
+    return seen, ids
+
+
+def test_loop_body_runs_per_step_and_appends_one_value_each(gpt2, reference):
+    seen, ids = _hf_generate_layer0(reference, PROMPT, 3)
+    hs = []
+    bodies = []
+    with gpt2.generate(PROMPT, max_new_tokens=3, min_new_tokens=3) as tracer:
+        for step in tracer.iter[:]:
+            bodies.append(step)
+            hs.append(gpt2.transformer.h[0].output.save())
+        out = tracer.result.save()
+    assert bodies == [0, 1, 2]
+    assert len(hs) == 3
+    for got, want in zip(hs, seen, strict=True):
+        assert torch.allclose(got, want, atol=1e-5)
+    assert out.tolist() == ids.tolist()
+
+
+def test_per_step_condition_on_the_step_number(gpt2, reference):
+    vector = 30 * torch.linspace(-1, 1, 64)
+
+    def edit(step, out):
+        if step == 1:
+            out[:, -1, :] += vector
+
+    _, want = _hf_generate_layer0(reference, PROMPT, 4, edit)
+    with gpt2.generate(PROMPT, max_new_tokens=4, min_new_tokens=4) as tracer:
+        for step in tracer.iter[:]:
+            if step == 1:
+                gpt2.transformer.h[0].output[:, -1, :] += vector
+        ids = tracer.result.save()
+    assert ids.tolist() == want.tolist()
+
+
+def test_sync_inside_a_generation_step_edits_that_step(gpt2, reference):
+    # Per step: read block 0's norm (a sync, paused inside that step), zero block 1's output when it is
+    # above the prompt step's norm. The decision is Python's, on real values, at every step.
+    norms = []
+    with gpt2.generate(PROMPT, max_new_tokens=3, min_new_tokens=3) as tracer:
+        for step in tracer.iter[:]:
+            norm = gpt2.transformer.h[0].output[:, -1].norm().item()
+            norms.append(norm)
+            if step > 0 and norm > norms[0]:
+                gpt2.transformer.h[1].output[:] = 0
+        ids = tracer.result.save()
+    assert len(norms) == 3
+
+    # The same decisions in-process, with hooks: the norms and the generated ids must match.
+    ref_norms: list[float] = []
+
+    def read(module, args, output):
+        out = output[0] if isinstance(output, tuple) else output
+        ref_norms.append(out[:, -1].norm().item())
+
+    def zero(module, args, output):
+        step = len(ref_norms) - 1
+        if step > 0 and ref_norms[step] > ref_norms[0]:
+            out = output[0] if isinstance(output, tuple) else output
+            out[:] = 0
+
+    handles = [
+        reference.transformer.h[0].register_forward_hook(read),
+        reference.transformer.h[1].register_forward_hook(zero),
+    ]
+    try:
+        with torch.no_grad():
+            want = reference.generate(
+                **reference_tokens(reference, PROMPT),
+                max_new_tokens=3,
+                min_new_tokens=3,
+                do_sample=False,
+                pad_token_id=1,
+            )
+    finally:
+        for h in handles:
+            h.remove()
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+    assert ids.tolist() == want.tolist()
+
+
+def test_a_pause_past_its_timeout_cancels_the_run_and_frees_the_model(gpt2, reference):
+    with pytest.raises(nnd.DeadlineExceeded, match="paused at a sync point for more than 0.5 s"):
+        with gpt2.trace(PROMPT, pause_timeout=0.5):
+            gpt2.transformer.h[0].output.sum().item()  # the worker starts waiting for the next message here
+            time.sleep(3)  # longer than the pause timeout, which began before the value was sent
+            gpt2.transformer.h[1].output.sum().item()
+    with gpt2.trace(PROMPT):
+        logits = gpt2.lm_head.output.save()
+    _, plain = _outputs(reference, PROMPT)
+    assert torch.allclose(logits, plain, atol=1e-5)
+
+
+def test_a_client_that_goes_away_while_paused_frees_the_model(gpt2, daemon, tiny_models, reference):
+    # Another process pauses a run and is killed while paused; the model must serve the next request.
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import os, sys, nnd
+        model = nnd.TransformersModel({tiny_models["gpt2"]!r}, address={daemon.address!r}, device="cpu")
+        with model.trace({PROMPT!r}, pause_timeout=600):
+            model.transformer.h[0].output.sum().item()
+            print("paused", flush=True)
+            sys.stdin.readline()  # held here until killed
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "paused"
+    finally:
+        proc.kill()
+        proc.wait()
+    with gpt2.trace(PROMPT, timeout=120):  # with the 600 s pause still holding the model, this would time out
+        logits = gpt2.lm_head.output.save()
+    _, plain = _outputs(reference, PROMPT)
+    assert torch.allclose(logits, plain, atol=1e-5)
