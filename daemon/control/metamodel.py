@@ -87,8 +87,9 @@ class MetaModel:
     # Graphs stored by CreateEdit, applied to the requests that name them.
     edits: EditStore = field(default_factory=EditStore)
 
-    def rename(self, renames: Any) -> None:
-        """Add `LoadModelRequest.rename` entries to the model's aliases (all or none)."""
+    def renamed(self, renames: Any) -> Any:
+        """The model's aliases plus `LoadModelRequest.rename` entries (all or none), for the one
+        handle that asked: the model's own table is left as it was, so handles never collide."""
         import copy
 
         from nnd_daemon.engine import aliases
@@ -96,8 +97,8 @@ class MetaModel:
         rules = aliases.rules(renames)
         with self.lock:
             table = copy.deepcopy(self.aliases) if self.aliases is not None else aliases.AliasTable.of(self.module)
-            table.add_rules(rules)
-            self.aliases = table
+        table.add_rules(rules)
+        return table
 
     @property
     def architecture(self) -> str:

@@ -24,6 +24,7 @@ tree; a module called twice appears once per call (torch names the second
 from __future__ import annotations
 
 import io
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,6 +34,10 @@ from nnd.errors import ExportError
 from nnd.v1 import nnd_pb2
 
 from ._model import TransformersModel
+
+# torch.export traces under process-wide dispatch modes (one ProxyTorchDispatchMode slot):
+# two exports at once in one process fail, so threads take turns.
+_EXPORT_LOCK = threading.Lock()
 
 
 def _as_args(example_inputs: Any) -> tuple[Any, ...]:
@@ -75,7 +80,8 @@ def export(module: Any, example_inputs: Any, *, dynamic: bool = True) -> bytes:
     program = None
     for label, values, dynamic_shapes in attempts:
         try:
-            program = torch.export.export(module, values, dynamic_shapes=dynamic_shapes)
+            with _EXPORT_LOCK:
+                program = torch.export.export(module, values, dynamic_shapes=dynamic_shapes)
             break
         except Exception as exc:  # noqa: BLE001 - torch raises many kinds; its reason is what the user needs
             failures[label] = exc

@@ -100,8 +100,9 @@ class Tracer:
     @property
     def result(self) -> Proxy:
         """The request's result: the model output (trace/scan) or the
-        generated token ids (generate)."""
-        return self._module("", graph_pb2.RESULT, invoke=None)
+        generated token ids (generate); inside `tracer.invoke(...)`, that
+        invoke's rows of it (as nnsight narrows it)."""
+        return self._module("", graph_pb2.RESULT)
 
     def stop(self) -> None:
         """Stop the forward pass once everything recorded has run."""
@@ -138,6 +139,7 @@ class Tracer:
             inputs=include_inputs,
             dtype=code,
             device="" if device is None else str(device),
+            invoke=self._invoke,  # inside an invoke: that invoke's rows only, as nnsight narrows them
         )
         cache = Cache(self.model)
         self._caches[node] = cache

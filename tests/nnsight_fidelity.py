@@ -1,0 +1,130 @@
+"""nnsight 0.8.1's side of tests/test_fidelity.py: run each case on the tiny
+GPT-2 in a process of its own (importing nnsight patches torch) and save what
+it gave: a tensor, a structure of tensors, or {"error": exception type name}.
+
+Usage: python nnsight_fidelity.py MODEL_PATH OUT.pt
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+A = "Hello world"
+B = "The Eiffel Tower is in"
+
+CASES: dict[str, Callable[[Any], Any]] = {}
+
+
+def case(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    CASES[fn.__name__] = fn
+    return fn
+
+
+# ------------------------------------------------------------------ bugs
+
+
+@case
+def per_invoke_values(model: Any) -> Any:
+    with model.trace() as tracer:
+        with tracer.invoke(A):
+            cache = tracer.cache(modules=[model.transformer.h[0]])
+            r1 = tracer.result.logits.save()
+        with tracer.invoke(B):
+            r2 = tracer.result.logits.save()
+    return {"r1": r1, "r2": r2, "cache": cache["model.transformer.h.0"].output}
+
+
+@case
+def per_invoke_generator_output(model: Any) -> Any:
+    with model.generate(max_new_tokens=3) as tracer:
+        with tracer.invoke(A):
+            o1 = model.generator.output.save()
+        with tracer.invoke(B):
+            o2 = model.generator.output.save()
+    return {"o1": o1, "o2": o2}
+
+
+@case
+def skip_in_invokes(model: Any) -> Any:
+    with model.trace() as tracer:
+        with tracer.invoke(A):
+            model.transformer.h[0].skip(model.transformer.h[0].input)
+            y1 = model.lm_head.output.save()
+        with tracer.invoke(B):
+            model.transformer.h[0].skip(model.transformer.h[0].input)
+            y2 = model.lm_head.output.save()
+    return {"y1": y1, "y2": y2}
+
+
+@case
+def skip_child_read(model: Any) -> Any:
+    with model.trace() as tracer:
+        with tracer.invoke(A):
+            model.transformer.h[0].skip(model.transformer.h[0].input)
+            y = model.lm_head.output.save()
+            x = model.transformer.h[0].mlp.output.save()
+    return {"y": y, "x": x}
+
+
+@case
+def two_backwards(model: Any) -> Any:
+    with model.trace(A):
+        h = model.transformer.h[0].output
+        out = model.lm_head.output
+        with out.sum().backward(retain_graph=True):
+            g1 = h.grad.save()
+        with (out**2).sum().backward():
+            g2 = h.grad.save()
+    return {"g1": g1, "g2": g2}
+
+
+@case
+def inputs_with_none(model: Any) -> Any:
+    with model.trace(A):
+        args, kwargs = model.transformer.h[0].inputs
+        model.transformer.h[0].inputs = (args, kwargs)
+        y = model.lm_head.output.save()
+    return {"y": y}
+
+
+@case
+def smaller_output(model: Any) -> Any:
+    with model.trace(A):
+        model.transformer.h[0].mlp.output = model.transformer.h[0].mlp.output[:, -1:, :] * 2
+        x = model.transformer.h[0].mlp.output.save()
+        y = model.lm_head.output.save()
+    return {"x": x, "y": y}
+
+
+def main(path: str, out: str, names: list[str]) -> None:
+    import nnsight
+    from transformers import AutoTokenizer
+
+    model = nnsight.LanguageModel(path, tokenizer=AutoTokenizer.from_pretrained(path), device_map="cpu", dispatch=True)
+    results: dict[str, Any] = {}
+    for name, fn in CASES.items():
+        if names and name not in names:
+            continue
+        try:
+            results[name] = _plain(fn(model))
+        except Exception as exc:  # noqa: BLE001 - the exception type is the result
+            results[name] = {"error": type(exc).__name__, "message": str(exc)[:500]}
+    torch.save(results, out)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])

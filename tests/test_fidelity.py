@@ -1,0 +1,136 @@
+"""nnsight 0.8.1 fidelity (issue #18): the same code under nnsight (in a
+subprocess, tests/nnsight_fidelity.py) and under nnd, on the same tiny GPT-2;
+values must agree numerically, and where nnsight raises, nnd raises."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+import nnd
+
+if importlib.util.find_spec("nnsight") is None:
+    pytest.skip("nnsight 0.8.1 is not installed", allow_module_level=True)
+
+A = "Hello world"
+B = "The Eiffel Tower is in"
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_models, tmp_path_factory) -> dict[str, Any]:
+    """Every case of nnsight_fidelity.py, run once under nnsight."""
+    out = tmp_path_factory.mktemp("fidelity") / "ref.pt"
+    script = os.path.join(os.path.dirname(__file__), "nnsight_fidelity.py")
+    res = subprocess.run(
+        [sys.executable, script, tiny_models["gpt2"], str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def model(daemon, tiny_models):
+    m = nnd.TransformersModel(tiny_models["gpt2"], address=daemon.address, device="cpu", dispatch=True)
+    yield m
+    m.release()
+
+
+def _close(a: Any, b: Any) -> None:
+    torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-5)
+
+
+def _expected(ref: dict[str, Any], name: str) -> dict[str, Any]:
+    value = ref[name]
+    assert "error" not in value, f"nnsight failed {name}: {value}"
+    return value
+
+
+# ------------------------------------------------------------------ bugs
+
+
+def test_per_invoke_result_and_cache_are_narrowed(model, ref):
+    want = _expected(ref, "per_invoke_values")
+    with model.trace() as tracer:
+        with tracer.invoke(A):
+            cache = tracer.cache(modules=[model.transformer.h[0]])
+            r1 = tracer.result.logits.save()
+        with tracer.invoke(B):
+            r2 = tracer.result.logits.save()
+    _close(r1, want["r1"])
+    _close(r2, want["r2"])
+    _close(cache["model.transformer.h.0"].output, want["cache"])
+
+
+def test_per_invoke_generator_output_is_narrowed(model, ref):
+    want = _expected(ref, "per_invoke_generator_output")
+    with model.generate(max_new_tokens=3) as tracer:
+        with tracer.invoke(A):
+            o1 = model.generator.output.save()
+        with tracer.invoke(B):
+            o2 = model.generator.output.save()
+    assert torch.equal(o1, want["o1"])
+    assert torch.equal(o2, want["o2"])
+
+
+def test_skip_in_every_invoke(model, ref):
+    want = _expected(ref, "skip_in_invokes")
+    with model.trace() as tracer:
+        with tracer.invoke(A):
+            model.transformer.h[0].skip(model.transformer.h[0].input)
+            y1 = model.lm_head.output.save()
+        with tracer.invoke(B):
+            model.transformer.h[0].skip(model.transformer.h[0].input)
+            y2 = model.lm_head.output.save()
+    _close(y1, want["y1"])
+    _close(y2, want["y2"])
+
+
+def test_skipped_module_children_do_not_run(model, ref):
+    assert "error" in ref["skip_child_read"]  # nnsight raises: the child never runs
+    with pytest.raises(nnd.InvalidRequest, match="never ran"):
+        with model.trace() as tracer:
+            with tracer.invoke(A):
+                model.transformer.h[0].skip(model.transformer.h[0].input)
+                model.lm_head.output.save()
+                model.transformer.h[0].mlp.output.save()
+
+
+def test_two_backward_passes_in_one_trace(model, ref):
+    want = _expected(ref, "two_backwards")
+    with model.trace(A):
+        h = model.transformer.h[0].output
+        out = model.lm_head.output
+        with out.sum().backward(retain_graph=True):
+            g1 = h.grad.save()
+        with (out**2).sum().backward():
+            g2 = h.grad.save()
+    _close(g1, want["g1"])
+    _close(g2, want["g2"])
+    assert not torch.allclose(g1, g2)
+
+
+def test_inputs_written_back_with_none_kwargs(model, ref):
+    want = _expected(ref, "inputs_with_none")
+    with model.trace(A):
+        args, kwargs = model.transformer.h[0].inputs
+        model.transformer.h[0].inputs = (args, kwargs)
+        y = model.lm_head.output.save()
+    _close(y, want["y"])
+
+
+def test_output_replaced_by_a_smaller_tensor(model, ref):
+    want = _expected(ref, "smaller_output")
+    with model.trace(A):
+        model.transformer.h[0].mlp.output = model.transformer.h[0].mlp.output[:, -1:, :] * 2
+        x = model.transformer.h[0].mlp.output.save()
+        y = model.lm_head.output.save()
+    assert x.shape == want["x"].shape == (1, 1, 64)
+    _close(x, want["x"])
+    _close(y, want["y"])
