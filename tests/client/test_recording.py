@@ -166,7 +166,8 @@ def test_effects_result_stop_and_call_module(model, fake):
     assert skip.skip.target.path == "transformer.h.0.mlp" and skip.skip.value.ref == h._node
     assert next(n for n in g.nodes if kind(n) == "set").set.target.path == "transformer.h.0.attn"
     result = next(n for n in g.nodes if kind(n) == "module" and n.module.point == graph_pb2.RESULT)
-    assert result.module.path == "" and not result.module.HasField("invoke")
+    # The result belongs to the block's invoke, like its module values (one prompt: every row).
+    assert result.module.path == "" and result.module.invoke == 0
     assert kind(g.nodes[-1]) == "stop"
 
 
