@@ -134,3 +134,47 @@ def test_output_replaced_by_a_smaller_tensor(model, ref):
     assert x.shape == want["x"].shape == (1, 1, 64)
     _close(x, want["x"])
     _close(y, want["y"])
+
+
+def test_rename_alias_belongs_to_its_handle(daemon, tiny_models):
+    """nnsight's rename= is per model object: two handles may give one alias to different modules."""
+    path = tiny_models["gpt2"]
+    a = nnd.TransformersModel(path, address=daemon.address, device="cpu", rename={"transformer.h.0.mlp": "my_mlp"})
+    b = nnd.TransformersModel(path, address=daemon.address, device="cpu", rename={"transformer.h.1.mlp": "my_mlp"})
+    plain = nnd.TransformersModel(path, address=daemon.address, device="cpu")
+    with a.trace(A):
+        x, x0 = a.my_mlp.output.save(), a.transformer.h[0].mlp.output.save()
+    with b.trace(A):
+        y, y1 = b.my_mlp.output.save(), b.transformer.h[1].mlp.output.save()
+    assert torch.equal(x, x0) and torch.equal(y, y1) and not torch.equal(x, y)
+    assert not hasattr(plain, "my_mlp")
+
+
+def test_nnsight_wrapper_from_eight_threads(daemon):
+    """torch.export runs one at a time in a process; eight threads wrapping at once all succeed."""
+    import threading
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    x = torch.rand(2, 5)
+    start = threading.Barrier(8)
+    results: list[Any] = [None] * 8
+
+    def wrap(i: int) -> None:
+        start.wait()
+        try:
+            wrapped = nnd.NNsight(net, x, address=daemon.address, device="cpu")
+            with wrapped.trace(x):
+                out = wrapped.output.save()
+            results[i] = out
+        except Exception as exc:  # noqa: BLE001 - reported below
+            results[i] = exc
+
+    threads = [threading.Thread(target=wrap, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    for got in results:
+        assert isinstance(got, torch.Tensor), got
+        _close(got, net(x).detach())
