@@ -194,12 +194,23 @@ class TransformersModel(_envoy.Envoy):
         META model: shapes and dtypes, no weights, never dispatches."""
         return _tracer.ScanTracer(self, *_one(inputs), **options)
 
-    def generate(self, *inputs: Any, **options: Any) -> _tracer.GenerateTracer:
+    def generate(self, *inputs: Any, **options: Any) -> Any:
         """`with model.generate(input, max_new_tokens=N, ...) as tracer:` run
         the block during generation (options: do_sample, temperature, top_k,
-        top_p, seed). `tracer.result` is the generated ids; loop over steps
-        with `tracer.iter[...]` / `tracer.all()`."""
-        return _tracer.GenerateTracer(self, *_one(inputs), **options)
+        top_p, seed, num_beams, num_return_sequences, generation_config).
+        `tracer.result` is the generated ids; loop over steps with
+        `tracer.iter[...]` / `tracer.all()`. Called without `with`
+        (`ids = model.generate(prompt, max_new_tokens=3)`), it generates at
+        once and returns the ids, as nnsight does."""
+        from nnd import _source
+
+        tracer = _tracer.GenerateTracer(self, *_one(inputs), **options)
+        frame = _source.user_frame()
+        if frame is None or _source.called_in_with(frame):
+            return tracer
+        with tracer:
+            ids = tracer.result.save()
+        return ids._value
 
     def session(self, **options: Any) -> Session:
         """`with model.session():` — the trace/generate blocks inside run

@@ -266,14 +266,33 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., task: _Optional[str] = ..., architecture: _Optional[str] = ..., config: _Optional[_Mapping[str, str]] = ..., num_parameters: _Optional[int] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., dispatched_placement: _Optional[_Union[Placement, _Mapping]] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., weights: _Optional[_Iterable[_Union[DeviceMemory, _Mapping]]] = ..., worker_rss_bytes: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., idle_s: _Optional[float] = ..., expires_at: _Optional[float] = ..., last_error: _Optional[str] = ..., dtype: _Optional[str] = ..., estimated_bytes: _Optional[int] = ...) -> None: ...
 
 class Invoke(_message.Message):
-    __slots__ = ("text", "tokens", "args")
+    __slots__ = ("text", "tokens", "prompts", "args", "kwargs")
+    class KwargsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _values_pb2.Value
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_values_pb2.Value, _Mapping]] = ...) -> None: ...
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
+    KWARGS_FIELD_NUMBER: _ClassVar[int]
     text: str
     tokens: TokenIds
+    prompts: Prompts
     args: _containers.RepeatedCompositeFieldContainer[_values_pb2.Value]
-    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., args: _Optional[_Iterable[_Union[_values_pb2.Value, _Mapping]]] = ...) -> None: ...
+    kwargs: _containers.MessageMap[str, _values_pb2.Value]
+    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., prompts: _Optional[_Union[Prompts, _Mapping]] = ..., args: _Optional[_Iterable[_Union[_values_pb2.Value, _Mapping]]] = ..., kwargs: _Optional[_Mapping[str, _values_pb2.Value]] = ...) -> None: ...
+
+class Prompts(_message.Message):
+    __slots__ = ("text", "tokens")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    text: _containers.RepeatedScalarFieldContainer[str]
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    def __init__(self, text: _Optional[_Iterable[str]] = ..., tokens: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -282,7 +301,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateOptions(_message.Message):
-    __slots__ = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stream_text", "min_new_tokens")
+    __slots__ = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stream_text", "min_new_tokens", "num_beams", "num_return_sequences", "generation_config_json")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +310,9 @@ class GenerateOptions(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     STREAM_TEXT_FIELD_NUMBER: _ClassVar[int]
     MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BEAMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RETURN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     do_sample: bool
     temperature: float
@@ -299,7 +321,10 @@ class GenerateOptions(_message.Message):
     seed: int
     stream_text: bool
     min_new_tokens: int
-    def __init__(self, max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stream_text: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ...) -> None: ...
+    num_beams: int
+    num_return_sequences: int
+    generation_config_json: str
+    def __init__(self, max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stream_text: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ..., num_beams: _Optional[int] = ..., num_return_sequences: _Optional[int] = ..., generation_config_json: _Optional[str] = ...) -> None: ...
 
 class TraceRequest(_message.Message):
     __slots__ = ("model", "invokes", "graph", "generate", "no_auto_dispatch", "keep_alive", "edits", "shm", "shm_region")
