@@ -100,6 +100,113 @@ def smaller_output(model: Any) -> Any:
     return {"x": x, "y": y}
 
 
+# ------------------------------------------------------------------ inputs
+
+
+@case
+def keyword_inputs(model: Any) -> Any:
+    enc = model.tokenizer(A, return_tensors="pt")
+    with model.trace(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]):
+        y1 = model.lm_head.output.save()
+    with model.trace(**enc):
+        y2 = model.lm_head.output.save()
+    return {"y1": y1, "y2": y2}
+
+
+@case
+def invoke_several_prompts(model: Any) -> Any:
+    with model.trace() as tracer:
+        with tracer.invoke([A, B]):
+            y = model.lm_head.output.save()
+        with tracer.invoke(B):
+            z = model.lm_head.output.save()
+    return {"y": y, "z": z}
+
+
+@case
+def tokenizer_kwargs(model: Any) -> Any:
+    with model.trace(B, tokenizer_kwargs={"add_special_tokens": False}):
+        y = model.lm_head.output.save()
+    return {"y": y}
+
+
+# ------------------------------------------------------------------ generation
+
+
+@case
+def generate_without_with(model: Any) -> Any:
+    return {"ids": model.generate(A, max_new_tokens=3)}
+
+
+@case
+def beams_and_return_sequences(model: Any) -> Any:
+    with model.generate(max_new_tokens=3, num_beams=2, num_return_sequences=2) as tracer:
+        with tracer.invoke(A):
+            o1 = tracer.result.save()
+        with tracer.invoke(B):
+            o2 = tracer.result.save()
+    return {"o1": o1, "o2": o2}
+
+
+@case
+def generation_config(model: Any) -> Any:
+    from transformers import GenerationConfig
+
+    with model.generate(A, generation_config=GenerationConfig(max_new_tokens=2, do_sample=False)) as tracer:
+        ids = tracer.result.save()
+    return {"ids": ids}
+
+
+@case
+def trace_with_max_new_tokens(model: Any) -> Any:
+    with model.trace(A, max_new_tokens=3):
+        y = model.lm_head.output.save()
+    return {"y": y}
+
+
+# ------------------------------------------------------------------ small API
+
+
+@case
+def barrier_patching(model: Any) -> Any:
+    with model.trace() as tracer:
+        barrier = tracer.barrier(2)
+        with tracer.invoke(A):
+            clean = model.transformer.h[0].output[:, -1, :]
+            barrier()
+        with tracer.invoke(B):
+            barrier()
+            model.transformer.h[0].output[:, -1, :] = clean
+            y = model.lm_head.output[:, -1, :].save()
+    return {"y": y}
+
+
+@case
+def cache_options_and_save(model: Any) -> Any:
+    with model.trace(A) as tracer:
+        cache = tracer.cache(modules=[model.transformer.h[1]], non_blocking=True).save()
+    return {"h1": cache["model.transformer.h.1"].output}
+
+
+@case
+def parameters_and_device(model: Any) -> Any:
+    return {
+        "device": str(model.device),
+        "named": [(n, tuple(p.shape)) for n, p in model.named_parameters()],
+        "shapes": [tuple(p.shape) for p in model.parameters()],
+    }
+
+
+@case
+def requires_grad_and_retain_grad(model: Any) -> Any:
+    with model.trace(A):
+        h = model.transformer.h[0].output
+        h.requires_grad_(True)
+        h.retain_grad()
+        y = model.lm_head.output.save()
+    return {"y": y}
+
+
 def main(path: str, out: str, names: list[str]) -> None:
     import nnsight
     from transformers import AutoTokenizer

@@ -178,3 +178,151 @@ def test_nnsight_wrapper_from_eight_threads(daemon):
     for got in results:
         assert isinstance(got, torch.Tensor), got
         _close(got, net(x).detach())
+
+
+# ------------------------------------------------------------------ inputs
+
+
+def test_keyword_inputs_and_tokenizer_output(model, ref):
+    want = _expected(ref, "keyword_inputs")
+    enc = model.tokenizer(A, return_tensors="pt")
+    with model.trace(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]):
+        y1 = model.lm_head.output.save()
+    with model.trace(**enc):
+        y2 = model.lm_head.output.save()
+    _close(y1, want["y1"])
+    _close(y2, want["y2"])
+
+
+def test_invoke_of_several_prompts_is_one_batched_invoke(model, ref):
+    want = _expected(ref, "invoke_several_prompts")
+    with model.trace() as tracer:
+        with tracer.invoke([A, B]):
+            y = model.lm_head.output.save()
+        with tracer.invoke(B):
+            z = model.lm_head.output.save()
+    assert y.shape[0] == 2 and z.shape[0] == 1
+    _close(y, want["y"])
+    _close(z, want["z"])
+
+
+def test_tokenizer_kwargs(model, ref):
+    want = _expected(ref, "tokenizer_kwargs")
+    with model.trace(B, tokenizer_kwargs={"add_special_tokens": False}):
+        y = model.lm_head.output.save()
+    _close(y, want["y"])
+
+
+def test_keyword_inputs_are_batched_per_invoke(model):
+    """A forward keyword other than the ids travels as Invoke.kwargs, row-aligned with the prompts:
+    GPT-2's position_ids given explicitly change the logits as they would in-process."""
+    ids = model.tokenizer(A, return_tensors="pt")["input_ids"]
+    shifted = torch.arange(ids.shape[1]).unsqueeze(0) + 5
+    with model.trace(input_ids=ids):
+        plain = model.lm_head.output.save()
+    with model.trace(input_ids=ids, position_ids=shifted):
+        moved = model.lm_head.output.save()
+    with model.trace() as tracer:
+        with tracer.invoke(input_ids=ids, position_ids=shifted):
+            batched = model.lm_head.output.save()
+    assert not torch.allclose(plain, moved)
+    _close(batched, moved)
+
+
+# ------------------------------------------------------------------ generation
+
+
+def test_generate_without_with_returns_the_ids(model, ref):
+    want = _expected(ref, "generate_without_with")
+    ids = model.generate(A, max_new_tokens=3)
+    assert torch.equal(ids, want["ids"])
+
+
+def test_beams_and_return_sequences_stack_as_nnsight(model, ref):
+    want = _expected(ref, "beams_and_return_sequences")
+    with model.generate(max_new_tokens=3, num_beams=2, num_return_sequences=2) as tracer:
+        with tracer.invoke(A):
+            o1 = tracer.result.save()
+        with tracer.invoke(B):
+            o2 = tracer.result.save()
+    assert o1.shape == want["o1"].shape == (4, 14)
+    assert torch.equal(o1, want["o1"]) and torch.equal(o2, want["o2"])
+
+
+def test_generation_config_is_the_callers(model, ref):
+    from transformers import GenerationConfig
+
+    want = _expected(ref, "generation_config")
+    with model.generate(A, generation_config=GenerationConfig(max_new_tokens=2, do_sample=False)) as tracer:
+        ids = tracer.result.save()
+    assert torch.equal(ids, want["ids"])
+
+
+def test_generation_config_fields_are_allow_listed(model):
+    with pytest.raises(nnd.InvalidRequest, match="does not take"):
+        with model.generate(A, generation_config={"max_new_tokens": 2, "custom_generate": "x"}):
+            pass
+
+
+def test_trace_accepts_max_new_tokens(model, ref):
+    want = _expected(ref, "trace_with_max_new_tokens")
+    with model.trace(A, max_new_tokens=3):
+        y = model.lm_head.output.save()
+    _close(y, want["y"])
+
+
+# ------------------------------------------------------------------ small API
+
+
+def test_barrier_is_accepted(model, ref):
+    want = _expected(ref, "barrier_patching")
+    with model.trace() as tracer:
+        barrier = tracer.barrier(2)
+        with tracer.invoke(A):
+            clean = model.transformer.h[0].output[:, -1, :]
+            barrier()
+        with tracer.invoke(B):
+            barrier()
+            model.transformer.h[0].output[:, -1, :] = clean
+            y = model.lm_head.output[:, -1, :].save()
+    _close(y, want["y"])
+
+
+def test_cache_non_blocking_and_save(model, ref):
+    want = _expected(ref, "cache_options_and_save")
+    with model.trace(A) as tracer:
+        cache = tracer.cache(modules=[model.transformer.h[1]], non_blocking=True).save()
+    _close(cache["model.transformer.h.1"].output, want["h1"])
+
+
+def test_parameters_and_device(model, ref):
+    want = _expected(ref, "parameters_and_device")
+    assert str(model.device) == want["device"]
+    named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    assert named == [tuple(x) for x in want["named"]]
+    assert [tuple(p.shape) for p in model.parameters()] == [tuple(x) for x in want["shapes"]]
+    assert all(isinstance(p, torch.nn.Parameter) for p in model.parameters())
+
+
+def test_requires_grad_and_retain_grad_ops(model, ref):
+    want = _expected(ref, "requires_grad_and_retain_grad")
+    with model.trace(A):
+        h = model.transformer.h[0].output
+        h.requires_grad_(True)
+        h.retain_grad()
+        y = model.lm_head.output.save()
+    _close(y, want["y"])
+
+
+def test_distributed_config_spelling(daemon, tiny_models):
+    """The reference page's DistributedConfig(tp_size=N) means nnd's tp_size=N (no TypeError)."""
+    from transformers.distributed import DistributedConfig
+
+    m = nnd.TransformersModel(
+        tiny_models["llama"], address=daemon.address, device="cpu", distributed_config=DistributedConfig(tp_size=2)
+    )
+    assert m.info.placement.tp_size == 2
+    with pytest.raises(TypeError, match="disagree"):
+        nnd.TransformersModel(
+            tiny_models["llama"], address=daemon.address, tp_size=3, distributed_config=DistributedConfig(tp_size=2)
+        )

@@ -149,16 +149,24 @@ class MetaModel:
         devices = devices or {}
         names = self.aliases.aliases_of() if self.aliases is not None else {}
         out = []
+        first: dict[int, str] = {}  # id(tensor) -> its first full name (tied weights)
         for path, mod in self.module.named_modules():
-            params = [
-                nnd_pb2.ParameterInfo(
-                    name=name,
-                    shape=list(t.shape),
-                    dtype=str(t.dtype).removeprefix("torch."),
-                    device=devices.get(f"{path}.{name}" if path else name, "meta"),
+            params = []
+            for buffer, (name, t) in [(False, p) for p in mod.named_parameters(recurse=False)] + [
+                (True, b) for b in mod.named_buffers(recurse=False)
+            ]:
+                full = f"{path}.{name}" if path else name
+                owner = first.setdefault(id(t), full)
+                params.append(
+                    nnd_pb2.ParameterInfo(
+                        name=name,
+                        shape=list(t.shape),
+                        dtype=str(t.dtype).removeprefix("torch."),
+                        device=devices.get(full, "meta"),
+                        buffer=buffer,
+                        tied_to=owner if owner != full else "",
+                    )
                 )
-                for name, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False))
-            ]
             out.append(
                 nnd_pb2.ModuleInfo(
                     path=path,

@@ -227,7 +227,7 @@ def build(
         return _tensors(invokes)
     batch = _tokens(invokes, tokenizer, max_sequence_length)
     mask = batch.kwargs["attention_mask"]
-    if accepts(model, "position_ids"):
+    if accepts(model, "position_ids") and "position_ids" not in batch.kwargs:  # the caller's own win
         # Left padding shifts every row; without explicit positions GPT-2 would number the pads.
         batch.kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
     return batch

@@ -70,6 +70,14 @@ class TransformersModel(_envoy.Envoy):
     ) -> None:
         if "torch_dtype" in kwargs:  # transformers' older spelling
             dtype = kwargs.pop("torch_dtype") if dtype is None else dtype
+        distributed = kwargs.pop("distributed_config", None)
+        if distributed is not None:  # transformers' DistributedConfig(tp_size=N), as nnsight's page spells it
+            size = distributed.get("tp_size") if isinstance(distributed, Mapping) else getattr(distributed, "tp_size", None)
+            if not isinstance(size, int) or size < 1:
+                raise TypeError("distributed_config needs a tp_size (transformers' DistributedConfig(tp_size=N))")
+            if tp_size is not None and tp_size != size:
+                raise TypeError(f"tp_size={tp_size} and distributed_config's tp_size={size} disagree")
+            tp_size = size
         extra = {k: kwargs.pop(k) for k in _PLACEMENT_KWARGS if k in kwargs}
         if kwargs:
             raise TypeError(f"nnd cannot pass these options to the daemon: {', '.join(sorted(kwargs))}")
@@ -138,6 +146,21 @@ class TransformersModel(_envoy.Envoy):
     def dispatched(self) -> bool:
         """Whether the weights are loaded in a worker (asks the daemon)."""
         return self.info.state == nnd_pb2.DISPATCHED
+
+    @property
+    def device(self) -> Any:
+        """Where the weights are, as nnsight's `model.device`: the first
+        parameter's device ("meta" until dispatched), asked of the daemon; a
+        torch.device when torch is in use, else the name."""
+        from nnd import _torchmod
+
+        name = "meta"
+        for module in self.info.modules:
+            if module.parameters:
+                name = module.parameters[0].device or "meta"
+                break
+        torch = _torchmod.available()
+        return torch.device(name) if torch is not None else name
 
     @property
     def config(self) -> dict[str, str]:

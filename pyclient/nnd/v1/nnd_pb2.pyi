@@ -187,16 +187,20 @@ class UnloadResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ParameterInfo(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "device")
+    __slots__ = ("name", "shape", "dtype", "device", "buffer", "tied_to")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    TIED_TO_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     device: str
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    buffer: bool
+    tied_to: str
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., buffer: _Optional[bool] = ..., tied_to: _Optional[str] = ...) -> None: ...
 
 class ModuleInfo(_message.Message):
     __slots__ = ("path", "type", "parameters", "extra", "aliases")
