@@ -207,6 +207,28 @@ def requires_grad_and_retain_grad(model: Any) -> Any:
     return {"y": y}
 
 
+def seeded_net() -> tuple[torch.nn.Module, torch.Tensor]:
+    """The same small net and input in both processes."""
+    gen = torch.Generator().manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 10), torch.nn.ReLU(), torch.nn.Linear(10, 2))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return net, torch.randn(3, 5, generator=gen)
+
+
+@case
+def nnsight_without_example_inputs(model: Any) -> Any:
+    from nnsight import NNsight
+
+    net, x = seeded_net()
+    wrapped = NNsight(net)
+    with wrapped.trace(x):
+        hidden = wrapped[0].output.save()
+        out = wrapped.output.save()
+    return {"hidden": hidden, "out": out}
+
+
 def main(path: str, out: str, names: list[str]) -> None:
     import nnsight
     from transformers import AutoTokenizer

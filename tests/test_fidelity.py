@@ -326,3 +326,38 @@ def test_distributed_config_spelling(daemon, tiny_models):
         nnd.TransformersModel(
             tiny_models["llama"], address=daemon.address, tp_size=3, distributed_config=DistributedConfig(tp_size=2)
         )
+
+
+# ------------------------------------------------------------------ loading
+
+
+def test_nnsight_wrapper_without_example_inputs(daemon, ref):
+    """`nnd.NNsight(net)`: exported and sent when the first trace brings inputs."""
+    from nnsight_fidelity import seeded_net
+
+    want = _expected(ref, "nnsight_without_example_inputs")
+    net, x = seeded_net()
+    wrapped = nnd.NNsight(net, address=daemon.address, device="cpu")
+    first = wrapped[0]  # navigable before anything is sent
+    with wrapped.trace(x):
+        hidden = first.output.save()
+        out = wrapped.output.save()
+    _close(hidden, want["hidden"])
+    _close(out, want["out"])
+
+
+def test_in_memory_transformers_model_is_dispatched(daemon, tiny_models):
+    """nnsight reports an in-memory model dispatched (its loading page): nnd dispatches it at once."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models["gpt2"]).eval()
+    model = nnd.TransformersModel(hf, address=daemon.address, name="fidelity-in-memory")
+    try:
+        assert model.dispatched and str(model.device) == "cpu"
+        ids = torch.tensor([model.tokenizer(A)["input_ids"]])
+        with model.trace(ids):
+            logits = model.lm_head.output.save()
+        with torch.no_grad():
+            _close(logits, hf(ids).logits)
+    finally:
+        model.unload()
