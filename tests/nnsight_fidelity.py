@@ -207,6 +207,15 @@ def requires_grad_and_retain_grad(model: Any) -> Any:
     return {"y": y}
 
 
+@case
+def scan_values_are_fake(model: Any) -> Any:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    with model.scan(A):
+        hs = model.transformer.h[-1].output.save()
+    return {"fake": isinstance(hs, FakeTensor), "shape": list(hs.shape), "sum_fake": isinstance(hs.sum(), FakeTensor)}
+
+
 def seeded_net() -> tuple[torch.nn.Module, torch.Tensor]:
     """The same small net and input in both processes."""
     gen = torch.Generator().manual_seed(0)

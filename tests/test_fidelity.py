@@ -361,3 +361,16 @@ def test_in_memory_transformers_model_is_dispatched(daemon, tiny_models):
             _close(logits, hf(ids).logits)
     finally:
         model.unload()
+
+
+def test_scan_values_are_fake_tensors(model, ref):
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    want = _expected(ref, "scan_values_are_fake")
+    with model.scan(A):
+        hs = model.transformer.h[-1].output.save()
+    assert want["fake"] and want["sum_fake"]
+    assert isinstance(hs, FakeTensor) and isinstance(hs.sum(), FakeTensor)
+    assert list(hs.shape) == want["shape"]
+    # nnd scans the META model, so its fakes are on "meta" (nnsight's, of a dispatched model, on its device).
+    assert hs.device.type == "meta"

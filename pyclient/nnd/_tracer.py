@@ -337,11 +337,40 @@ class Tracer:
 
 class ScanTracer(Tracer):
     """A scan block: the graph runs on the META model with fake tensors.
-    Saved tensors come back as tensors on the "meta" device (torch) or
-    `nnd.MetaTensor` (no torch): shapes and dtypes, no data."""
+    Saved tensors come back as FakeTensors on the "meta" device, as nnsight's
+    (`isinstance(v, FakeTensor)`; ops on them give fake tensors, mixing them
+    with real ones raises), or `nnd.MetaTensor` without torch: shapes and
+    dtypes, no data."""
 
     _method = "Scan"
     _sessionable = False
+
+    def _deliver(self, results: _results.Results) -> None:
+        super()._deliver(results)
+        from nnd import _torchmod
+
+        torch = _torchmod.loaded()
+        if torch is None:
+            return
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        # One mode per block, as nnsight's scan has one: its values may be combined with each other.
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        for proxy in self._saved.values():
+            if proxy._resolved:
+                proxy._value = _fake(proxy._value, mode, torch)
+
+
+def _fake(value: Any, mode: Any, torch: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return mode.from_tensor(value) if value.device.type == "meta" else value
+    if isinstance(value, dict):
+        return {k: _fake(v, mode, torch) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fake(v, mode, torch) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_fake(v, mode, torch) for v in value)
+    return value
 
 
 class GenerateTracer(Tracer):
