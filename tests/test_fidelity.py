@@ -374,3 +374,33 @@ def test_scan_values_are_fake_tensors(model, ref):
     assert list(hs.shape) == want["shape"]
     # nnd scans the META model, so its fakes are on "meta" (nnsight's, of a dispatched model, on its device).
     assert hs.device.type == "meta"
+
+
+def test_t5_trace_with_decoder_input_ids(daemon, tiny_models, tmp_path):
+    """A keyword input the ids are not (T5's decoder_input_ids) reaches the forward: the logits
+    equal transformers' own for the same inputs."""
+    import shutil
+
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=320, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0
+    )
+    hf = T5ForConditionalGeneration(config).eval()
+    hf.save_pretrained(tmp_path)
+    for f in os.listdir(tiny_models["gpt2"]):
+        if "token" in f:
+            shutil.copy(os.path.join(tiny_models["gpt2"], f), tmp_path / f)
+    model = nnd.TransformersModel(str(tmp_path), address=daemon.address, device="cpu")
+    try:
+        ids, dec = torch.tensor([[5, 6, 7, 8]]), torch.tensor([[0, 9, 10]])
+        with model.trace(input_ids=ids, decoder_input_ids=dec):
+            logits = model.lm_head.output.save()
+            first = model.decoder.block[0].output[0].save()
+        with torch.no_grad():
+            want = hf(input_ids=ids, decoder_input_ids=dec).logits
+        assert first.shape == (1, 3, 32)
+        _close(logits, want)
+    finally:
+        model.unload()
