@@ -42,10 +42,11 @@ class TransformersModel(_envoy.Envoy):
     `rename` gives modules extra names, as nnsight's `rename=`: keys are
     dotted paths matched from every module (`"transformer.h"`, `"attn"`,
     `"*.h"`) or module classes, values an alias or a list of them
-    (`{"transformer.h": "layers"}` makes `model.layers[0]` work). The daemon
-    keeps them for the model, so every client and every language can use
-    them; GPT-2, Llama and BERT-like models also get a standard set (layers,
-    attention, mlp, final_norm, lm_head, embed). `edits` opens a named edited
+    (`{"transformer.h": "layers"}` makes `model.layers[0]` work). They
+    belong to this handle, as in nnsight: another handle of the same model
+    may give the same alias to another module. GPT-2, Llama and BERT-like
+    models also get a standard set (layers, attention, mlp, final_norm,
+    lm_head, embed) that every client and language shares. `edits` opens a named edited
     variant that some client stored with `model.edit(name=...)`.
     """
 
