@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from nnd._session import Session
 
 _NO_INPUT: Any = object()
+# nnsight's execution options (NDIF remote execution, backends): refused, never sent as model inputs.
+_NNSIGHT_ONLY = frozenset({"remote", "backend", "blocking", "callback", "debug"})
 
 
 class Invoker:
@@ -77,6 +79,12 @@ class Tracer:
         self._tokenizer_kwargs: dict[str, Any] | None = options.pop("tokenizer_kwargs", None)
         for name in self._options_ignored - self._options_allowed:
             options.pop(name, None)
+        remote = sorted(set(options) & _NNSIGHT_ONLY)
+        if remote:
+            raise TypeError(
+                f"nnsight option(s) {', '.join(remote)} do not apply to nnd: the daemon is the remote; "
+                f"this block takes: {', '.join(sorted(self._options_allowed))}"
+            )
         # Any other keyword is an input of the model's forward (input_ids=, decoder_input_ids=...), as in nnsight.
         inputs = {k: options.pop(k) for k in list(options) if k not in self._options_allowed}
         self.model = model

@@ -230,9 +230,9 @@ def test_proxy_after_block_computes_on_its_value(model, fake):
 def test_unknown_block_options_are_refused(model):
     with pytest.raises(TypeError, match="remote"):
         model.trace("hi", remote=True)
-    with pytest.raises(TypeError, match="max_new_tokens"):
-        model.trace("hi", max_new_tokens=3)
-    model.generate("hi", max_new_tokens=3, keep_alive="5m")
+    model.trace("hi", max_new_tokens=3)  # nnsight's trace takes generation settings and ignores them
+    with model.generate("hi", max_new_tokens=3, keep_alive="5m"):
+        pass
 
 
 def test_saved_values_in_lists_dicts_and_tuples_are_rebound(model, fake):
