@@ -236,7 +236,7 @@ def test_edited_transformers_model_gives_the_edited_logits(daemon, tiny_models, 
 
     model = nnd.TransformersModel(edited, address=daemon.address, name="gpt2-edited", device="cpu")
     assert model.task == "text-generation" and model.info.architecture == "GPT2LMHeadModel"
-    assert not model.dispatched  # META until the first trace, like any model
+    assert model.dispatched  # an in-memory model is dispatched at construction, as nnsight reports it
     with model.trace(PROMPT):  # text: the tokenizer beside the checkpoint went with it
         logits = model.lm_head.output.save()
     assert torch.allclose(logits, want, atol=1e-4)
@@ -248,7 +248,7 @@ def test_edited_transformers_model_gives_the_edited_logits(daemon, tiny_models, 
 
     # The same weights again, under another name: nothing is sent, nothing stored twice.
     files = _uploads(daemon)
-    again = nnd.TransformersModel(edited, address=daemon.address, name="gpt2-edited-again")
+    again = nnd.TransformersModel(edited, address=daemon.address, name="gpt2-edited-again", dispatch=False)
     assert again.upload_info.existed and again.upload_info.sent_bytes == 0
     assert again.upload_info.sha256 == model.upload_info.sha256
     assert _uploads(daemon) == files and files.count(model.upload_info.sha256) == 1

@@ -115,8 +115,9 @@ class MetaModel:
     # Graphs stored by CreateEdit, applied to the requests that name them.
     edits: EditStore = field(default_factory=EditStore)
 
-    def rename(self, renames: Any) -> None:
-        """Add `LoadModelRequest.rename` entries to the model's aliases (all or none)."""
+    def renamed(self, renames: Any) -> Any:
+        """The model's aliases plus `LoadModelRequest.rename` entries (all or none), for the one
+        handle that asked: the model's own table is left as it was, so handles never collide."""
         import copy
 
         from nnd_daemon.engine import aliases
@@ -124,8 +125,8 @@ class MetaModel:
         rules = aliases.rules(renames)
         with self.lock:
             table = copy.deepcopy(self.aliases) if self.aliases is not None else aliases.AliasTable.of(self.module)
-            table.add_rules(rules)
-            self.aliases = table
+        table.add_rules(rules)
+        return table
 
     @property
     def architecture(self) -> str:
@@ -176,16 +177,24 @@ class MetaModel:
         devices = devices or {}
         names = self.aliases.aliases_of() if self.aliases is not None else {}
         out = []
+        first: dict[int, str] = {}  # id(tensor) -> its first full name (tied weights)
         for path, mod in self.module.named_modules():
-            params = [
-                nnd_pb2.ParameterInfo(
-                    name=name,
-                    shape=list(t.shape),
-                    dtype=str(t.dtype).removeprefix("torch."),
-                    device=devices.get(f"{path}.{name}" if path else name, "meta"),
+            params = []
+            for buffer, (name, t) in [(False, p) for p in mod.named_parameters(recurse=False)] + [
+                (True, b) for b in mod.named_buffers(recurse=False)
+            ]:
+                full = f"{path}.{name}" if path else name
+                owner = first.setdefault(id(t), full)
+                params.append(
+                    nnd_pb2.ParameterInfo(
+                        name=name,
+                        shape=list(t.shape),
+                        dtype=str(t.dtype).removeprefix("torch."),
+                        device=devices.get(full, "meta"),
+                        buffer=buffer,
+                        tied_to=owner if owner != full else "",
+                    )
                 )
-                for name, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False))
-            ]
             out.append(
                 nnd_pb2.ModuleInfo(
                     path=path,

@@ -81,12 +81,17 @@ class NndServicer:
     def LoadModel(self, request: nnd_pb2.LoadModelRequest, context: grpc.ServicerContext) -> nnd_pb2.ModelInfo:
         uploads.before_load(self.settings, self.registry, request)  # LoadModel(upload=): allowed, named
         entry = self.registry.load(request)
-        if request.rename:  # nnsight's rename=: extra module names, for every client of the model
-            entry.meta.rename(request.rename)
+        # nnsight's rename=: extra module names for this handle only (checked before anything runs).
+        table = entry.meta.renamed(request.rename) if request.rename else None
         if request.dispatch:
             for _ in self.registry.dispatch(entry.name, None, request.keep_alive):
                 pass
-        return self.registry.info(entry, modules=True)
+        info = self.registry.info(entry, modules=True)
+        if table is not None:
+            names = table.aliases_of()
+            for module in info.modules:
+                module.aliases[:] = sorted(names.get(module.path, ()))
+        return info
 
     @_guard
     def GetModel(self, request: nnd_pb2.GetModelRequest, context: grpc.ServicerContext) -> nnd_pb2.ModelInfo:

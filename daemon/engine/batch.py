@@ -113,8 +113,46 @@ def pad_id(tokenizer: Any) -> int:
     return 0
 
 
+def _rows_of(invoke: nnd_pb2.Invoke, tokenizer: Any, index: int) -> list[list[int]]:
+    """The token ids of each batch row an invoke owns (several for `Prompts`)."""
+    if invoke.WhichOneof("input") != "prompts":
+        return [_token_ids(invoke, tokenizer, index)]
+    rows = [nnd_pb2.Invoke(text=t) for t in invoke.prompts.text]
+    rows += [nnd_pb2.Invoke(tokens=t) for t in invoke.prompts.tokens]
+    if not rows:
+        raise errors.InvalidArgument(f"invoke {index} has an empty list of prompts")
+    return [_token_ids(row, tokenizer, index) for row in rows]
+
+
+def _kwargs(invokes: Sequence[nnd_pb2.Invoke], rows: list[tuple[int, int]]) -> dict[str, Any]:
+    """Invoke.kwargs joined into the batch: tensors with one row per batch row concatenated."""
+    names = set(invokes[0].kwargs)
+    if any(set(inv.kwargs) != names for inv in invokes):
+        raise errors.InvalidArgument("every invoke must give the same keyword inputs (Invoke.kwargs)")
+    out: dict[str, Any] = {}
+    for name in sorted(names):
+        column = [wire.decode_value(inv.kwargs[name]) for inv in invokes]
+        batched = [
+            isinstance(c, torch.Tensor) and c.dim() > 0 and c.shape[0] == stop - start
+            for c, (start, stop) in zip(column, rows, strict=True)
+        ]
+        if all(batched):
+            try:
+                out[name] = torch.cat(column, dim=0)
+            except RuntimeError as e:
+                raise errors.InvalidArgument(f"keyword input {name!r} of the invokes cannot be batched: {e}") from e
+        elif not any(isinstance(c, torch.Tensor) for c in column) and all(c == column[0] for c in column):
+            out[name] = column[0]
+        else:
+            raise errors.InvalidArgument(
+                f"keyword input {name!r}: give each invoke a tensor with one row per prompt, or one equal plain value"
+            )
+    return out
+
+
 def _tokens(invokes: Sequence[nnd_pb2.Invoke], tokenizer: Any, max_len: int) -> Batch:
-    seqs = [_token_ids(inv, tokenizer, i) for i, inv in enumerate(invokes)]
+    per_invoke = [_rows_of(inv, tokenizer, i) for i, inv in enumerate(invokes)]
+    seqs = [seq for rows in per_invoke for seq in rows]
     longest = max(len(s) for s in seqs)
     if max_len and longest > max_len:
         raise errors.ResourceExhausted(f"an invoke has {longest} tokens, over the limit max_sequence_length={max_len}")
@@ -125,7 +163,16 @@ def _tokens(invokes: Sequence[nnd_pb2.Invoke], tokenizer: Any, max_len: int) -> 
         ids[row, longest - len(seq) :] = torch.tensor(seq, dtype=torch.long)
         mask[row, longest - len(seq) :] = 1
     kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
-    return Batch(len(seqs), [(i, i + 1) for i in range(len(seqs))], (), kwargs, [len(s) for s in seqs])
+    spans: list[tuple[int, int]] = []
+    for rows in per_invoke:
+        start = spans[-1][1] if spans else 0
+        spans.append((start, start + len(rows)))
+    extra = _kwargs(invokes, spans)
+    clash = set(extra) & set(kwargs)
+    if clash:
+        raise errors.InvalidArgument(f"{', '.join(sorted(clash))} come from the invokes' tokens, not Invoke.kwargs")
+    kwargs.update(extra)
+    return Batch(len(seqs), spans, (), kwargs, [len(s) for s in seqs])
 
 
 def _tensors(invokes: Sequence[nnd_pb2.Invoke]) -> Batch:
@@ -180,7 +227,7 @@ def build(
         return _tensors(invokes)
     batch = _tokens(invokes, tokenizer, max_sequence_length)
     mask = batch.kwargs["attention_mask"]
-    if accepts(model, "position_ids"):
+    if accepts(model, "position_ids") and "position_ids" not in batch.kwargs:  # the caller's own win
         # Left padding shifts every row; without explicit positions GPT-2 would number the pads.
         batch.kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
     return batch

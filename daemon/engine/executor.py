@@ -113,7 +113,7 @@ class Executor:
             if node.kind == "external":
                 self.root.values[node.id] = node.value
         self.grad_sources = set() if scan else plan.grad_sources
-        self.caches = grads.Caches(plan, list(self.modules))
+        self.caches = grads.Caches(plan, list(self.modules), batch_rows, batch_size)
 
     # ------------------------------------------------------------ frames and steps
 
@@ -176,6 +176,7 @@ class Executor:
         self.current = key
         state: list[Any] = self.shard.enter(path, PRE, [list(args), dict(kwargs)])
         changed = self.shard.sharded(path, PRE)
+        parts: list[tuple[int, Any]] = []
         while events:
             for frame, node in events:
                 if node.kind == "module":
@@ -187,8 +188,16 @@ class Executor:
                     changed = True
                 elif node.kind == "skip":
                     like = values.first_tensor(state)
-                    self.skips[path] = self.shard.leave(path, POST, self.write_value(frame, node, like))
+                    value = self.write_value(frame, node, like)
+                    if node.invoke is None:
+                        self.skips[path] = self.shard.leave(path, POST, value)
+                    else:  # every invoke skips (plan.py): the forward is skipped, their rows stacked
+                        parts.append((self.rows[node.invoke][0], value, node))
             events = self.settle(key)
+        if parts:
+            parts.sort(key=lambda p: p[0])
+            stacked = self.guard(parts[-1][2], lambda: values.concat_rows([v for _, v, _ in parts]))
+            self.skips[path] = self.shard.leave(path, POST, stacked)
         self.finish_hook(key, record=lambda: self.caches.record(path, PRE, call, state))
         if changed:
             state = self.shard.leave(path, PRE, state)
@@ -212,7 +221,7 @@ class Executor:
                     self.bind(frame, node, key, self.view(state[0], node))
                 else:  # set, or skip of one invoke's rows
                     value = self.write_value(frame, node, values.first_tensor(state[0]))
-                    if node.invoke is None:
+                    if node.invoke is None or self.replaces(node, state[0], value):
                         state[0] = value
                         changed = True
                     else:
@@ -238,6 +247,17 @@ class Executor:
             events = self.settle(key)
         self.finish_hook(key, stop=False)
         self.forward_done = True
+
+    def replaces(self, node: PlanNode, current: Any, value: Any) -> bool:
+        """A write of another shape by an invoke that owns the whole batch replaces the value (as
+        nnsight's `.output = smaller` does) rather than broadcasting into its rows."""
+        start, stop = self.rows[node.invoke] if node.invoke is not None else (0, self.batch_size)
+        return (
+            (start, stop) == (0, self.batch_size)
+            and isinstance(current, torch.Tensor)
+            and isinstance(value, torch.Tensor)
+            and value.shape != current.shape
+        )
 
     def take_skip(self, path: str) -> tuple[bool, Any]:
         if path in self.skips:

@@ -27,8 +27,70 @@ class Options:
     stream_text: bool = False
 
 
+# GenerationConfig fields a client may set (generation_config_json): decoding
+# settings only; nothing that names code, files, models or output structure.
+CONFIG_FIELDS = frozenset(
+    {
+        "max_new_tokens",
+        "min_new_tokens",
+        "max_length",
+        "min_length",
+        "do_sample",
+        "num_beams",
+        "num_return_sequences",
+        "temperature",
+        "top_k",
+        "top_p",
+        "typical_p",
+        "min_p",
+        "epsilon_cutoff",
+        "eta_cutoff",
+        "repetition_penalty",
+        "encoder_repetition_penalty",
+        "length_penalty",
+        "no_repeat_ngram_size",
+        "encoder_no_repeat_ngram_size",
+        "early_stopping",
+        "bad_words_ids",
+        "suppress_tokens",
+        "begin_suppress_tokens",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "eos_token_id",
+        "bos_token_id",
+        "pad_token_id",
+        "decoder_start_token_id",
+        "renormalize_logits",
+        "remove_invalid_values",
+        "use_cache",
+    }
+)
+_CONFIG_IGNORED = frozenset({"transformers_version", "_from_model_config"})
+
+
+def _config(text: str) -> dict[str, Any]:
+    """A client's GenerationConfig JSON, checked against CONFIG_FIELDS."""
+    import json
+
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise errors.InvalidArgument(f"generate.generation_config_json is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise errors.InvalidArgument("generate.generation_config_json must be a JSON object")
+    data = {k: v for k, v in data.items() if k not in _CONFIG_IGNORED}
+    unknown = sorted(set(data) - CONFIG_FIELDS)
+    if unknown:
+        raise errors.InvalidArgument(
+            f"generation_config sets {', '.join(unknown)}, which the daemon does not take; "
+            f"it takes: {', '.join(sorted(CONFIG_FIELDS))}"
+        )
+    return data
+
+
 def options(msg: nnd_pb2.GenerateOptions, limits: EngineLimits) -> Options:
-    n = msg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+    config = _config(msg.generation_config_json) if msg.generation_config_json else {}
+    n = msg.max_new_tokens or int(config.get("max_new_tokens") or 0) or DEFAULT_MAX_NEW_TOKENS
     if n < 0:
         raise errors.InvalidArgument(f"generate.max_new_tokens must be positive, got {n}")
     if limits.max_new_tokens and n > limits.max_new_tokens:
@@ -41,7 +103,18 @@ def options(msg: nnd_pb2.GenerateOptions, limits: EngineLimits) -> Options:
         raise errors.InvalidArgument(f"generate.top_k must not be negative, got {msg.top_k}")
     if not 0 <= msg.top_p <= 1:
         raise errors.InvalidArgument(f"generate.top_p must be in (0, 1], got {msg.top_p}")
-    kwargs: dict[str, Any] = {"max_new_tokens": n, "do_sample": msg.do_sample}
+    if msg.num_beams < 0 or msg.num_return_sequences < 0:
+        raise errors.InvalidArgument("generate.num_beams and num_return_sequences must not be negative")
+    kwargs: dict[str, Any] = {}
+    if config:  # the caller's config over the model's (generate()); the explicit options below over both
+        kwargs["generation_config"] = config
+    kwargs["max_new_tokens"] = n
+    if msg.do_sample or "do_sample" not in config:
+        kwargs["do_sample"] = msg.do_sample
+    if msg.num_beams:
+        kwargs["num_beams"] = msg.num_beams
+    if msg.num_return_sequences:
+        kwargs["num_return_sequences"] = msg.num_return_sequences
     if msg.min_new_tokens:
         if not 0 < msg.min_new_tokens <= n:
             raise errors.InvalidArgument(
@@ -152,7 +225,16 @@ def generate(
             f"the prompt ({prompt} tokens) plus max_new_tokens={opts.max_new_tokens} exceeds the "
             f"model's {limit} learned positions; ask for at most {max(0, limit - prompt)} new tokens"
         )
-    streamer = StepStreamer(emit, batch.rows, tokenizer, opts.stream_text, cancelled, between)
+    kwargs = dict(opts.kwargs)
+    config = kwargs.pop("generation_config", None)
+    if config is not None:
+        # transformers lays the caller's config over the model's, as it does in-process (nnsight).
+        from transformers import GenerationConfig
+
+        kwargs["generation_config"] = GenerationConfig(**config)
+    beams = int(kwargs.get("num_beams") or (config or {}).get("num_beams") or 1)
+    # transformers streams greedy and sampled decoding only; beam search returns at the end.
+    streamer = StepStreamer(emit, batch.rows, tokenizer, opts.stream_text, cancelled, between) if beams == 1 else None
     if opts.seed is not None:
         torch.manual_seed(opts.seed)
-    return model.generate(**inputs, **opts.kwargs, pad_token_id=pad_id(tokenizer), streamer=streamer)
+    return model.generate(**inputs, **kwargs, pad_token_id=pad_id(tokenizer), streamer=streamer)

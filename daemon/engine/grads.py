@@ -30,7 +30,7 @@ import torch
 from nnd.v1 import graph_pb2
 
 from .. import errors
-from . import wire
+from . import values, wire
 from .failures import where, wrap
 from .order import POST, PRE
 
@@ -207,14 +207,18 @@ class Backward:
             if full is None:  # the gradient itself: a fresh tensor (autograd may reuse the one it gave)
                 g = torch.empty_like(g)
             _copy_into(ex, node, g, value)  # a view of the base's gradient: written through
-        ex.run_ready()
+        # Autograd runs hooks with grad mode off; a node that becomes ready here (a later
+        # backward's loss, say) must still record its graph, as it would outside the pass.
+        with torch.enable_grad():
+            ex.run_ready()
         ex.completed.add(key)
         ex.current = previous
         return full if full is not None else g
 
     def set_value(self, node: PlanNode) -> Any:
         ex, frame = self.ex, self.frame
-        ex.run_ready()
+        with torch.enable_grad():
+            ex.run_ready()
         if not ex.ready(frame, node):
             late = ex.missing_input(frame, node)
             assert node.grad_of is not None
@@ -277,7 +281,11 @@ def _sanitize(value: Any) -> Any:
 class Caches:
     """The Cache nodes of a plan and what they have recorded so far."""
 
-    def __init__(self, plan: Plan, modules: list[str]) -> None:
+    def __init__(
+        self, plan: Plan, modules: list[str], rows: list[tuple[int, int]] | None = None, batch_size: int = 0
+    ) -> None:
+        self.rows = rows or []
+        self.batch_size = batch_size
         self.by_path: dict[str, list[tuple[int, graph_pb2.Cache]]] = {}
         # cache node -> path -> call -> {"output": ..., "inputs": ...}
         self.entries: dict[int, dict[str, dict[int, dict[str, Any]]]] = {}
@@ -301,6 +309,10 @@ class Caches:
                 item, slot = value, "output"
             else:
                 continue
+            if spec.HasField("invoke") and spec.invoke < len(self.rows):
+                # A cache opened inside an invoke sees that invoke's rows, as its module values do.
+                start, stop = self.rows[spec.invoke]
+                item = values.rows(item, start, stop, self.batch_size)
             entry = self.entries[cache_id].setdefault(path, {}).setdefault(call, {})
             entry[slot] = _sanitize(_transform(item, spec))
 

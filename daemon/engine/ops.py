@@ -70,6 +70,22 @@ def _getattr(x: Any, name: Any) -> Any:
     return value() if name == "is_floating_point" else value
 
 
+def _requires_grad_(x: Any, requires_grad: Any = True) -> Any:
+    """`x.requires_grad_(flag)` on a value of the request (never a weight: those never get gradients)."""
+    if not isinstance(x, torch.Tensor) or isinstance(x, torch.nn.Parameter):
+        raise errors.InvalidArgument(f"requires_grad_ applies to a tensor the model computed, not a {type(x).__name__}")
+    return x.requires_grad_(bool(requires_grad))
+
+
+def _retain_grad(x: Any) -> None:
+    """`x.retain_grad()`: nnd serves gradients through `.grad` in a backward block, so this
+    only checks, as torch does, that the value can have one."""
+    if not isinstance(x, torch.Tensor):
+        raise errors.InvalidArgument(f"retain_grad applies to a tensor, not a {type(x).__name__}")
+    if torch.is_grad_enabled() and x.requires_grad:
+        x.retain_grad()
+
+
 def _setitem(target: Any, index: Any, value: Any) -> None:
     target[index] = value
 
@@ -183,6 +199,8 @@ def _table() -> dict[str, OpSpec]:
         table[name] = OpSpec(getattr(operator, name), mutates=True, aliases=True)
     table["setitem"] = OpSpec(_setitem, mutates=True)
     table["getattr"] = OpSpec(_getattr, aliases=True)
+    table["requires_grad_"] = OpSpec(_requires_grad_, aliases=True)
+    table["retain_grad"] = OpSpec(_retain_grad)
     table["randn"] = OpSpec(_random(torch.randn))
     table["rand"] = OpSpec(_random(torch.rand))
     table["randn_like"] = OpSpec(_random_like(torch.randn))

@@ -208,6 +208,7 @@ class _Builder:
                 next_edit_id += 1
             self.add_part(graph, lambda i, m=ids: m.get(i, _NOWHERE), edit=True)  # type: ignore[misc]
         self.add_part(self.graph, _same, edit=False)
+        self.whole_skips()
         for node in self.nodes.values():
             self.check_causality(node)
         has_stop = any(n.kind == "stop" for n in self.nodes.values())
@@ -241,6 +242,19 @@ class _Builder:
         for node in added:
             self.check_causality(node)
         return added
+
+    def whole_skips(self) -> None:
+        """Per-invoke skips of one call that cover every invoke skip the forward itself (nnsight's
+        batched skip): they move to the pre-hook, and the module and its children never run.
+        Skips of only some invokes stay row writes at the post-hook (the module runs)."""
+        groups: dict[tuple[int, str, int], list[PlanNode]] = {}
+        for node in self.nodes.values():
+            if node.kind == "skip" and node.invoke is not None and node.target is not None:
+                groups.setdefault((node.scope, node.target.path, node.target.call), []).append(node)
+        for nodes in groups.values():
+            if {n.invoke for n in nodes} == set(range(self.n_invokes)):
+                for n in nodes:
+                    n.hook = PRE
 
     def add_part(self, graph: graph_pb2.Graph, ids: IdMap, *, edit: bool) -> None:
         offset = len(self.scopes)

@@ -27,6 +27,10 @@ def rows(value: Any, start: int, stop: int, batch: int) -> Any:
 
 def write_rows(current: Any, new: Any, start: int, stop: int, batch: int) -> None:
     """Copy `new` into rows [start, stop) of `current`, leaf by leaf, in place."""
+    if new is current or (
+        not isinstance(new, torch.Tensor) and not isinstance(current, torch.Tensor) and _same(new, current)
+    ):
+        return  # a leaf given back as it was (None, a flag, the KV cache object): nothing to write
     if isinstance(current, torch.Tensor):
         if current.dim() >= 1 and current.shape[0] == batch:
             current[start:stop] = new
@@ -49,6 +53,30 @@ def write_rows(current: Any, new: Any, start: int, stop: int, batch: int) -> Non
     raise errors.InvalidArgument(
         f"cannot write a {type(new).__name__} into one invoke's rows of a {type(current).__name__}"
     )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (Mapping, tuple, list)) or isinstance(b, (Mapping, tuple, list)):
+        return False  # containers are walked leaf by leaf
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def concat_rows(parts: list[Any]) -> Any:
+    """Invokes' values joined into one batch: tensors concatenated on dim 0, structures leaf by leaf."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        if not all(isinstance(p, torch.Tensor) for p in parts):
+            raise errors.InvalidArgument("the invokes' skip values differ in kind: every one must be a tensor")
+        return torch.cat(parts, dim=0) if first.dim() >= 1 else first
+    if isinstance(first, Mapping):
+        return {k: concat_rows([p[k] for p in parts]) for k in first}
+    if isinstance(first, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == len(first) for p in parts):
+        joined = [concat_rows(list(items)) for items in zip(*parts, strict=True)]
+        return tuple(joined) if isinstance(first, tuple) else joined
+    return first
 
 
 def first_tensor(value: Any) -> torch.Tensor | None:

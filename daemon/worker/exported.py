@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import zipfile
 from collections.abc import Callable
 from typing import Any
@@ -210,11 +211,17 @@ def load_program(path: str, *, on_meta: bool = False) -> Any:
     try:
         serialized = _bytes_to_dataclass(schema.ExportedProgram, raw_program)
         serialized.guards_code = []  # refused above; torch compiles and runs it in ExportedProgram.module()
-        return ExportedProgramDeserializer(None).deserialize(serialized, state_dict, constants, None)
+        with _DESERIALIZE_LOCK:
+            return ExportedProgramDeserializer(None).deserialize(serialized, state_dict, constants, None)
     except errors.NndError:
         raise
     except Exception as exc:  # noqa: BLE001 - torch's deserializer raises many kinds
         raise _refuse(f"torch cannot read it ({type(exc).__name__}: {exc})") from None
+
+
+# torch's deserializer keeps process-wide state (_CURRENT_DESERIALIZER): two programs read at
+# once (uploads from several threads) fail, so they take turns.
+_DESERIALIZE_LOCK = threading.Lock()
 
 
 def module_types(directory: str) -> dict[str, tuple[str, str]]:

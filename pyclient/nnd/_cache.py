@@ -68,6 +68,10 @@ class CacheView:
         object.__setattr__(self, "_envoy", envoy)
         object.__setattr__(self, "_path", path)
 
+    def save(self) -> CacheView:
+        """nnsight's `tracer.cache().save()`: a cache always comes back after its block."""
+        return self
+
     # -- values
     def _node_path(self) -> str | None:
         if self._path is not None:

@@ -105,6 +105,27 @@ class Envoy:
         """The dotted module path ("" is the root)."""
         return self._path
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[tuple[str, Any]]:
+        """(name, parameter) pairs as torch's `named_parameters()` (tied weights
+        once): shapes and dtypes, no data — the weights stay in the daemon. Each
+        is a `torch.nn.Parameter` on the "meta" device (an `nnd.MetaTensor`
+        without torch)."""
+        from nnd import _meta
+
+        base = len(self._path) + 1 if self._path else 0
+        for env in self.modules() if recurse else iter([self]):
+            for info in env._parameters:
+                if info.buffer or info.tied_to:
+                    continue
+                full = f"{env._path}.{info.name}" if env._path else info.name
+                name = full[base:]
+                yield (f"{prefix}.{name}" if prefix else name), _meta.parameter(list(info.shape), info.dtype)
+
+    def parameters(self, recurse: bool = True) -> Iterator[Any]:
+        """The parameters of `named_parameters()`."""
+        for _, p in self.named_parameters(recurse=recurse):
+            yield p
+
     # -- values inside a block
     def _tracer(self, what: str) -> Tracer:
         tracer = _context.current(f"`{self._path or 'model'}.{what}`")

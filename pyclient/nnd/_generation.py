@@ -17,7 +17,19 @@ if TYPE_CHECKING:
 DEFAULT_MAX_NEW_TOKENS = 20  # the daemon's (and transformers') length when none is given
 
 GENERATE_OPTIONS = frozenset(
-    {"max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stream_text"}
+    {
+        "max_new_tokens",
+        "min_new_tokens",
+        "do_sample",
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+        "stream_text",
+        "num_beams",
+        "num_return_sequences",
+        "generation_config",
+    }
 )
 
 
@@ -33,6 +45,15 @@ def generate_options(**opts: Any) -> nnd_pb2.GenerateOptions:
     )
     if opts.get("seed") is not None:
         gen.seed = int(opts["seed"])
+    gen.num_beams = int(opts.get("num_beams") or 0)
+    gen.num_return_sequences = int(opts.get("num_return_sequences") or 0)
+    config = opts.get("generation_config")
+    if config is not None:
+        # A transformers GenerationConfig (or a dict of its fields), sent as JSON: data, not an object.
+        import json
+
+        fields = config if isinstance(config, dict) else config.to_diff_dict()
+        gen.generation_config_json = json.dumps(fields)
     return gen
 
 

@@ -150,11 +150,15 @@ class GraphBuilder:
         node.set_grad.grad.CopyFrom(msg)
         return node.id
 
-    def cache(self, modules: Sequence[str], *, outputs: bool, inputs: bool, dtype: int, device: str) -> int:
-        node = self._node(("cache", tuple(modules), outputs, inputs, dtype, device))
+    def cache(
+        self, modules: Sequence[str], *, outputs: bool, inputs: bool, dtype: int, device: str, invoke: int | None = None
+    ) -> int:
+        node = self._node(("cache", tuple(modules), outputs, inputs, dtype, device, invoke))
         spec = node.cache
         spec.modules.extend(modules)
         spec.outputs, spec.inputs, spec.device = outputs, inputs, device
+        if invoke is not None:
+            spec.invoke = invoke
         spec.dtype = dtype  # type: ignore[assignment]
         return node.id
 

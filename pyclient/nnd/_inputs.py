@@ -68,3 +68,54 @@ def _from_encoding(enc: Any) -> list[nnd_pb2.Invoke]:
             mask = [mask]
         ids = [[t for t, m in zip(row, mrow, strict=True) if m] for row, mrow in zip(ids, mask, strict=True)]
     return [nnd_pb2.Invoke(tokens=nnd_pb2.TokenIds(ids=_ids(row))) for row in ids]
+
+
+def merge(invokes: list[nnd_pb2.Invoke]) -> nnd_pb2.Invoke:
+    """Several prompts as one invoke (`tracer.invoke([a, b])`): one batch row each."""
+    if len(invokes) == 1:
+        return invokes[0]
+    prompts = nnd_pb2.Prompts()
+    kinds = {inv.WhichOneof("input") for inv in invokes}
+    if kinds == {"text"}:
+        prompts.text.extend(inv.text for inv in invokes)
+    elif kinds == {"tokens"}:
+        prompts.tokens.extend(inv.tokens for inv in invokes)
+    else:
+        raise TypeError("the prompts of one invoke must all be texts or all be token ids")
+    return nnd_pb2.Invoke(prompts=prompts)
+
+
+def keyword_invokes(data: Any, kwargs: dict[str, Any], tokenize: Any = None) -> list[nnd_pb2.Invoke]:
+    """Invokes from an input and the forward's keyword inputs (nnsight's `trace(input_ids=...,
+    attention_mask=..., decoder_input_ids=...)` or `trace(**tokenizer_output)`).
+
+    `input_ids`/`attention_mask` become token rows; every other keyword travels
+    as `Invoke.kwargs` (tensors row-aligned with the prompts). With several
+    prompts and keyword inputs, the prompts form one invoke. `tokenize(text)`
+    (for `tokenizer_kwargs=`) tokenizes text here instead of in the daemon."""
+    from nnd import _codec
+
+    kwargs = dict(kwargs)
+    if "input_ids" in kwargs:
+        if data is not None:
+            raise TypeError("pass the input positionally or as input_ids=, not both")
+        data = {"input_ids": kwargs.pop("input_ids")}
+        if kwargs.get("attention_mask") is not None:
+            data["attention_mask"] = kwargs.pop("attention_mask")
+    kwargs.pop("attention_mask", None)  # the daemon builds the mask of the padded batch
+    if data is None:
+        raise TypeError("no input: pass a prompt, token ids or input_ids=")
+    if tokenize is not None and (isinstance(data, str) or _all_str(data)):
+        texts = [data] if isinstance(data, str) else list(data)
+        data = [list(tokenize(t)) for t in texts]
+    invokes = to_invokes(data)
+    if not kwargs:
+        return invokes
+    invoke = merge(invokes)
+    for name, value in kwargs.items():
+        invoke.kwargs[name].CopyFrom(_codec.encode(value))
+    return [invoke]
+
+
+def _all_str(data: Any) -> bool:
+    return isinstance(data, (list, tuple)) and bool(data) and all(isinstance(x, str) for x in data)

@@ -82,3 +82,18 @@ class MetaTensor:
 
     def __repr__(self) -> str:
         return f"MetaTensor(shape={self.shape}, dtype={self.dtype})"
+
+
+def parameter(shape: list[int], dtype: str) -> Any:
+    """A parameter's shape and dtype without its data: a torch.nn.Parameter on
+    the "meta" device when torch is in use, else a MetaTensor."""
+    torch = _torchmod.available()
+    if torch is None:
+        return MetaTensor(tuple(shape), dtype)
+    from nnd import _dtypes
+
+    try:
+        torch_dtype = getattr(torch, _dtypes.canonical(dtype))
+    except (AttributeError, KeyError, ValueError):
+        torch_dtype = torch.float32
+    return torch.nn.Parameter(torch.empty(shape, dtype=torch_dtype, device="meta"))

@@ -42,10 +42,11 @@ class TransformersModel(_envoy.Envoy):
     `rename` gives modules extra names, as nnsight's `rename=`: keys are
     dotted paths matched from every module (`"transformer.h"`, `"attn"`,
     `"*.h"`) or module classes, values an alias or a list of them
-    (`{"transformer.h": "layers"}` makes `model.layers[0]` work). The daemon
-    keeps them for the model, so every client and every language can use
-    them; GPT-2, Llama and BERT-like models also get a standard set (layers,
-    attention, mlp, final_norm, lm_head, embed). `edits` opens a named edited
+    (`{"transformer.h": "layers"}` makes `model.layers[0]` work). They
+    belong to this handle, as in nnsight: another handle of the same model
+    may give the same alias to another module. GPT-2, Llama and BERT-like
+    models also get a standard set (layers, attention, mlp, final_norm,
+    lm_head, embed) that every client and language shares. `edits` opens a named edited
     variant that some client stored with `model.edit(name=...)`.
     """
 
@@ -70,6 +71,14 @@ class TransformersModel(_envoy.Envoy):
     ) -> None:
         if "torch_dtype" in kwargs:  # transformers' older spelling
             dtype = kwargs.pop("torch_dtype") if dtype is None else dtype
+        distributed = kwargs.pop("distributed_config", None)
+        if distributed is not None:  # transformers' DistributedConfig(tp_size=N), as nnsight's page spells it
+            size = distributed.get("tp_size") if isinstance(distributed, Mapping) else getattr(distributed, "tp_size", None)
+            if not isinstance(size, int) or size < 1:
+                raise TypeError("distributed_config needs a tp_size (transformers' DistributedConfig(tp_size=N))")
+            if tp_size is not None and tp_size != size:
+                raise TypeError(f"tp_size={tp_size} and distributed_config's tp_size={size} disagree")
+            tp_size = size
         extra = {k: kwargs.pop(k) for k in _PLACEMENT_KWARGS if k in kwargs}
         if kwargs:
             raise TypeError(f"nnd cannot pass these options to the daemon: {', '.join(sorted(kwargs))}")
@@ -142,6 +151,21 @@ class TransformersModel(_envoy.Envoy):
         return self.info.state == nnd_pb2.DISPATCHED
 
     @property
+    def device(self) -> Any:
+        """Where the weights are, as nnsight's `model.device`: the first
+        parameter's device ("meta" until dispatched), asked of the daemon; a
+        torch.device when torch is in use, else the name."""
+        from nnd import _torchmod
+
+        name = "meta"
+        for module in self.info.modules:
+            if module.parameters:
+                name = module.parameters[0].device or "meta"
+                break
+        torch = _torchmod.available()
+        return torch.device(name) if torch is not None else name
+
+    @property
     def config(self) -> dict[str, str]:
         """A summary of the model's config (model_type, sizes...) as strings."""
         return dict(self._info.config)
@@ -199,15 +223,26 @@ class TransformersModel(_envoy.Envoy):
         META model: shapes and dtypes, no weights, never dispatches."""
         return _tracer.ScanTracer(self, *_one(inputs), **options)
 
-    def generate(self, *inputs: Any, **options: Any) -> _tracer.GenerateTracer:
+    def generate(self, *inputs: Any, **options: Any) -> Any:
         """`with model.generate(input, max_new_tokens=N, ...) as tracer:` run
         the block during generation (options: do_sample, temperature, top_k,
-        top_p, seed). `tracer.result` is the generated ids; loop over steps
-        with `tracer.iter[...]` / `tracer.all()`. `on_token=callback` is called
-        with each step's tokens (`.id`, `.text`) as they are generated, while the
-        block's interventions apply: `on_token=lambda t: print(t.text, end="")`
-        watches a steered generation live."""
-        return _tracer.GenerateTracer(self, *_one(inputs), **options)
+        top_p, seed, num_beams, num_return_sequences, generation_config).
+        `tracer.result` is the generated ids; loop over steps with
+        `tracer.iter[...]` / `tracer.all()`. Called without `with`
+        (`ids = model.generate(prompt, max_new_tokens=3)`), it generates at
+        once and returns the ids, as nnsight does. `on_token=callback` is
+        called with each step's tokens (`.id`, `.text`) as they are generated,
+        while the block's interventions apply:
+        `on_token=lambda t: print(t.text, end="")` watches a steered generation live."""
+        from nnd import _source
+
+        tracer = _tracer.GenerateTracer(self, *_one(inputs), **options)
+        frame = _source.user_frame()
+        if frame is None or _source.called_in_with(frame):
+            return tracer
+        with tracer:
+            ids = tracer.result.save()
+        return ids._value
 
     def session(self, **options: Any) -> Session:
         """`with model.session():` — the trace/generate blocks inside run

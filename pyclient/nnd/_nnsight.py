@@ -24,6 +24,7 @@ tree; a module called twice appears once per call (torch names the second
 from __future__ import annotations
 
 import io
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,6 +34,10 @@ from nnd.errors import ExportError
 from nnd.v1 import nnd_pb2
 
 from ._model import TransformersModel
+
+# torch.export traces under process-wide dispatch modes (one ProxyTorchDispatchMode slot):
+# two exports at once in one process fail, so threads take turns.
+_EXPORT_LOCK = threading.Lock()
 
 
 def _as_args(example_inputs: Any) -> tuple[Any, ...]:
@@ -75,7 +80,8 @@ def export(module: Any, example_inputs: Any, *, dynamic: bool = True) -> bytes:
     program = None
     for label, values, dynamic_shapes in attempts:
         try:
-            program = torch.export.export(module, values, dynamic_shapes=dynamic_shapes)
+            with _EXPORT_LOCK:
+                program = torch.export.export(module, values, dynamic_shapes=dynamic_shapes)
             break
         except Exception as exc:  # noqa: BLE001 - torch raises many kinds; its reason is what the user needs
             failures[label] = exc
@@ -101,6 +107,10 @@ def export(module: Any, example_inputs: Any, *, dynamic: bool = True) -> bytes:
     return buffer.getvalue()
 
 
+def _payload(module: Any, program: bytes) -> Payload:
+    return Payload("exported", [("modules.json", modules_json(module)), ("program.pt2", program)])
+
+
 def _hopeless(exc: BaseException) -> bool:
     """Failures no other example shape can fix (data-dependent Python control flow)."""
     return type(exc).__name__ in ("GuardOnDataDependentSymNode", "DataDependentOutputException")
@@ -120,6 +130,7 @@ class _ArgsTracer(_tracer.Tracer):
 
     def invoke(self, *args: Any) -> _tracer.Invoker:
         """Add one input (the module's positional arguments) as its own batch rows."""
+        self.model._bring(args)  # type: ignore[attr-defined]
         return _tracer.Invoker(self, _invoke(args))
 
 
@@ -128,7 +139,13 @@ class _ArgsScanTracer(_tracer.ScanTracer):
 
     def invoke(self, *args: Any) -> _tracer.Invoker:
         """Add one input (the module's positional arguments) as its own batch rows."""
+        self.model._bring(args)  # type: ignore[attr-defined]
         return _tracer.Invoker(self, _invoke(args))
+
+
+def _local_modules(module: Any) -> list[nnd_pb2.ModuleInfo]:
+    """The module tree as this process sees it, until the daemon describes the exported one."""
+    return [nnd_pb2.ModuleInfo(path=path, type=type(m).__name__) for path, m in module.named_modules()]
 
 
 class NNsight(_Uploaded, TransformersModel):
@@ -140,7 +157,9 @@ class NNsight(_Uploaded, TransformersModel):
             hidden = wrapped[0].output.save()
 
     `example_inputs` is one input tensor or a tuple of the positional
-    arguments. `NNsight(name)` opens a module uploaded earlier (by any
+    arguments; without them (`NNsight(net)`, as in nnsight) the module is
+    exported and sent when the first trace or scan brings its inputs (until
+    then the tree is this process's own, and nothing is on the daemon). `NNsight(name)` opens a module uploaded earlier (by any
     client, or before the daemon restarted) by its name. The module is exported here with `torch.export` (a module that
     cannot be exported raises `nnd.ExportError` with torch's reason, and
     nothing is sent) and uploaded as data: a graph of ATen operators and the
@@ -170,35 +189,70 @@ class NNsight(_Uploaded, TransformersModel):
         rename: Mapping[Any, str | list[str] | tuple[str, ...]] | None = None,
         edits: str | list[str] | None = None,
     ) -> None:
+        deferred = None
         if isinstance(module, str):  # a module uploaded before (by any client): open it by name
             payload, name = None, module
+        elif example_inputs is None:
+            # nnsight's `NNsight(net)`: torch.export needs inputs, so the first trace or scan brings them.
+            if not hasattr(module, "named_modules"):
+                raise TypeError(f"NNsight wraps a torch.nn.Module, not a {type(module).__name__}")
+            payload, deferred = None, module
         else:
             program = export(module, example_inputs, dynamic=dynamic)  # before connecting: nothing sent on failure
-            payload = Payload("exported", [("modules.json", modules_json(module)), ("program.pt2", program)])
+            payload = _payload(module, program)
         object.__setattr__(self, "_payload", payload)
         object.__setattr__(self, "_upload_name", name or "")
         object.__setattr__(self, "_upload_info", None)
+        object.__setattr__(self, "_deferred", deferred)
+        object.__setattr__(self, "_deferred_request", None)
+        object.__setattr__(self, "_dynamic", dynamic)
+        object.__setattr__(self, "_dispatch_on_load", dispatch and deferred is not None)
         super().__init__(
             "",
             address=address,
             token=token,
             device=device,
             dtype=dtype,
-            dispatch=dispatch,
+            dispatch=dispatch and deferred is None,
             keep_alive=keep_alive,
             rename=rename,
             edits=edits,
         )
 
+    def _load(self, request: nnd_pb2.LoadModelRequest) -> nnd_pb2.ModelInfo:
+        if self._deferred is None:
+            return super()._load(request)
+        object.__setattr__(self, "_deferred_request", request)  # sent when inputs arrive (_bring)
+        return nnd_pb2.ModelInfo(modules=_local_modules(self._deferred))
+
+    def _bring(self, args: tuple[Any, ...]) -> None:
+        """A block's first inputs: export the module with them as the example, upload and load it."""
+        module = self._deferred
+        if module is None or not args:
+            return
+        program = export(module, tuple(args), dynamic=self._dynamic)
+        object.__setattr__(self, "_payload", _payload(module, program))
+        object.__setattr__(self, "_deferred", None)
+        info = self._load(self._deferred_request)  # type: ignore[arg-type]
+        object.__setattr__(self, "_info", info)
+        object.__setattr__(self, "_name", info.name)
+        from nnd import _envoy
+
+        _envoy.build_tree(self, info.modules, self)  # the exported tree (see the module docstring)
+        if self._dispatch_on_load:
+            self.dispatch()
+
     def trace(self, *inputs: Any, **options: Any) -> _tracer.Tracer:
         """`with wrapped.trace(x):` one forward pass on the daemon with the
         module's positional arguments `inputs`; without inputs, add them with
         `tracer.invoke(x)`."""
+        self._bring(inputs)
         return _ArgsTracer(self, *((_invoke(inputs),) if inputs else ()), **options)
 
     def scan(self, *inputs: Any, **options: Any) -> _tracer.ScanTracer:
         """`with wrapped.scan(x):` shapes and dtypes only, on the META module
         (fake tensors; no weights, never dispatches)."""
+        self._bring(inputs)
         return _ArgsScanTracer(self, *((_invoke(inputs),) if inputs else ()), **options)
 
     def generate(self, *inputs: Any, **options: Any) -> Any:

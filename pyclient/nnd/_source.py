@@ -60,3 +60,19 @@ def display_name(file: str) -> str:
     except Exception:  # noqa: BLE001 - an older or unusual IPython: keep the real name
         return file
     return f"{kind} {name}" if kind and name else file
+
+
+_WITH_OPS = frozenset({"BEFORE_WITH", "SETUP_WITH", "BEFORE_ASYNC_WITH", "SETUP_ASYNC_WITH"})
+
+
+def called_in_with(frame: FrameType) -> bool:
+    """Whether the call `frame` is making now opens a `with` block (the next
+    instruction enters the context), as in `with model.generate(...) as t:`.
+    Unknown: True (the block form)."""
+    import dis
+
+    # f_lasti is the call (or, 3.11+, its last inline cache): the next instruction follows it.
+    for ins in dis.get_instructions(frame.f_code):
+        if ins.offset > frame.f_lasti:
+            return ins.opname in _WITH_OPS
+    return True

@@ -21,32 +21,41 @@ if TYPE_CHECKING:
     from nnd._session import Session
 
 _NO_INPUT: Any = object()
+# nnsight's execution options (NDIF remote execution, backends): refused, never sent as model inputs.
+_NNSIGHT_ONLY = frozenset({"remote", "backend", "blocking", "callback", "debug"})
 
 
 class Invoker:
     """`with tracer.invoke(input):` — module values read inside belong to this
     input's batch rows. With no input, they cover every row."""
 
-    def __init__(self, tracer: Tracer, data: Any) -> None:
+    def __init__(self, tracer: Tracer, data: Any, inputs: dict[str, Any] | None = None) -> None:
         self._tracer = tracer
         self._data = data
+        self._inputs = inputs or {}
         self._previous: int | None = None
         self.index: int | None = None
 
     def __enter__(self) -> Invoker:
         tracer = self._tracer
-        if self._data is not _NO_INPUT:
-            invokes = _inputs.to_invokes(self._data)
-            if len(invokes) != 1:
-                raise ValueError("one prompt per invoke: open one `tracer.invoke(...)` for each prompt")
+        if self._data is not _NO_INPUT or self._inputs:
+            invokes = tracer._to_invokes(self._data, self._inputs)
+            # Several prompts in one invoke are one batched invoke (its rows padded with the batch).
             self.index = len(tracer._invokes)
-            tracer._invokes.extend(invokes)
+            tracer._invokes.append(_inputs.merge(invokes))
         self._previous = tracer._invoke
         tracer._invoke = self.index
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._tracer._invoke = self._previous
+
+
+class _Barrier:
+    """What `tracer.barrier(n)` gives: calling it inside an invoke does nothing."""
+
+    def __call__(self) -> None:
+        return None
 
 
 class Tracer:
@@ -61,15 +70,26 @@ class Tracer:
     # shm=True: big saved tensors come back through shared memory (same host, unix socket; _shm.py).
     # pause_timeout: seconds the daemon keeps a run paused at a sync point waiting for this client.
     _options_allowed: frozenset[str] = frozenset({"keep_alive", "shm", "timeout", "pause_timeout"})
+    # Generation settings a trace accepts and ignores, as nnsight's trace does (one forward).
+    _options_ignored: frozenset[str] = frozenset(
+        {"max_new_tokens", "min_new_tokens", "do_sample", "num_beams", "num_return_sequences", "generation_config"}
+    )
     _sessionable = True  # may be part of `with model.session():`
     _delivers_values = True  # values placed in saved objects / outer containers come back (not an edit)
     _unroll_loops = True  # `for step in tracer.iter[...]` runs per step in Python (not in an edit)
 
     def __init__(self, model: TransformersModel, data: Any = _NO_INPUT, **options: Any) -> None:
-        unknown = set(options) - self._options_allowed
-        if unknown:
-            allowed = ", ".join(sorted(self._options_allowed))
-            raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; this block takes: {allowed}")
+        self._tokenizer_kwargs: dict[str, Any] | None = options.pop("tokenizer_kwargs", None)
+        for name in self._options_ignored - self._options_allowed:
+            options.pop(name, None)
+        remote = sorted(set(options) & _NNSIGHT_ONLY)
+        if remote:
+            raise TypeError(
+                f"nnsight option(s) {', '.join(remote)} do not apply to nnd: the daemon is the remote; "
+                f"this block takes: {', '.join(sorted(self._options_allowed))}"
+            )
+        # Any other keyword is an input of the model's forward (input_ids=, decoder_input_ids=...), as in nnsight.
+        inputs = {k: options.pop(k) for k in list(options) if k not in self._options_allowed}
         self.model = model
         self._session: Session | None = None
         from nnd._session import join
@@ -100,21 +120,41 @@ class Tracer:
         """Tokens streamed per generation step (Generate only)."""
         self.compute_s = 0.0
         """Wall time the daemon spent running the block."""
-        if data is not _NO_INPUT:
-            self._invokes.extend(_inputs.to_invokes(data))
+        if data is not _NO_INPUT or inputs:
+            self._invokes.extend(self._to_invokes(data, inputs))
             # One prompt is invoke 0; a batch given at once is read as all its rows.
             self._invoke = 0 if len(self._invokes) == 1 else None
 
+    def _to_invokes(self, data: Any, inputs: dict[str, Any]) -> list[nnd_pb2.Invoke]:
+        if not inputs and self._tokenizer_kwargs is None:
+            return _inputs.to_invokes(data)
+        tokenize = None
+        if self._tokenizer_kwargs is not None:
+            tokenizer, extra = self.model.tokenizer, self._tokenizer_kwargs
+            tokenize = lambda text: tokenizer(text, **extra)["input_ids"]  # noqa: E731
+        return _inputs.keyword_invokes(None if data is _NO_INPUT else data, inputs, tokenize)
+
     # -- recording API
-    def invoke(self, data: Any = _NO_INPUT) -> Invoker:
-        """Add one prompt (text, token ids or a tensor of ids) as its own batch rows."""
-        return Invoker(self, data)
+    def invoke(self, data: Any = _NO_INPUT, **inputs: Any) -> Invoker:
+        """Add a prompt (text, token ids or a tensor of ids) as its own batch rows;
+        a list of prompts is one invoke of several rows. Keywords are forward
+        inputs, as for `model.trace(...)`."""
+        return Invoker(self, data, inputs)
+
+    def barrier(self, participants: int) -> Any:
+        """nnsight's `tracer.barrier(n)`: nnd needs none (a value of one invoke
+        may be used in another anywhere: the graph runs in dataflow order), so
+        calling it does nothing."""
+        if not isinstance(participants, int) or participants < 1:
+            raise ValueError("barrier(n) needs the number of invokes that meet at it")
+        return _Barrier()
 
     @property
     def result(self) -> Proxy:
         """The request's result: the model output (trace/scan) or the
-        generated token ids (generate)."""
-        return self._module("", graph_pb2.RESULT, invoke=None)
+        generated token ids (generate); inside `tracer.invoke(...)`, that
+        invoke's rows of it (as nnsight narrows it)."""
+        return self._module("", graph_pb2.RESULT)
 
     def stop(self) -> None:
         """Stop the forward pass once everything recorded has run."""
@@ -128,13 +168,15 @@ class Tracer:
         detach: bool = True,
         include_output: bool = True,
         include_inputs: bool = False,
+        non_blocking: bool = False,
     ) -> CacheView:
         """Record every selected module's values as the model runs, after this
         block's interventions, one entry per call (per step in a generate).
 
         `modules`: envoys or paths (aliases allowed); None records every module.
         `device`/`dtype`: where and as what the daemon keeps the values until
-        they are sent (default "cpu"; None leaves them). After the block:
+        they are sent (default "cpu"; None leaves them). `non_blocking` is
+        accepted for nnsight's sake: the daemon copies when it sends. After the block:
         `cache["model.transformer.h.0"].output`, `cache.model.layers[0].output`.
         """
         from nnd import _dtypes
@@ -151,6 +193,7 @@ class Tracer:
             inputs=include_inputs,
             dtype=code,
             device="" if device is None else str(device),
+            invoke=self._invoke,  # inside an invoke: that invoke's rows only, as nnsight narrows them
         )
         cache = Cache(self.model)
         self._caches[node] = cache
@@ -382,8 +425,10 @@ class Tracer:
 
 class ScanTracer(Tracer):
     """A scan block: the graph runs on the META model with fake tensors.
-    Saved tensors come back as tensors on the "meta" device (torch) or
-    `nnd.MetaTensor` (no torch): shapes and dtypes, no data."""
+    Saved tensors come back as FakeTensors on the "meta" device, as nnsight's
+    (`isinstance(v, FakeTensor)`; ops on them give fake tensors, mixing them
+    with real ones raises), or `nnd.MetaTensor` without torch: shapes and
+    dtypes, no data."""
 
     _method = "Scan"
     _sessionable = False
@@ -392,6 +437,33 @@ class ScanTracer(Tracer):
         from nnd._usage import value_not_known
 
         raise value_not_known("a real value in a scan (it runs on fake tensors)", _source.location().text)
+
+    def _deliver(self, results: _results.Results) -> None:
+        super()._deliver(results)
+        from nnd import _torchmod
+
+        torch = _torchmod.loaded()
+        if torch is None:
+            return
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        # One mode per block, as nnsight's scan has one: its values may be combined with each other.
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        for proxy in self._saved.values():
+            if proxy._resolved:
+                proxy._value = _fake(proxy._value, mode, torch)
+
+
+def _fake(value: Any, mode: Any, torch: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return mode.from_tensor(value) if value.device.type == "meta" else value
+    if isinstance(value, dict):
+        return {k: _fake(v, mode, torch) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fake(v, mode, torch) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_fake(v, mode, torch) for v in value)
+    return value
 
 
 class GenerateTracer(Tracer):
@@ -416,6 +488,9 @@ class GenerateTracer(Tracer):
             "seed",
             "stream_text",
             "on_token",
+            "num_beams",
+            "num_return_sequences",
+            "generation_config",
         }
     )
 

@@ -193,10 +193,12 @@ class UploadedModel(_Uploaded, TransformersModel):
     The config and the weights (safetensors) are uploaded under `name` (or a
     name derived from their content hash), with `tokenizer`'s files (default:
     the tokenizer saved beside the checkpoint the model was loaded from, if
-    there is one). The daemon stores them in its state directory; from then on
-    the model behaves like one loaded by repo id: META until the first trace,
-    dispatched with the placement options given here, released, restored
-    after a restart. The task is `task`, else text-generation for a generative
+    there is one). The daemon stores them in its state directory and, as
+    nnsight reports an in-memory model dispatched, dispatches it at once (on
+    the device its parameters are on here, unless `device`/`device_map` say
+    otherwise; `dispatch=False` leaves it META until the first trace); from
+    then on it behaves like one loaded by repo id: released, restored after a
+    restart. The task is `task`, else text-generation for a generative
     model, else inferred by the daemon from the class name. Sending identical
     weights again sends nothing (see `upload_info`).
     """
@@ -215,6 +217,13 @@ class UploadedModel(_Uploaded, TransformersModel):
         object.__setattr__(self, "_payload", transformers_payload(model, tok))
         object.__setattr__(self, "_upload_name", name or "")
         object.__setattr__(self, "_upload_info", None)
+        # An in-memory model is already loaded in nnsight (dispatched: True): so here, on the daemon,
+        # where this process keeps it (its parameters' device) unless told otherwise.
+        kwargs.setdefault("dispatch", True)
+        if kwargs.get("device") is None and kwargs.get("device_map") is None:
+            first = next(iter(model.parameters()), None)
+            if first is not None and first.device.type != "meta":
+                kwargs["device"] = str(first.device)
         super().__init__("", task=task or infer_task(model), **kwargs)
         if tok is not None:
             self._tokenizer = tok

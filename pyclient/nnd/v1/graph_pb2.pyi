@@ -163,18 +163,20 @@ class SetGrad(_message.Message):
     def __init__(self, value: _Optional[int] = ..., backward: _Optional[int] = ..., grad: _Optional[_Union[Arg, _Mapping]] = ...) -> None: ...
 
 class Cache(_message.Message):
-    __slots__ = ("modules", "outputs", "inputs", "dtype", "device")
+    __slots__ = ("modules", "outputs", "inputs", "dtype", "device", "invoke")
     MODULES_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    INVOKE_FIELD_NUMBER: _ClassVar[int]
     modules: _containers.RepeatedScalarFieldContainer[str]
     outputs: bool
     inputs: bool
     dtype: _values_pb2.DType
     device: str
-    def __init__(self, modules: _Optional[_Iterable[str]] = ..., outputs: _Optional[bool] = ..., inputs: _Optional[bool] = ..., dtype: _Optional[_Union[_values_pb2.DType, str]] = ..., device: _Optional[str] = ...) -> None: ...
+    invoke: int
+    def __init__(self, modules: _Optional[_Iterable[str]] = ..., outputs: _Optional[bool] = ..., inputs: _Optional[bool] = ..., dtype: _Optional[_Union[_values_pb2.DType, str]] = ..., device: _Optional[str] = ..., invoke: _Optional[int] = ...) -> None: ...
 
 class StepSelector(_message.Message):
     __slots__ = ("all", "range", "steps")

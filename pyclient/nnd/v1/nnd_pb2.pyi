@@ -187,16 +187,20 @@ class UnloadResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ParameterInfo(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "device")
+    __slots__ = ("name", "shape", "dtype", "device", "buffer", "tied_to")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    TIED_TO_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     device: str
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    buffer: bool
+    tied_to: str
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., buffer: _Optional[bool] = ..., tied_to: _Optional[str] = ...) -> None: ...
 
 class ModuleInfo(_message.Message):
     __slots__ = ("path", "type", "parameters", "extra", "aliases")
@@ -302,14 +306,33 @@ class WorkerRank(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class Invoke(_message.Message):
-    __slots__ = ("text", "tokens", "args")
+    __slots__ = ("text", "tokens", "prompts", "args", "kwargs")
+    class KwargsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _values_pb2.Value
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_values_pb2.Value, _Mapping]] = ...) -> None: ...
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
+    KWARGS_FIELD_NUMBER: _ClassVar[int]
     text: str
     tokens: TokenIds
+    prompts: Prompts
     args: _containers.RepeatedCompositeFieldContainer[_values_pb2.Value]
-    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., args: _Optional[_Iterable[_Union[_values_pb2.Value, _Mapping]]] = ...) -> None: ...
+    kwargs: _containers.MessageMap[str, _values_pb2.Value]
+    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., prompts: _Optional[_Union[Prompts, _Mapping]] = ..., args: _Optional[_Iterable[_Union[_values_pb2.Value, _Mapping]]] = ..., kwargs: _Optional[_Mapping[str, _values_pb2.Value]] = ...) -> None: ...
+
+class Prompts(_message.Message):
+    __slots__ = ("text", "tokens")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    text: _containers.RepeatedScalarFieldContainer[str]
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    def __init__(self, text: _Optional[_Iterable[str]] = ..., tokens: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -318,7 +341,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateOptions(_message.Message):
-    __slots__ = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stream_text", "min_new_tokens")
+    __slots__ = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stream_text", "min_new_tokens", "num_beams", "num_return_sequences", "generation_config_json")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -327,6 +350,9 @@ class GenerateOptions(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     STREAM_TEXT_FIELD_NUMBER: _ClassVar[int]
     MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BEAMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RETURN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     do_sample: bool
     temperature: float
@@ -335,7 +361,10 @@ class GenerateOptions(_message.Message):
     seed: int
     stream_text: bool
     min_new_tokens: int
-    def __init__(self, max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stream_text: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ...) -> None: ...
+    num_beams: int
+    num_return_sequences: int
+    generation_config_json: str
+    def __init__(self, max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stream_text: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ..., num_beams: _Optional[int] = ..., num_return_sequences: _Optional[int] = ..., generation_config_json: _Optional[str] = ...) -> None: ...
 
 class TraceRequest(_message.Message):
     __slots__ = ("model", "invokes", "graph", "generate", "no_auto_dispatch", "keep_alive", "edits", "shm", "shm_region")
