@@ -79,6 +79,20 @@ class Helper:
         return proc.pid if proc is not None and proc.poll() is None else 0
 
     # -- process ---------------------------------------------------------------
+    def start_soon(self) -> None:
+        """Start the helper in the background now, so the first LoadModel does not wait for its
+        imports; meanwhile import here what the daemon's side of a model needs (the alias table)."""
+
+        def start() -> None:
+            try:
+                with self._call_lock:
+                    self._ensure()
+            except errors.NndError as exc:
+                log.warning("the helper did not start (the next call tries again): %s", exc)
+
+        threading.Thread(target=start, name="helper-start", daemon=True).start()
+        threading.Thread(target=lambda: __import__("nnd_daemon.engine.aliases"), name="imports", daemon=True).start()
+
     def _ensure(self) -> helper_pb2_grpc.HelperStub:
         if self._closed:
             raise errors.Unavailable("the daemon is shutting down")
@@ -97,6 +111,7 @@ class Helper:
             self._proc = subprocess.Popen(
                 cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, close_fds=True, cwd=self.cwd
             )
+        threading.Thread(target=self._watch, args=(self._proc,), name="helper-watch", daemon=True).start()
         deadline = time.monotonic() + self.start_timeout_s
         while not os.path.exists(self.socket):
             if self._proc.poll() is not None:
@@ -110,6 +125,13 @@ class Helper:
         self._stub = helper_pb2_grpc.HelperStub(self._channel)
         self._ps = psutil.Process(self._proc.pid)
         return self._stub
+
+    def _watch(self, proc: subprocess.Popen[bytes]) -> None:
+        """Reap the helper when it ends, and say so (a death is noticed here, not only by the next call)."""
+        code = proc.wait()
+        if not self._closed:
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            log.warning("the helper process (pid %d) ended: %s; the next call starts a new one", proc.pid, how)
 
     def _discard(self) -> None:
         if self._channel is not None:

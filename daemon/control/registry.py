@@ -91,6 +91,7 @@ class Registry:
             start_timeout_s=settings.worker_start_timeout_s,
         )
         uploads.use_checker(settings, self.helper.check_upload)
+        self.helper.start_soon()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="keep-alive", daemon=True)
         self._reaper.start()

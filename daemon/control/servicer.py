@@ -218,6 +218,7 @@ class NndServicer:
     @_guard
     def CreateEdit(self, request: nnd_pb2.CreateEditRequest, context: grpc.ServicerContext) -> nnd_pb2.EditInfo:
         entry = self.registry.get(request.model)
+        requests.check_nodes(request.graph, "the edit")
         graph = graph_pb2.Graph()
         graph.CopyFrom(request.graph)
         _resolve_aliases(entry.meta, [graph])

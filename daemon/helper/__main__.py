@@ -48,7 +48,6 @@ def main() -> None:
     import transformers  # noqa: F401
 
     from nnd.v1 import helper_pb2_grpc
-    from nnd_daemon import engine  # noqa: F401
     from nnd_daemon.helper.service import HelperService
 
     torch.set_num_threads(1)  # fake tensors compute nothing; one thread keeps the CPU bound per call honest
