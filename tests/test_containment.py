@@ -168,10 +168,17 @@ def _constants_scan(model: str, n: int) -> bytes:
     return head + _field(3, b"".join(nodes))
 
 
-@pytest.mark.timeout(900)
-def test_a_scan_of_two_million_constants_is_stopped(bounded, gpt2, contained):
+@pytest.fixture(scope="module")
+def two_million(gpt2) -> bytes:
+    """Built before the health checks start: building it holds this process's GIL for seconds."""
     request = _constants_scan(gpt2, 2_000_000)
     assert len(nnd_pb2.TraceRequest.FromString(request).graph.nodes) == 2_000_000
+    return request
+
+
+@pytest.mark.timeout(900)
+def test_a_scan_of_two_million_constants_is_refused(bounded, two_million, contained):
+    request = two_million
     with grpc.insecure_channel(bounded.address, options=[("grpc.max_send_message_length", -1)]) as channel:
         scan = channel.unary_stream("/nnd.v1.Nnd/Scan", request_serializer=None, response_deserializer=None)
         err = _status(lambda: list(scan(request, timeout=600)))
