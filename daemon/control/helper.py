@@ -54,11 +54,14 @@ class Helper:
         memory_bytes: int,
         cpu_s: float,
         start_timeout_s: float = 120.0,
+        call_timeout_s: float = 600.0,
         cache: int = 8,
     ) -> None:
         self.memory_bytes = memory_bytes
         self.cpu_s = cpu_s
         self.start_timeout_s = start_timeout_s
+        # Wall-clock bound of a call that names none (a build waiting on I/O uses no CPU time).
+        self.call_timeout_s = call_timeout_s
         self.cache = cache
         self.socket = os.path.join(run_dir, "helper.sock")
         self.log_path = os.path.join(log_dir, "helper.log")
@@ -175,7 +178,7 @@ class Helper:
         with self._call_lock:
             stub = self._ensure()
             start = self._cpu()
-            future = getattr(stub, method).future(request, timeout=timeout)
+            future = getattr(stub, method).future(request, timeout=timeout or self.call_timeout_s or None)
             if client is not None and not client.add_callback(future.cancel):
                 future.cancel()
             over = ""

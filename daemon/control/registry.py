@@ -89,6 +89,7 @@ class Registry:
             memory_bytes=settings.helper_memory_bytes,
             cpu_s=settings.helper_cpu_s,
             start_timeout_s=settings.worker_start_timeout_s,
+            call_timeout_s=settings.limits.default_deadline_s,
         )
         uploads.use_checker(settings, self.helper.check_upload)
         self.helper.start_soon()
