@@ -27,7 +27,7 @@ class Limits:
     # Text one Tokenize may carry (a 128k-token context is well under 1 MiB of text).
     max_tokenize_bytes: int = 4 * 1024 * 1024
     # Request and result bytes of Trace/Generate/Session the daemon holds at once (control/inflight.py).
-    max_inflight_bytes: int = 2 * 1024 * 1024 * 1024
+    max_inflight_bytes: int = 1024 * 1024 * 1024
     # The helper process (control/helper.py): RLIMIT_AS, and CPU seconds per call.
     helper_memory_bytes: int = 4 * 1024 * 1024 * 1024
     helper_cpu_s: float = 60.0

@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deadline", type=float, default=600.0, help="default request deadline, seconds")
     p.add_argument("--max-tokenize-bytes", default="4MiB", help="text one Tokenize request may carry")
     p.add_argument(
-        "--max-inflight-bytes", default="2GiB", help="Trace/Generate/Session bytes the daemon holds at once, all clients"
+        "--max-inflight-bytes", default="1GiB", help="Trace/Generate/Session bytes the daemon holds at once, all clients"
     )
     p.add_argument(
         "--helper-memory",
