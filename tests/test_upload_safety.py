@@ -25,8 +25,9 @@ import nnd
 from nnd import _nnsight, _upload
 from nnd.v1 import nnd_pb2, nnd_pb2_grpc, worker_pb2
 from nnd_daemon import errors
-from nnd_daemon.control import uploads
+from nnd_daemon.control import metamodel, uploads
 from nnd_daemon.control.settings import Limits, Settings
+from nnd_daemon.helper import meta as helper_meta
 from nnd_daemon.worker import export_schema, exported, sym_expr
 
 
@@ -71,8 +72,14 @@ def test_the_request_path_unpickles_nothing(tmp_path, program, monkeypatch):
 
     stored = _store(settings, payload)  # Upload: checks the archive
     assert stored.received_bytes == payload.total and not stored.existed
-    meta = uploads.build_meta(settings, nnd_pb2.LoadModelRequest(model="net", upload=stored.sha256))  # LoadModel
-    assert meta.architecture == "Sequential" and {str(p.device) for p in meta.module.parameters()} == {"meta"}
+    built: dict[str, Any] = {}
+
+    def describe(ref: Any) -> metamodel.MetaModel:  # what the helper process does for LoadModel
+        built["meta"] = helper_meta.build(ref)
+        return metamodel.MetaModel(ref=ref, description=helper_meta.describe(built["meta"]))
+
+    meta = uploads.build_meta(settings, nnd_pb2.LoadModelRequest(model="net", upload=stored.sha256), describe)
+    assert meta.architecture == "Sequential" and {str(p.device) for p in built["meta"].module.parameters()} == {"meta"}
     assert [m.type for m in meta.modules()] == ["Sequential", "Linear", "ReLU", "Linear"]
     module, tokenizer, dtype = exported.load(  # the worker's Load
         worker_pb2.WorkerLoadRequest(model=os.path.join(tmp_path, "uploads", stored.sha256)), lambda *a: None

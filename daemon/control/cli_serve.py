@@ -39,6 +39,10 @@ def settings_from_args(ns: argparse.Namespace) -> Settings:
         max_queue_depth=ns.max_queue_depth,
         max_dispatched_models=ns.max_dispatched,
         max_upload_bytes=-1 if ns.no_uploads else parse_bytes(ns.max_upload_bytes),
+        max_tokenize_bytes=parse_bytes(getattr(ns, "max_tokenize_bytes", "4MiB")),
+        max_inflight_bytes=parse_bytes(getattr(ns, "max_inflight_bytes", "1GiB")),
+        helper_memory_bytes=parse_bytes(getattr(ns, "helper_memory", "4GiB")),
+        helper_cpu_s=max(0.0, getattr(ns, "helper_cpu_s", 60.0)),
     )
     return Settings(
         address=address,

@@ -20,6 +20,8 @@ from nnd.v1 import graph_pb2, nnd_pb2, worker_pb2
 from nnd_daemon import errors
 
 MAX_EDITS = 1024  # per model: anonymous edits a client never deletes must not grow without bound
+# Graphs in one edit's stack (its bases' and its own): every request naming it carries them all.
+MAX_STACK = 64
 
 
 class AlreadyExists(errors.NndError):
@@ -58,10 +60,29 @@ class EditStore:
         return edit
 
     def create(
-        self, graph: graph_pb2.Graph, *, name: str = "", base: Iterable[str] = (), replace: bool = False
+        self,
+        graph: graph_pb2.Graph,
+        *,
+        name: str = "",
+        base: Iterable[str] = (),
+        replace: bool = False,
+        max_bytes: int = 0,
     ) -> Edit:
+        base = list(base)
+        if len(set(base)) != len(base):
+            raise errors.InvalidArgument("an edit's bases must each be named once")
         graphs = [g for b in base for g in self.get(b).graphs]
         graphs.append(graph)
+        if len(graphs) > MAX_STACK:
+            raise errors.ResourceExhausted(
+                f"the edit would stack {len(graphs)} graphs (its bases' and its own), over the limit of {MAX_STACK}"
+            )
+        size = sum(g.ByteSize() for g in graphs)
+        if max_bytes and size > max_bytes:
+            raise errors.ResourceExhausted(
+                f"the edit with its bases is {size} bytes, over the limit max_request_bytes={max_bytes} "
+                "(every request naming it carries them all)"
+            )
         with self._lock:
             if len(self._edits) >= MAX_EDITS and (not name or name not in self._edits):
                 raise errors.ResourceExhausted(
@@ -88,6 +109,12 @@ class EditStore:
         with self._lock:
             return list(self._edits.values())
 
-    def stacks(self, ids: Iterable[str]) -> dict[str, worker_pb2.EditStack]:
-        """The graphs of the named edits, as the worker receives them."""
-        return {i: worker_pb2.EditStack(graphs=self.get(i).graphs) for i in dict.fromkeys(ids)}
+    def stacks(self, ids: Iterable[str], max_bytes: int = 0) -> dict[str, worker_pb2.EditStack]:
+        """The graphs of the named edits, as the worker receives them (at most `max_bytes` of them)."""
+        edits = {i: self.get(i) for i in dict.fromkeys(ids)}
+        size = sum(g.ByteSize() for e in edits.values() for g in e.graphs)
+        if max_bytes and size > max_bytes:
+            raise errors.ResourceExhausted(
+                f"the edits the request names are {size} bytes together, over the limit max_request_bytes={max_bytes}"
+            )
+        return {i: worker_pb2.EditStack(graphs=e.graphs) for i, e in edits.items()}

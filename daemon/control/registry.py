@@ -25,9 +25,10 @@ from typing import Any
 
 import psutil
 
-from nnd.v1 import nnd_pb2, worker_pb2
+from nnd.v1 import helper_pb2, nnd_pb2, worker_pb2
 from nnd_daemon import errors
 from nnd_daemon.control import gpus, metamodel, statefile, uploads
+from nnd_daemon.control.helper import Helper
 from nnd_daemon.control.settings import Settings, parse_duration
 from nnd_daemon.control.supervisor import Worker
 from nnd_daemon.worker import tplaunch
@@ -83,6 +84,17 @@ class Registry:
         self.run_dir = tempfile.mkdtemp(prefix="nnd-", dir=os.environ.get("RUNTIME_DIRECTORY") or None)
         self.log_dir = os.path.join(settings.state_dir, "logs")
         os.makedirs(self.log_dir, mode=0o750, exist_ok=True)
+        # Meta builds, scans, tokenizing, edit and upload checks: never in this process (control/helper.py).
+        self.helper = Helper(
+            self.run_dir,
+            self.log_dir,
+            memory_bytes=settings.helper_memory_bytes,
+            cpu_s=settings.helper_cpu_s,
+            start_timeout_s=settings.worker_start_timeout_s,
+            call_timeout_s=settings.limits.default_deadline_s,
+        )
+        uploads.use_checker(settings, self.helper.check_upload)
+        self.helper.start_soon()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="keep-alive", daemon=True)
         self._reaper.start()
@@ -127,11 +139,12 @@ class Registry:
             pending.wait()
         try:
             if req.upload:
-                meta = uploads.build_meta(self.settings, req)
+                meta = uploads.build_meta(self.settings, req, lambda ref: metamodel.describe(self.helper, ref))
             else:
-                meta = metamodel.build(
-                    name, revision=req.revision, task=req.task, trust_remote_code=req.trust_remote_code
+                ref = helper_pb2.HelperModel(
+                    key=name, source=name, revision=req.revision, task=req.task, trust_remote_code=req.trust_remote_code
                 )
+                meta = metamodel.describe(self.helper, ref)
             entry = Entry(
                 name=name,
                 meta=meta,
@@ -498,6 +511,7 @@ class Registry:
                 e.worker = None
         for w in workers:
             w.stop()
+        self.helper.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 

@@ -13,8 +13,20 @@ from nnd_daemon.control.settings import Limits
 # stored edit's graph). A request nested deeper than this is refused here, as
 # INVALID_ARGUMENT, instead of failing to parse in the worker (INTERNAL).
 MAX_DEPTH = 90
+# Nodes one graph may have. Real interventions have hundreds (thousands with
+# unrolled loops); every node costs the daemon and the engine work in Python,
+# so millions of them (a few MB of request) must not reach either.
+MAX_GRAPH_NODES = 200_000
 # Messages that hold no recursive fields: never walked into.
 _LEAVES = {"nnd.v1." + n for n in ("Tensor", "Slice", "Empty", "Shape", "SourceLocation", "ModuleValue", "TokenIds")}
+
+
+def check_nodes(graph: Any, what: str = "the request") -> None:
+    """Refuse a graph of more than MAX_GRAPH_NODES nodes (before any walk over it)."""
+    if len(graph.nodes) > MAX_GRAPH_NODES:
+        raise errors.ResourceExhausted(
+            f"{what} has {len(graph.nodes)} graph nodes, over the daemon's limit max_graph_nodes={MAX_GRAPH_NODES}"
+        )
 
 
 def check_depth(message: Any, what: str = "the request") -> None:
@@ -60,6 +72,7 @@ def check(request: nnd_pb2.TraceRequest, limits: Limits, *, generate: bool) -> N
             raise errors.ResourceExhausted(
                 f"the request is {size} bytes, over the daemon's limit max_request_bytes={limits.max_request_bytes}"
             )
+    check_nodes(request.graph)
     check_depth(request)
     if generate:
         n = request.generate.max_new_tokens

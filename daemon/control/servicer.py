@@ -3,21 +3,22 @@ errors to statuses in one place (`_guard`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
+import json
 import logging
-import os
 import platform
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 
 from nnd import __version__
-from nnd.v1 import graph_pb2, nnd_pb2, worker_pb2
+from nnd.v1 import graph_pb2, helper_pb2, nnd_pb2, worker_pb2
 from nnd_daemon import errors
 from nnd_daemon.control import gpus, requests, uploads
+from nnd_daemon.control.inflight import InflightBudget
 from nnd_daemon.control.registry import Registry
 from nnd_daemon.control.settings import Settings
 
@@ -54,6 +55,7 @@ class NndServicer:
     def __init__(self, settings: Settings, registry: Registry) -> None:
         self.settings = settings
         self.registry = registry
+        self.inflight = InflightBudget(settings.limits.max_inflight_bytes)
 
     # -- server -------------------------------------------------------------
     @_guard
@@ -129,26 +131,31 @@ class NndServicer:
     # -- tracing ------------------------------------------------------------
     @_guard
     def Scan(self, request: nnd_pb2.TraceRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        from nnd_daemon import engine
-
         requests.check(request, self.settings.limits, generate=False)
         meta = self.registry.get(request.model).meta
         _resolve_aliases(meta, [request.graph])
-        edits = {i: list(stack.graphs) for i, stack in meta.edits.stacks(request.edits).items()}
-        out: list[Any] = []
-        with meta.lock:
-            engine.run(
-                meta.module,
-                meta.tokenizer,
-                request,
-                mode="scan",
-                emit=out.append,
-                cancelled=lambda: not context.is_active(),
-                limits=requests.engine_limits(self.settings.limits),
-                edits=edits,
-            )
-        for message in out:
+        stacks = meta.edits.stacks(request.edits, self.settings.limits.max_request_bytes)
+        run = worker_pb2.WorkerRunRequest(request=request, edits=stacks)
+        for message in self._scan(meta, run, context, "this Scan"):
             yield message.SerializeToString()
+
+    def _scan(
+        self, meta: Any, run: worker_pb2.WorkerRunRequest, context: grpc.ServicerContext, what: str
+    ) -> list[nnd_pb2.TraceResponse]:
+        """A scan (or scan session) of `meta`'s model, run in the helper process."""
+        with self.inflight.hold(run.ByteSize(), what):
+            scan = helper_pb2.HelperScanRequest(
+                model=meta.ref,
+                run=run,
+                limits_json=json.dumps(dataclasses.asdict(requests.engine_limits(self.settings.limits))),
+            )
+            out = self.registry.helper.call("Scan", scan, what=what, timeout=self._deadline(context), client=context)
+        return list(out.responses)
+
+    def _deadline(self, context: grpc.ServicerContext) -> float | None:
+        remaining = context.time_remaining()
+        timeout = remaining if remaining is not None and remaining < 1e8 else self.settings.limits.default_deadline_s
+        return timeout or None
 
     @_guard
     def Trace(self, request: nnd_pb2.TraceRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -162,7 +169,8 @@ class NndServicer:
         requests.check(request, self.settings.limits, generate=generate)
         meta = self.registry.get(request.model).meta
         _resolve_aliases(meta, [request.graph])
-        run = worker_pb2.WorkerRunRequest(request=request, generate=generate, edits=meta.edits.stacks(request.edits))
+        stacks = meta.edits.stacks(request.edits, self.settings.limits.max_request_bytes)
+        run = worker_pb2.WorkerRunRequest(request=request, generate=generate, edits=stacks)
         yield from self._on_worker(request.model, run, context, request.no_auto_dispatch, request.keep_alive)
 
     @_guard
@@ -176,9 +184,8 @@ class NndServicer:
         requests.check(start.request, self.settings.limits, generate=start.generate)
         meta = self.registry.get(start.request.model).meta
         _resolve_aliases(meta, [start.request.graph])
-        run = worker_pb2.WorkerRunRequest(
-            request=start.request, generate=start.generate, edits=meta.edits.stacks(start.request.edits)
-        )
+        stacks = meta.edits.stacks(start.request.edits, self.settings.limits.max_request_bytes)
+        run = worker_pb2.WorkerRunRequest(request=start.request, generate=start.generate, edits=stacks)
 
         def upstream() -> Iterator[worker_pb2.WorkerInteractRequest]:
             yield worker_pb2.WorkerInteractRequest(run=run, client=first)
@@ -225,7 +232,10 @@ class NndServicer:
                 raise errors.Unavailable(f"model {entry.name} lost its worker: {entry.last_error}")
             # A client that goes away cancels the worker's call at once (not at its next response).
             try:
-                yield from worker.run(run, timeout=timeout or None, client=context)
+                with self.inflight.hold(run.ByteSize(), "the request"):
+                    yield from self.inflight.passing(
+                        worker.run(run, timeout=timeout or None, client=context), "a result"
+                    )
             except errors.NndError:
                 if entry.gone:  # its worker was stopped under it: say why, not "Channel closed!"
                     raise errors.Unavailable(f"model {entry.name} was unloaded while this request ran") from None
@@ -239,9 +249,7 @@ class NndServicer:
     # -- sessions -----------------------------------------------------------
     @_guard
     def Session(self, request: nnd_pb2.SessionRequest, context: grpc.ServicerContext) -> Iterator[Any]:
-        """Several traces in one request, run in order in the model's worker (or as scans here)."""
-        from nnd_daemon import engine
-
+        """Several traces in one request, run in order in the model's worker (or as scans in the helper)."""
         if not request.traces:
             raise errors.InvalidArgument("the session has no trace: add at least one")
         meta = self.registry.get(request.model).meta
@@ -252,20 +260,9 @@ class NndServicer:
             requests.check(trace.request, self.settings.limits, generate=trace.generate and not request.scan)
             ids.extend(trace.request.edits)
         _resolve_aliases(meta, [t.request.graph for t in request.traces])
-        stacks = meta.edits.stacks(ids)
+        stacks = meta.edits.stacks(ids, self.settings.limits.max_request_bytes)
         if request.scan:
-            out: list[Any] = []
-            with meta.lock:
-                engine.run_session(
-                    meta.module,
-                    meta.tokenizer,
-                    request,
-                    emit=out.append,
-                    cancelled=lambda: not context.is_active(),
-                    limits=requests.engine_limits(self.settings.limits),
-                    edits={i: list(stack.graphs) for i, stack in stacks.items()},
-                )
-            yield from out
+            yield from self._scan(meta, worker_pb2.WorkerRunRequest(session=request, edits=stacks), context, "this scan")
             return
         run = worker_pb2.WorkerRunRequest(session=request, edits=stacks)
         for raw in self._on_worker(request.model, run, context, request.no_auto_dispatch, request.keep_alive):
@@ -274,9 +271,8 @@ class NndServicer:
     # -- edits --------------------------------------------------------------
     @_guard
     def CreateEdit(self, request: nnd_pb2.CreateEditRequest, context: grpc.ServicerContext) -> nnd_pb2.EditInfo:
-        from nnd_daemon.engine import plan
-
         entry = self.registry.get(request.model)
+        requests.check_nodes(request.graph, "the edit")
         graph = graph_pb2.Graph()
         graph.CopyFrom(request.graph)
         _resolve_aliases(entry.meta, [graph])
@@ -286,8 +282,15 @@ class NndServicer:
                 f"{self.settings.limits.max_request_bytes}"
             )
         requests.check_depth(graph, "the edit")
-        plan.check_edit(graph, entry.meta.module)
-        edit = entry.meta.edits.create(graph, name=request.name, base=request.base, replace=request.replace)
+        check = helper_pb2.HelperEditRequest(model=entry.meta.ref, graph=graph)
+        self.registry.helper.call("CheckEdit", check, what="this edit's check", client=context)
+        edit = entry.meta.edits.create(
+            graph,
+            name=request.name,
+            base=request.base,
+            replace=request.replace,
+            max_bytes=self.settings.limits.max_request_bytes,
+        )
         return edit.info(entry.name)
 
     @_guard
@@ -300,38 +303,35 @@ class NndServicer:
         self.registry.get(request.model).meta.edits.delete(request.id)
         return nnd_pb2.DeleteEditResponse()
 
-    # -- tokens -------------------------------------------------------------
-    def _tokenizer(self, model: str) -> Any:
-        tok = self.registry.get(model).meta.tokenizer
-        if tok is None:
+    # -- tokens (run in the helper process: a tokenizer's cost is the text's) --
+    def _tokens(self, model: str) -> helper_pb2.HelperModel:
+        meta = self.registry.get(model).meta
+        if not meta.has_tokenizer:
             raise errors.FailedPrecondition(f"model {model} has no tokenizer; send token ids instead of text")
-        return tok
+        return meta.ref
 
     @_guard
     def Tokenize(self, request: nnd_pb2.TokenizeRequest, context: grpc.ServicerContext) -> nnd_pb2.TokenizeResponse:
-        tok = self._tokenizer(request.model)
-        out = nnd_pb2.TokenizeResponse()
-        for text in request.texts:
-            out.ids.add(ids=tok(text, add_special_tokens=not request.no_special_tokens)["input_ids"])
-        return out
+        ref = self._tokens(request.model)
+        size, limit = sum(len(t.encode("utf-8")) for t in request.texts), self.settings.limits.max_tokenize_bytes
+        if limit and size > limit:
+            raise errors.ResourceExhausted(
+                f"the texts are {size} bytes, over the daemon's limit max_tokenize_bytes={limit}; send less text "
+                "per request"
+            )
+        call = helper_pb2.HelperTokenizeRequest(model=ref, request=request)
+        return self.registry.helper.call("Tokenize", call, what="this Tokenize", client=context)
 
     @_guard
     def Decode(self, request: nnd_pb2.DecodeRequest, context: grpc.ServicerContext) -> nnd_pb2.DecodeResponse:
-        tok = self._tokenizer(request.model)
         _check_token_ids(request.ids)
-        texts = [tok.decode(list(ids.ids), skip_special_tokens=request.skip_special_tokens) for ids in request.ids]
-        return nnd_pb2.DecodeResponse(texts=texts)
+        call = helper_pb2.HelperDecodeRequest(model=self._tokens(request.model), request=request)
+        return self.registry.helper.call("Decode", call, what="this Decode", client=context)
 
     @_guard
     def GetTokenizerFiles(self, request: nnd_pb2.GetModelRequest, context: grpc.ServicerContext) -> Any:
-        tok = self._tokenizer(request.model)
-        out = nnd_pb2.TokenizerFiles()
-        with tempfile.TemporaryDirectory() as tmp:
-            tok.save_pretrained(tmp)
-            for name in os.listdir(tmp):
-                with open(os.path.join(tmp, name), "rb") as f:
-                    out.files[name] = f.read()
-        return out
+        ref = self._tokens(request.model)
+        return self.registry.helper.call("GetTokenizerFiles", ref, what="GetTokenizerFiles", client=context)
 
 
 def _check_token_ids(sequences: Any) -> None:

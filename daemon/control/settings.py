@@ -24,6 +24,13 @@ class Limits:
     max_dispatched_models: int = 8
     # Bytes one Upload may carry (all its files); -1: uploads disabled (--no-uploads).
     max_upload_bytes: int = 20 * 1024 * 1024 * 1024
+    # Text one Tokenize may carry (a 128k-token context is well under 1 MiB of text).
+    max_tokenize_bytes: int = 4 * 1024 * 1024
+    # Request and result bytes of Trace/Generate/Session the daemon holds at once (control/inflight.py).
+    max_inflight_bytes: int = 1024 * 1024 * 1024
+    # The helper process (control/helper.py): RLIMIT_AS, and CPU seconds per call.
+    helper_memory_bytes: int = 4 * 1024 * 1024 * 1024
+    helper_cpu_s: float = 60.0
 
     def to_proto(self) -> nnd_pb2.Limits:
         return nnd_pb2.Limits(**self.__dict__)
@@ -35,6 +42,14 @@ class Settings:
     state_dir: str
     keep_alive: str = "30m"
     limits: Limits = field(default_factory=Limits)
+
+    @property
+    def helper_memory_bytes(self) -> int:
+        return self.limits.helper_memory_bytes
+
+    @property
+    def helper_cpu_s(self) -> float:
+        return self.limits.helper_cpu_s
     # Per-device weight budgets in bytes ("cpu", "cuda:0"); missing: what the device has free.
     max_memory: dict[str, int] = field(default_factory=dict)
     allow_remote_code: bool = False

@@ -26,7 +26,7 @@ Access: `--no-uploads` refuses Upload, HasUpload and LoadModel(upload=)
 (`--allow-model`) names repo ids and paths and does not apply to uploads, so
 an upload may name no file outside itself: every shard of a safetensors index
 and every `*_file` entry in its JSON is a plain name of one of its own files
-(`check_references`). Uploads at once are capped per client and in all, and an
+(`helper/checks.py`'s `check_references`). Uploads at once are capped per client and in all, and an
 idle one is cancelled (control/admission.py).
 """
 
@@ -41,13 +41,13 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from nnd.v1 import nnd_pb2
+from nnd.v1 import helper_pb2, nnd_pb2
 from nnd_daemon import errors
 from nnd_daemon.control import metamodel
 from nnd_daemon.control.settings import Settings
@@ -221,7 +221,7 @@ class UploadStore:
         tmp = tempfile.mkdtemp(prefix=".partial-", dir=self.root)
         try:
             received = _write(tmp, header, messages, context)
-            _check_content(header.kind, tmp)
+            _checker(settings)(header.kind, tmp)
             with open(os.path.join(tmp, MANIFEST), "w") as f:
                 json.dump(
                     {
@@ -308,62 +308,22 @@ def _write(folder: str, header: Any, messages: Iterator[Any], context: grpc.Serv
     return received
 
 
-def _check_content(kind: str, folder: str) -> None:
-    """Refuse content that cannot be loaded, before it is stored."""
-    if kind == "exported":
-        from nnd_daemon.worker import exported
-
-        exported.load_program(os.path.join(folder, exported.PROGRAM), on_meta=True)
-        return
-    try:
-        with open(os.path.join(folder, "config.json")) as f:
-            config = json.load(f)
-    except ValueError as exc:
-        raise errors.InvalidArgument(f"config.json is not valid JSON ({exc})") from None
-    if not isinstance(config, dict) or "model_type" not in config:
-        raise errors.InvalidArgument("config.json has no model_type: it is not a transformers config")
-    check_references(folder)
-    from safetensors import SafetensorError, safe_open
-
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors"):
-            try:
-                with safe_open(os.path.join(folder, name), framework="pt") as f:
-                    f.keys()
-            except (SafetensorError, OSError, ValueError) as exc:
-                raise errors.InvalidArgument(f"{name} is not a safetensors file ({exc})") from None
+_checkers: dict[str, Callable[[str, str], None]] = {}
 
 
-def check_references(folder: str) -> None:
-    """Refuse JSON that names files outside the upload: a shard index's weight_map
-    and `*_file` entries must be plain names of the upload's own files, or
-    transformers would read whatever path they give (another user's weights)."""
-    names = set(os.listdir(folder))
-    for name in sorted(names):
-        if not name.endswith(".json"):
-            continue
-        try:
-            with open(os.path.join(folder, name)) as f:
-                data = json.load(f)
-        except ValueError as exc:
-            raise errors.InvalidArgument(f"{name} is not valid JSON ({exc})") from None
-        if not isinstance(data, dict):
-            continue
-        refs: list[Any] = []
-        if name.endswith(".index.json"):
-            weight_map = data.get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise errors.InvalidArgument(f"{name} has no weight_map")
-            refs += weight_map.values()
-        refs += [v for k, v in data.items() if isinstance(k, str) and k.endswith(("_file", "_files"))]
-        for ref in refs:
-            for target in ref if isinstance(ref, list) else [ref]:
-                if target is None:
-                    continue
-                if not isinstance(target, str) or not _FILE.fullmatch(target) or target not in names:
-                    raise errors.InvalidArgument(
-                        f"{name} names {str(target)[:120]!r}: only the upload's own files, by plain name, may be named"
-                    )
+def use_checker(settings: Settings, check: Callable[[str, str], None]) -> None:
+    """Check uploaded content with `check(kind, folder)`: the daemon's helper process
+    (control/helper.py), so a crafted upload never loads in the daemon's own."""
+    _checkers[settings.state_dir] = check
+
+
+def _checker(settings: Settings) -> Callable[[str, str], None]:
+    check = _checkers.get(settings.state_dir)
+    if check is None:  # no daemon (the store used as a library, in tests): check in this process
+        from nnd_daemon.helper.checks import check_upload
+
+        return check_upload
+    return check
 
 
 _stores: dict[str, UploadStore] = {}
@@ -412,8 +372,13 @@ def before_load(settings: Settings, registry: Any, request: nnd_pb2.LoadModelReq
 # ------------------------------------------------------------------ the registry's side
 
 
-def build_meta(settings: Settings, request: nnd_pb2.LoadModelRequest) -> metamodel.MetaModel:
-    """The META model of a stored upload (registry.load, for LoadModel(upload=) and restores)."""
+def build_meta(
+    settings: Settings,
+    request: nnd_pb2.LoadModelRequest,
+    describe: Callable[[helper_pb2.HelperModel], metamodel.MetaModel],
+) -> metamodel.MetaModel:
+    """The META model of a stored upload (registry.load, for LoadModel(upload=) and restores),
+    built by `describe` (in the helper process)."""
     _check_sha(request.upload)
     if request.trust_remote_code:
         raise errors.PermissionDenied("an uploaded model runs no code: trust_remote_code is refused")
@@ -423,10 +388,10 @@ def build_meta(settings: Settings, request: nnd_pb2.LoadModelRequest) -> metamod
         raise errors.NotFound(f"no upload {request.upload} on this daemon; send it with Upload first")
     uploads.pin(stored.sha256)
     try:
-        if stored.kind == "exported":
-            return exported_meta(stored.path, request.model)
-        meta = metamodel.build(stored.path, task=request.task)
-        return meta
+        ref = helper_pb2.HelperModel(
+            key=request.model, source=stored.path, task=request.task, exported=stored.kind == "exported"
+        )
+        return describe(ref)
     finally:
         uploads.unpin(stored.sha256)
 
@@ -440,71 +405,3 @@ def forget(settings: Settings, entry: Any, remaining: Iterable[Any]) -> None:
         store(settings).delete(sha)
     except OSError as exc:
         log.warning("could not delete upload %s: %s", sha, exc)
-
-
-class _ExportedConfig:
-    """What the registry and `nnd ps` read from a config, for an exported module."""
-
-    model_type = "exported"
-
-    def __init__(self, architecture: str, dtype: str) -> None:
-        self.architectures = [architecture]
-        self.dtype = dtype
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"model_type": self.model_type, "architectures": self.architectures, "dtype": self.dtype}
-
-
-class ExportedMeta(metamodel.MetaModel):
-    """The META model of an uploaded torch.export program: the unflattened
-    module tree with every weight on the meta device. Module types and
-    descriptions are the client's originals (modules.json) where it sent them."""
-
-    types: dict[str, tuple[str, str]]
-
-    @property
-    def architecture(self) -> str:
-        return self.types.get("", ("ExportedProgram", ""))[0]
-
-    def estimate_bytes(self, dtype: str) -> int:
-        from nnd_daemon.worker.loader import torch_dtype
-
-        width = torch_dtype(dtype).itemsize if dtype and dtype not in ("auto", *metamodel.QUANTIZED) else None
-        total = 0
-        for t in [*self.module.parameters(), *self.module.buffers()]:
-            size = width if width and t.is_floating_point() else t.element_size()
-            total += t.numel() * size
-        return total
-
-    def summary(self) -> dict[str, str]:
-        return {"model_type": "exported", "format": "torch.export", "dtype": self.config.dtype}
-
-    def modules(self, devices: dict[str, str] | None = None) -> list[nnd_pb2.ModuleInfo]:
-        out = super().modules(devices)
-        for info in out:
-            original = self.types.get(info.path)
-            if original is not None:
-                info.type, info.extra = original
-        return out
-
-
-def exported_meta(path: str, name: str) -> ExportedMeta:
-    from nnd_daemon.engine.aliases import AliasTable
-    from nnd_daemon.worker import exported
-
-    module = exported.build(path, on_meta=True)
-    module.eval()
-    types = exported.module_types(path)
-    floats = [str(p.dtype).removeprefix("torch.") for p in module.parameters() if p.is_floating_point()]
-    dtype = max(set(floats), key=floats.count) if floats else "float32"
-    meta = ExportedMeta(
-        source=path,
-        revision="",
-        task="",
-        config=_ExportedConfig(types.get("", ("ExportedProgram", ""))[0], dtype),
-        tokenizer=None,
-        module=module,
-        aliases=AliasTable.of(module),
-    )
-    meta.types = types
-    return meta

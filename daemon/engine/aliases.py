@@ -71,6 +71,23 @@ class AliasTable:
             table.add_standard()
         return table
 
+    @classmethod
+    def of_tree(cls, modules: Iterable[tuple[str, str]], *, standard: bool = True) -> AliasTable:
+        """The table of a module tree given as (path, class name) in `named_modules` order: what the
+        daemon knows of a model whose module lives in the helper process."""
+        children: dict[str, list[str]] = {}
+        types: dict[str, str] = {}
+        for path, type_name in modules:
+            types[path] = type_name
+            children.setdefault(path, [])
+            if path:
+                parent, _, name = path.rpartition(".")
+                children.setdefault(parent, []).append(name)
+        table = cls(children, types)
+        if standard:
+            table.add_standard()
+        return table
+
     # ------------------------------------------------------------ resolution
 
     def step(self, host: str, name: str) -> str | None:

@@ -138,6 +138,71 @@ def _random_like(function: Callable[..., torch.Tensor]) -> Callable[..., torch.T
     return run
 
 
+# Plain Python values (not tensors) stay small: an op on ints, strings or lists
+# runs for real (fake tensors cover tensors only), so `2 ** 10**9`, `1 << 2**40`
+# or `"x" * 2**33` would freeze or exhaust whatever process runs the graph.
+MAX_INT_BITS = 128  # int64/uint64 and their products fit
+MAX_LENGTH = 2**22  # items of a str, bytes, list or tuple an op may build
+_SEQUENCES = (str, bytes, bytearray, list, tuple)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int)  # bools too
+
+
+def _length(x: Any) -> int:
+    return len(x) if isinstance(x, _SEQUENCES) else 0
+
+
+def _too_big(name: str, what: str) -> errors.InvalidArgument:
+    return errors.InvalidArgument(
+        f"{name}: the result would be {what}; ops on plain numbers and sequences are bounded "
+        f"(integers to {MAX_INT_BITS} bits, strings and lists to {MAX_LENGTH} items)"
+    )
+
+
+def _check_operands(name: str, a: Any, b: Any) -> None:
+    """Refuse, before computing it, a plain-value result past the bounds."""
+    base = name.removeprefix("i") if name in _INPLACE else name
+    if base == "pow" and _is_int(a) and _is_int(b) and b > 0 and abs(a) > 1:
+        if (abs(a).bit_length() - 1) * b >= MAX_INT_BITS:
+            raise _too_big(name, f"an integer of about {(abs(a).bit_length() - 1) * b} bits")
+    elif base == "lshift" and _is_int(a) and _is_int(b) and a and b > 0:
+        if a.bit_length() + b > MAX_INT_BITS:
+            raise _too_big(name, f"an integer of {a.bit_length() + b} bits")
+    elif base == "mul":
+        if _is_int(a) and _is_int(b):
+            if a.bit_length() + b.bit_length() > MAX_INT_BITS + 1:
+                raise _too_big(name, f"an integer of about {a.bit_length() + b.bit_length()} bits")
+        elif _is_int(a) or _is_int(b):
+            n, seq = (a, b) if _is_int(a) else (b, a)
+            if _length(seq) * max(n, 0) > MAX_LENGTH:
+                raise _too_big(name, f"a sequence of {_length(seq) * n} items")
+    elif base == "add" and _length(a) + _length(b) > MAX_LENGTH:
+        raise _too_big(name, f"a sequence of {_length(a) + _length(b)} items")
+    elif base == "mod" and isinstance(a, (str, bytes, bytearray)):
+        # printf-style formatting can pad to any width ("%*d"): not an op a graph needs.
+        raise errors.InvalidArgument(f"{name}: string formatting is not allowed; format the value on the client")
+
+
+def _check_result(name: str, out: Any) -> Any:
+    if _is_int(out) and out.bit_length() > MAX_INT_BITS:
+        raise _too_big(name, f"an integer of {out.bit_length()} bits")
+    return out
+
+
+def _bounded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (an operator on two values), refusing plain-value results past the bounds."""
+
+    def run(a: Any, b: Any) -> Any:
+        if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
+            _check_operands(name, a, b)
+            return _check_result(name, fn(a, b))
+        return fn(a, b)
+
+    return run
+
+
 def _call_module(ctx: OpContext, path: Any, *args: Any, **kwargs: Any) -> Any:
     if not isinstance(path, str):
         raise errors.InvalidArgument("call_module needs a module path string as its first argument")
@@ -149,6 +214,8 @@ _OPERATORS = (
     "lt le eq ne gt ge getitem contains"
 ).split()
 _INPLACE = "iadd isub imul itruediv ifloordiv imod ipow imatmul iand ior ixor".split()
+_UNARY = {"neg", "pos", "abs", "invert"}
+_BINARY = set(_OPERATORS) - _UNARY
 # Result shares memory with args[0] (so later in-place writes reach it).
 _ALIASING = (
     "getitem view reshape transpose permute squeeze unsqueeze flatten expand contiguous detach to float half "
@@ -194,9 +261,10 @@ def _table() -> dict[str, OpSpec]:
     for name, function in _TORCH_ONLY.items():
         table[name] = OpSpec(_function(function))
     for name in _OPERATORS:  # operator names win over same-named methods ("abs", "matmul" agree anyway)
-        table[name] = OpSpec(getattr(operator, name), aliases=name in _ALIASING)
+        fn = getattr(operator, name)
+        table[name] = OpSpec(_bounded(name, fn) if name in _BINARY else fn, aliases=name in _ALIASING)
     for name in _INPLACE:
-        table[name] = OpSpec(getattr(operator, name), mutates=True, aliases=True)
+        table[name] = OpSpec(_bounded(name, getattr(operator, name)), mutates=True, aliases=True)
     table["setitem"] = OpSpec(_setitem, mutates=True)
     table["getattr"] = OpSpec(_getattr, aliases=True)
     table["requires_grad_"] = OpSpec(_requires_grad_, aliases=True)

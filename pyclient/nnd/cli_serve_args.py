@@ -38,6 +38,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sequence-length", type=int, default=8192, help="tokens per prompt")
     p.add_argument("--max-queue-depth", type=int, default=64, help="requests queued per model")
     p.add_argument("--deadline", type=float, default=600.0, help="default request deadline, seconds")
+    p.add_argument("--max-tokenize-bytes", default="4MiB", help="text one Tokenize request may carry")
+    p.add_argument(
+        "--max-inflight-bytes", default="1GiB", help="Trace/Generate/Session bytes the daemon holds at once, all clients"
+    )
+    p.add_argument(
+        "--helper-memory",
+        default="4GiB",
+        help="address-space limit of the helper process (meta builds, scans, tokenizing, upload checks)",
+    )
+    p.add_argument(
+        "--helper-cpu-s",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="CPU time one helper call (a Scan, a meta build...) may use before it is stopped (0: unbounded)",
+    )
     p.add_argument(
         "--allow-model",
         action="append",

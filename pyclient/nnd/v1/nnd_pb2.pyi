@@ -50,7 +50,7 @@ class ServerInfo(_message.Message):
     def __init__(self, version: _Optional[str] = ..., protocol: _Optional[str] = ..., ops: _Optional[_Iterable[str]] = ..., attributes: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., libraries: _Optional[_Mapping[str, str]] = ..., devices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_request_bytes", "max_constant_bytes", "max_saved_bytes", "max_invokes", "max_sequence_length", "max_new_tokens", "default_deadline_s", "max_queue_depth", "max_dispatched_models", "max_upload_bytes")
+    __slots__ = ("max_request_bytes", "max_constant_bytes", "max_saved_bytes", "max_invokes", "max_sequence_length", "max_new_tokens", "default_deadline_s", "max_queue_depth", "max_dispatched_models", "max_upload_bytes", "max_tokenize_bytes", "max_inflight_bytes", "helper_memory_bytes", "helper_cpu_s")
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_CONSTANT_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_SAVED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,10 @@ class Limits(_message.Message):
     MAX_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     MAX_DISPATCHED_MODELS_FIELD_NUMBER: _ClassVar[int]
     MAX_UPLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HELPER_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HELPER_CPU_S_FIELD_NUMBER: _ClassVar[int]
     max_request_bytes: int
     max_constant_bytes: int
     max_saved_bytes: int
@@ -71,7 +75,11 @@ class Limits(_message.Message):
     max_queue_depth: int
     max_dispatched_models: int
     max_upload_bytes: int
-    def __init__(self, max_request_bytes: _Optional[int] = ..., max_constant_bytes: _Optional[int] = ..., max_saved_bytes: _Optional[int] = ..., max_invokes: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., default_deadline_s: _Optional[float] = ..., max_queue_depth: _Optional[int] = ..., max_dispatched_models: _Optional[int] = ..., max_upload_bytes: _Optional[int] = ...) -> None: ...
+    max_tokenize_bytes: int
+    max_inflight_bytes: int
+    helper_memory_bytes: int
+    helper_cpu_s: float
+    def __init__(self, max_request_bytes: _Optional[int] = ..., max_constant_bytes: _Optional[int] = ..., max_saved_bytes: _Optional[int] = ..., max_invokes: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., default_deadline_s: _Optional[float] = ..., max_queue_depth: _Optional[int] = ..., max_dispatched_models: _Optional[int] = ..., max_upload_bytes: _Optional[int] = ..., max_tokenize_bytes: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., helper_memory_bytes: _Optional[int] = ..., helper_cpu_s: _Optional[float] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("device", "device_map", "dtype", "compute_dtype", "max_memory", "tp_size")

@@ -1,0 +1,65 @@
+"""Helper process entry: `python -I -m nnd_daemon.helper --socket PATH`.
+
+Started and supervised by the daemon (control/helper.py), never by hand. It
+does the work whose cost a client shapes, under an address-space limit
+(RLIMIT_AS, set here) and a per-call CPU-time bound (the daemon's watchdog), so
+that work can fail, or kill this process, but never the daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import resource
+import signal
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+OPTIONS = [("grpc.max_receive_message_length", 512 * 2**20), ("grpc.max_send_message_length", 512 * 2**20)]
+
+
+def _die_with_parent(parent: int) -> None:
+    # Polling, not PR_SET_PDEATHSIG: that fires when the daemon *thread* that started us ends.
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    if parent:
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="nnd-helper", description=__doc__)
+    parser.add_argument("--socket", required=True, help="unix socket to serve on")
+    parser.add_argument("--parent", type=int, default=0, help="daemon pid; the helper dies with it")
+    parser.add_argument("--memory-bytes", type=int, default=0, help="RLIMIT_AS in bytes (0: none)")
+    parser.add_argument("--cache", type=int, default=8, help="META models kept (least recently used go first)")
+    ns = parser.parse_args()
+    _die_with_parent(ns.parent)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s helper %(levelname)s %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Imported before the limit goes up and before serving: no call pays for it, and it cannot fail on it.
+    import torch
+    import transformers  # noqa: F401
+
+    from nnd.v1 import helper_pb2_grpc
+    from nnd_daemon.helper.service import HelperService
+
+    torch.set_num_threads(1)  # fake tensors compute nothing; one thread keeps the CPU bound per call honest
+    if ns.memory_bytes > 0:
+        resource.setrlimit(resource.RLIMIT_AS, (ns.memory_bytes, ns.memory_bytes))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=OPTIONS)
+    helper_pb2_grpc.add_HelperServicer_to_server(HelperService(ns.cache), server)
+    server.add_insecure_port("unix://" + ns.socket)
+    server.start()
+    signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=1))
+    server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    main()
