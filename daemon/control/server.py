@@ -19,7 +19,7 @@ from google.protobuf.message import DecodeError
 
 from nnd import _address
 from nnd.v1 import nnd_pb2
-from nnd_daemon import errors
+from nnd_daemon import errors, shared
 from nnd_daemon.control.auth import Access
 from nnd_daemon.control.registry import Registry
 from nnd_daemon.control.servicer import NndServicer
@@ -28,18 +28,16 @@ from nnd_daemon.control.settings import Settings
 log = logging.getLogger("nnd.server")
 
 SERVICE = "nnd.v1.Nnd"
-OPTIONS = [
-    ("grpc.max_receive_message_length", 512 * 2**20),
-    ("grpc.max_send_message_length", 512 * 2**20),
-    ("grpc.so_reuseport", 0),
-]
+OPTIONS = [*shared.GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
 # gRPC handler threads. Every request waiting for a model holds one, so with
 # too few, requests queued behind a long one leave none for `nnd ps`, health
 # checks or a Release. More than a model's default queue (64) several times
 # over; threads start on demand. (Each worker has more: worker/service.py.)
 HANDLER_THREADS = 256
-# These stream a worker's serialized responses through unchanged.
-_RAW_RESPONSES = {"Scan", "Trace", "Generate"}
+# These stream serialized responses through unchanged (a worker's, forwarded).
+_RAW_RESPONSES = {"Scan", *shared.DATA_METHODS}
+# These take the request's bytes: the daemon forwards them to the model's worker unparsed.
+_RAW_REQUESTS = set(shared.DATA_METHODS)
 
 
 def _handlers(servicer: NndServicer) -> grpc.GenericRpcHandler:
@@ -48,7 +46,7 @@ def _handlers(servicer: NndServicer) -> grpc.GenericRpcHandler:
     for method in service.methods:
         req = getattr(nnd_pb2, method.input_type.name)
         resp = getattr(nnd_pb2, method.output_type.name)
-        serialize = (lambda b: b) if method.name in _RAW_RESPONSES else resp.SerializeToString
+        serialize = _pass_bytes if method.name in _RAW_RESPONSES else resp.SerializeToString
         fn = getattr(servicer, method.name, None)
         if fn is None:  # not implemented yet: gRPC answers UNIMPLEMENTED
             continue
@@ -58,10 +56,17 @@ def _handlers(servicer: NndServicer) -> grpc.GenericRpcHandler:
             )
             continue
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        if method.name in _RAW_REQUESTS:
+            handlers[method.name] = make(fn, request_deserializer=None, response_serializer=serialize)
+            continue
         handlers[method.name] = make(
             _refuse_malformed(fn), request_deserializer=_parser(req), response_serializer=serialize
         )
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+def _pass_bytes(message: Any) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 class _Malformed:
@@ -126,7 +131,7 @@ class Daemon:
     def __init__(self, settings: Settings, access: Access | None = None, *, workers: int = HANDLER_THREADS) -> None:
         self.settings = settings
         self.access = access or Access()
-        self.registry = Registry(settings)
+        self.registry = Registry(settings, token=self.access.token)
         self.servicer = NndServicer(settings, self.registry)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers),

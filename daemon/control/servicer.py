@@ -1,5 +1,10 @@
 """The public Nnd service: validate, route to the registry or a worker, and map
-errors to statuses in one place (`_guard`)."""
+errors to statuses in one place (`_guard`).
+
+Trace, Generate and Session arrive here only from clients that do not follow
+routes: their bytes go to the model's worker unparsed (forward.py), and the
+worker checks them. Local clients send them to the worker directly (GetRoute).
+"""
 
 from __future__ import annotations
 
@@ -16,10 +21,11 @@ import grpc
 
 from nnd import __version__
 from nnd.v1 import graph_pb2, nnd_pb2, worker_pb2
-from nnd_daemon import errors
-from nnd_daemon.control import requests, uploads
+from nnd_daemon import errors, shared
+from nnd_daemon.control import forward, uploads
 from nnd_daemon.control.registry import Registry
 from nnd_daemon.control.settings import Settings
+from nnd_daemon.engine import requests
 
 log = logging.getLogger("nnd.servicer")
 
@@ -54,6 +60,9 @@ class NndServicer:
     def __init__(self, settings: Settings, registry: Registry) -> None:
         self.settings = settings
         self.registry = registry
+        # Peers whose data requests the daemon forwarded: logged once each (how tests and
+        # operators see that a client does not follow routes).
+        self._forwarded: set[tuple[str, str]] = set()
 
     # -- server -------------------------------------------------------------
     @_guard
@@ -83,6 +92,7 @@ class NndServicer:
         entry = self.registry.load(request)
         if request.rename:  # nnsight's rename=: extra module names, for every client of the model
             entry.meta.rename(request.rename)
+            self.registry.configure(entry, self.registry.alias_config(entry))
         if request.dispatch:
             for _ in self.registry.dispatch(entry.name, None, request.keep_alive):
                 pass
@@ -91,6 +101,10 @@ class NndServicer:
     @_guard
     def GetModel(self, request: nnd_pb2.GetModelRequest, context: grpc.ServicerContext) -> nnd_pb2.ModelInfo:
         return self.registry.info(self.registry.get(request.model), modules=True)
+
+    @_guard
+    def GetRoute(self, request: nnd_pb2.RouteRequest, context: grpc.ServicerContext) -> nnd_pb2.Route:
+        return self.registry.route(request.model, request.failed_epoch)
 
     @_guard
     def ListModels(self, request: Any, context: grpc.ServicerContext) -> nnd_pb2.ListModelsResponse:
@@ -146,29 +160,32 @@ class NndServicer:
             yield message.SerializeToString()
 
     @_guard
-    def Trace(self, request: nnd_pb2.TraceRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        yield from self._run(request, context, generate=False)
+    def Trace(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        yield from self._forward("Trace", raw, context)
 
     @_guard
-    def Generate(self, request: nnd_pb2.TraceRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        yield from self._run(request, context, generate=True)
+    def Generate(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        yield from self._forward("Generate", raw, context)
 
-    def _run(self, request: nnd_pb2.TraceRequest, context: grpc.ServicerContext, *, generate: bool) -> Iterator[bytes]:
-        requests.check(request, self.settings.limits, generate=generate)
-        meta = self.registry.get(request.model).meta
-        _resolve_aliases(meta, [request.graph])
-        run = worker_pb2.WorkerRunRequest(request=request, generate=generate, edits=meta.edits.stacks(request.edits))
-        yield from self._on_worker(request.model, run, context, request.no_auto_dispatch, request.keep_alive)
+    @_guard
+    def Session(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
+        """Several traces in one request: run in order in the model's worker, or as scans here."""
+        steer = forward.peek(raw, session=True)
+        if steer.scan:
+            yield from self._scan_session(raw, context)
+            return
+        yield from self._forward("Session", raw, context, steer)
 
-    def _on_worker(
-        self,
-        model: str,
-        run: worker_pb2.WorkerRunRequest,
-        context: grpc.ServicerContext,
-        no_auto_dispatch: bool,
-        keep_alive: str,
+    def _forward(
+        self, method: str, raw: bytes, context: grpc.ServicerContext, steer: forward.Steering | None = None
     ) -> Iterator[bytes]:
-        entry = self.registry.acquire(model, auto_dispatch=not no_auto_dispatch, keep_alive=keep_alive)
+        """Pass a data request's bytes to the model's worker (dispatching it first unless told not to)."""
+        steer = steer or forward.peek(raw, session=False)
+        if not steer.model:
+            raise errors.InvalidArgument("the request names no model")
+        entry = self.registry.acquire(
+            steer.model, auto_dispatch=not steer.no_auto_dispatch, keep_alive=steer.keep_alive
+        )
         try:
             remaining = context.time_remaining()
             timeout = (
@@ -177,17 +194,25 @@ class NndServicer:
             worker = entry.worker
             if worker is None:
                 raise errors.Unavailable(f"model {entry.name} lost its worker: {entry.last_error}")
+            peer = (entry.name, context.peer())
+            if peer not in self._forwarded:
+                self._forwarded.add(peer)
+                log.info("forwarding %s of %s for %s, a client that does not follow routes", method, *peer)
+            metadata = [(shared.MODEL_KEY, entry.name), (shared.EPOCH_KEY, str(worker.epoch))]
             # A client that goes away cancels the worker's call at once (not at its next response).
-            yield from worker.run(run, timeout=timeout or None, client=context)
+            yield from worker.forward(method, raw, timeout=timeout or None, client=context, metadata=metadata)
         finally:
             self.registry.done(entry)
 
-    # -- sessions -----------------------------------------------------------
-    @_guard
-    def Session(self, request: nnd_pb2.SessionRequest, context: grpc.ServicerContext) -> Iterator[Any]:
-        """Several traces in one request, run in order in the model's worker (or as scans here)."""
+    def _scan_session(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
         from nnd_daemon import engine
 
+        try:
+            request = nnd_pb2.SessionRequest.FromString(raw)
+        except Exception as exc:  # noqa: BLE001 - a client's garbage is its own error
+            raise errors.InvalidArgument(
+                f"the request is not a valid nnd.v1.SessionRequest message ({exc}); nothing ran"
+            ) from None
         if not request.traces:
             raise errors.InvalidArgument("the session has no trace: add at least one")
         meta = self.registry.get(request.model).meta
@@ -195,27 +220,22 @@ class NndServicer:
         for trace in request.traces:
             if not trace.request.model:
                 trace.request.model = request.model
-            requests.check(trace.request, self.settings.limits, generate=trace.generate and not request.scan)
+            requests.check(trace.request, self.settings.limits, generate=False)
             ids.extend(trace.request.edits)
         _resolve_aliases(meta, [t.request.graph for t in request.traces])
         stacks = meta.edits.stacks(ids)
-        if request.scan:
-            out: list[Any] = []
-            with meta.lock:
-                engine.run_session(
-                    meta.module,
-                    meta.tokenizer,
-                    request,
-                    emit=out.append,
-                    cancelled=lambda: not context.is_active(),
-                    limits=requests.engine_limits(self.settings.limits),
-                    edits={i: list(stack.graphs) for i, stack in stacks.items()},
-                )
-            yield from out
-            return
-        run = worker_pb2.WorkerRunRequest(session=request, edits=stacks)
-        for raw in self._on_worker(request.model, run, context, request.no_auto_dispatch, request.keep_alive):
-            yield nnd_pb2.TraceResponse.FromString(raw)
+        out: list[Any] = []
+        with meta.lock:
+            engine.run_session(
+                meta.module,
+                meta.tokenizer,
+                request,
+                emit=out.append,
+                cancelled=lambda: not context.is_active(),
+                limits=requests.engine_limits(self.settings.limits),
+                edits={i: list(stack.graphs) for i, stack in stacks.items()},
+            )
+        yield from out
 
     # -- edits --------------------------------------------------------------
     @_guard
@@ -234,6 +254,9 @@ class NndServicer:
         requests.check_depth(graph, "the edit")
         plan.check_edit(graph, entry.meta.module)
         edit = entry.meta.edits.create(graph, name=request.name, base=request.base, replace=request.replace)
+        change = worker_pb2.WorkerConfig()
+        change.edits[edit.id].graphs.extend(edit.graphs)
+        self.registry.configure(entry, change)  # before the client can name it in a request to the worker
         return edit.info(entry.name)
 
     @_guard
@@ -243,7 +266,9 @@ class NndServicer:
 
     @_guard
     def DeleteEdit(self, request: nnd_pb2.DeleteEditRequest, context: grpc.ServicerContext) -> Any:
-        self.registry.get(request.model).meta.edits.delete(request.id)
+        entry = self.registry.get(request.model)
+        entry.meta.edits.delete(request.id)
+        self.registry.configure(entry, worker_pb2.WorkerConfig(deleted_edits=[request.id]))
         return nnd_pb2.DeleteEditResponse()
 
     # -- tokens -------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,11 +20,6 @@ from nnd_daemon.worker import loader
 log = logging.getLogger("nnd.worker")
 _END = object()
 _STARTED = object()  # the request has the model: tell the daemon it is no longer queued
-# gRPC threads of a worker. Every request waiting for the model holds one, and
-# the daemon sends at most one per handler thread of its own (control/server.py,
-# 256); Status pings must always find one more: a watchdog ping stuck behind
-# queued requests would make a busy worker look hung. Threads start on demand.
-RPC_THREADS = 320
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -36,6 +32,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.limits: Any = None
         # Cross-client batching of compatible Traces (batching.py); None: every request runs alone.
         self.batcher: Any = None
+        # Requests clients sent (directly or through the daemon): keep-alive, LRU and `nnd ps` read it.
+        self.activity = Activity()
+        # The data path (gateway.py), set when the sockets open (listen.py).
+        self.gateway: Any = None
 
     # -- Load ---------------------------------------------------------------
     def Load(self, request: worker_pb2.WorkerLoadRequest, context: grpc.ServicerContext) -> Iterator[Any]:
@@ -68,9 +68,20 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     # -- Run ----------------------------------------------------------------
     def Run(self, request: worker_pb2.WorkerRunRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        yield from self.run(request, context)
+
+    def run(
+        self,
+        request: worker_pb2.WorkerRunRequest,
+        context: grpc.ServicerContext,
+        stop: threading.Event | None = None,
+        on_error: Callable[[BaseException], BaseException] = lambda exc: exc,
+    ) -> Iterator[Any]:
+        """Run `request` for `context`; `stop` ends it early (the call's end always does);
+        `on_error` may turn a failure into another one before it becomes the status."""
         if self.model is None:
             errors.abort(context, errors.FailedPrecondition("worker has no model loaded"))
-        stop = threading.Event()
+        stop = stop or threading.Event()
         context.add_callback(stop.set)
 
         def started() -> None:
@@ -78,7 +89,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             context.send_initial_metadata(((errors.STARTED_KEY, "1"),))
 
         if request.generate or request.HasField("session"):
-            yield from self._run_streaming(request, context, stop, started)
+            yield from self._run_streaming(request, context, stop, started, on_error)
             return
         # A Trace answers only when it is done, so it runs on this gRPC thread: no thread or
         # queue of its own (a per-request cost that bounds how many small traces a second fit).
@@ -86,7 +97,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         try:
             self._work(request, out.append, stop, started)
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
-            _abort(context, exc)
+            _abort(context, on_error(exc))
         yield from out
 
     def _run_streaming(
@@ -95,6 +106,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         context: grpc.ServicerContext,
         stop: threading.Event,
         started: Callable[[], None],
+        on_error: Callable[[BaseException], BaseException],
     ) -> Iterator[Any]:
         """A Generate or a Session: responses (e.g. each step's tokens) go out while the run goes on."""
         out: queue.Queue[Any] = queue.Queue()
@@ -115,7 +127,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 started()
                 continue
             if isinstance(item, BaseException):
-                _abort(context, item)
+                _abort(context, on_error(item))
             yield item
 
     def _work(
@@ -145,14 +157,54 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         with shm.results(request):
             engine.run_worker(self.model, self.tokenizer, request, emit=emit, cancelled=cancelled, limits=self.limits)
 
+    # -- Configure ----------------------------------------------------------
+    def Configure(self, request: worker_pb2.WorkerConfig, context: grpc.ServicerContext) -> Any:
+        self.gateway.configure(request)
+        return worker_pb2.WorkerConfigured()
+
     # -- Status -------------------------------------------------------------
     def Status(self, request: worker_pb2.WorkerStatusRequest, context: grpc.ServicerContext) -> Any:
         status = worker_pb2.WorkerStatus(rss_bytes=psutil.Process().memory_info().rss, dtype=self.dtype)
+        self.activity.fill(status)
         if self.model is not None:
             for device, nbytes in sorted(loader.weight_bytes(self.model).items()):
                 status.weights.add(device=device, bytes=nbytes)
             status.devices.update(loader.devices(self.model))
         return status
+
+
+class Activity:
+    """How busy the worker is, for the daemon's keep-alive, LRU and `nnd ps` (Status)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.active = 0
+        self.requests = 0
+        self._last_end = 0.0
+        self.keep_alive = ""
+
+    def begin(self, keep_alive: str, depth: int, model: str) -> None:
+        """Count a request in; RESOURCE_EXHAUSTED if `depth` (0: no limit) are already in."""
+        with self._lock:
+            if depth and self.active >= depth:
+                raise errors.ResourceExhausted(f"the queue of {model} is full (max_queue_depth={depth})")
+            self.active += 1
+            self.requests += 1
+            if keep_alive:
+                self.keep_alive = keep_alive
+
+    def end(self) -> None:
+        with self._lock:
+            self.active -= 1
+            self._last_end = time.monotonic()
+
+    def fill(self, status: worker_pb2.WorkerStatus) -> None:
+        with self._lock:
+            status.active = self.active
+            status.requests = self.requests
+            status.keep_alive = self.keep_alive
+            if not self.active and self._last_end:
+                status.idle_s = time.monotonic() - self._last_end
 
 
 def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:

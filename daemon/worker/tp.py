@@ -30,7 +30,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from concurrent import futures
 from datetime import timedelta
 from typing import Any
 
@@ -42,8 +41,8 @@ import torch.distributed as dist
 from nnd.v1 import worker_pb2, worker_pb2_grpc
 from nnd_daemon import errors
 from nnd_daemon.engine import sharding
-from nnd_daemon.worker import loader, tplaunch, tplayout
-from nnd_daemon.worker.service import RPC_THREADS, WorkerService
+from nnd_daemon.worker import listen, loader, tplaunch, tplayout
+from nnd_daemon.worker.service import WorkerService
 
 log = logging.getLogger("nnd.worker.tp")
 
@@ -331,13 +330,10 @@ def main(ns: argparse.Namespace, options: list[tuple[str, int]], limits: Any = N
     with open(tplaunch.pids_path(ns.socket) + ".tmp", "w") as f:
         f.write(" ".join(map(str, group.pids)))
     os.replace(tplaunch.pids_path(ns.socket) + ".tmp", tplaunch.pids_path(ns.socket))
-    # As many threads as a single worker: the watchdog's pings must not starve behind queued requests.
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=RPC_THREADS), options=options)
+    # Served like a single worker (listen.py): the Worker service, and the data path by route.
     service = LeaderService(group, runner)
     service.limits = limits
-    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
-    server.add_insecure_port("unix://" + ns.socket)
-    server.start()
-    signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=2))
-    server.wait_for_termination()
+    servers = listen.start(service, ns, worker_pb2_grpc.add_WorkerServicer_to_server)
+    signal.signal(signal.SIGTERM, lambda *_: listen.stop(servers, 2))
+    servers[-1].wait_for_termination()
     os._exit(0)  # the other ranks wait in a broadcast; torchrun ends them when we are gone

@@ -221,7 +221,7 @@ class DeviceMemory(_message.Message):
     def __init__(self, device: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "state", "task", "architecture", "config", "num_parameters", "placement", "dispatched_placement", "modules", "weights", "worker_rss_bytes", "worker_pids", "idle_s", "expires_at", "last_error", "dtype", "estimated_bytes")
+    __slots__ = ("name", "state", "task", "architecture", "config", "num_parameters", "placement", "dispatched_placement", "modules", "weights", "worker_rss_bytes", "worker_pids", "idle_s", "expires_at", "last_error", "dtype", "estimated_bytes", "route")
     class ConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,7 @@ class ModelInfo(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ESTIMATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: ModelState
     task: str
@@ -263,7 +264,26 @@ class ModelInfo(_message.Message):
     last_error: str
     dtype: str
     estimated_bytes: int
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., task: _Optional[str] = ..., architecture: _Optional[str] = ..., config: _Optional[_Mapping[str, str]] = ..., num_parameters: _Optional[int] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., dispatched_placement: _Optional[_Union[Placement, _Mapping]] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., weights: _Optional[_Iterable[_Union[DeviceMemory, _Mapping]]] = ..., worker_rss_bytes: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., idle_s: _Optional[float] = ..., expires_at: _Optional[float] = ..., last_error: _Optional[str] = ..., dtype: _Optional[str] = ..., estimated_bytes: _Optional[int] = ...) -> None: ...
+    route: Route
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., task: _Optional[str] = ..., architecture: _Optional[str] = ..., config: _Optional[_Mapping[str, str]] = ..., num_parameters: _Optional[int] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., dispatched_placement: _Optional[_Union[Placement, _Mapping]] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., weights: _Optional[_Iterable[_Union[DeviceMemory, _Mapping]]] = ..., worker_rss_bytes: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., idle_s: _Optional[float] = ..., expires_at: _Optional[float] = ..., last_error: _Optional[str] = ..., dtype: _Optional[str] = ..., estimated_bytes: _Optional[int] = ..., route: _Optional[_Union[Route, _Mapping]] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("model", "failed_epoch")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FAILED_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    failed_epoch: int
+    def __init__(self, model: _Optional[str] = ..., failed_epoch: _Optional[int] = ...) -> None: ...
+
+class Route(_message.Message):
+    __slots__ = ("address", "epoch", "lost")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    epoch: int
+    lost: str
+    def __init__(self, address: _Optional[str] = ..., epoch: _Optional[int] = ..., lost: _Optional[str] = ...) -> None: ...
 
 class Invoke(_message.Message):
     __slots__ = ("text", "tokens", "args")
