@@ -42,8 +42,10 @@ class Daemon:
         return self.proc.returncode
 
 
-def start_daemon(tmp: pathlib.Path, *extra: str, state_dir: str | None = None, ready_timeout: float = 60) -> Daemon:
-    """Start `nnd serve` on a socket under `tmp` and wait until it answers."""
+def start_daemon(
+    tmp: pathlib.Path, *extra: str, state_dir: str | None = None, ready_timeout: float = 60, token: str = ""
+) -> Daemon:
+    """Start `nnd serve` on a socket under `tmp` and wait until it answers (to `token`, if given)."""
     import grpc
 
     from nnd.v1 import nnd_pb2, nnd_pb2_grpc
@@ -65,7 +67,8 @@ def start_daemon(tmp: pathlib.Path, *extra: str, state_dir: str | None = None, r
             if proc.poll() is not None:
                 raise RuntimeError(f"nnd serve exited ({proc.returncode}):\n{pathlib.Path(log_path).read_text()}")
             try:
-                stub.GetServerInfo(nnd_pb2.GetServerInfoRequest(), timeout=1)
+                auth = [("authorization", f"Bearer {token}")] if token else []
+                stub.GetServerInfo(nnd_pb2.GetServerInfoRequest(), timeout=1, metadata=auth)
                 break
             except grpc.RpcError:
                 if time.monotonic() > deadline:

@@ -538,6 +538,7 @@ class Registry:
                 out.route.address, out.route.epoch = entry.worker.address, entry.worker.epoch
         if status is not None:
             out.worker_rss_bytes = status.rss_bytes
+            out.worker_requests = status.requests
             out.weights.extend(status.weights)
         if modules:
             out.modules.extend(entry.meta.modules(dict(status.devices) if status else None))
