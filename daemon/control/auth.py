@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from nnd import _address
+from nnd.v1 import address as _address
 from nnd_daemon.tokens import TokenInterceptor, bearer
 
 log = logging.getLogger("nnd.auth")

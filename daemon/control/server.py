@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from nnd import _address
+from nnd.v1 import address as _address
 from nnd.v1 import nnd_pb2
 from nnd_daemon import errors, shared
 from nnd_daemon.control.auth import Access
