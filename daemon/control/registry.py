@@ -34,10 +34,9 @@ import psutil
 
 from nnd.v1 import nnd_pb2, worker_pb2
 from nnd_daemon import errors
-from nnd_daemon.control import metamodel, statefile, uploads
+from nnd_daemon.control import metamodel, statefile, tplaunch, uploads
 from nnd_daemon.control.settings import Settings, parse_duration
 from nnd_daemon.control.supervisor import Worker
-from nnd_daemon.worker import tplaunch
 
 log = logging.getLogger("nnd.registry")
 

@@ -39,7 +39,7 @@ import psutil
 
 from nnd.v1 import nnd_pb2, worker_pb2, worker_pb2_grpc
 from nnd_daemon import errors, shared
-from nnd_daemon.worker import tplaunch
+from nnd_daemon.control import tplaunch
 
 log = logging.getLogger("nnd.supervisor")
 _serial = itertools.count(1)

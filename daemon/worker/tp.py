@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 
 from nnd.v1 import worker_pb2, worker_pb2_grpc
-from nnd_daemon import errors
+from nnd_daemon import errors, shared
 from nnd_daemon.engine import sharding
-from nnd_daemon.worker import listen, loader, tplaunch, tplayout
+from nnd_daemon.worker import listen, loader, tplayout
 from nnd_daemon.worker.service import WorkerService
 
 log = logging.getLogger("nnd.worker.tp")
@@ -71,7 +71,7 @@ class Group:
         self.rank = int(os.environ["RANK"])
         self.world = int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
-        self.timeout_s = tplaunch.timeout_s()
+        self.timeout_s = shared.timeout_s()
         self.gpu = torch.cuda.is_available()
         timeout = timedelta(seconds=self.timeout_s)
         if self.gpu:
@@ -208,7 +208,7 @@ class Group:
         sock = os.environ.get("NND_TP_SOCKET", "")
         if sock:
             try:  # the first rank to tell wins
-                with open(tplaunch.reason_path(sock), "x") as f:
+                with open(shared.reason_path(sock), "x") as f:
                     f.write(f"rank {self.rank}: {reason}")
             except OSError:
                 pass
@@ -327,9 +327,9 @@ def main(ns: argparse.Namespace, options: list[tuple[str, int]], limits: Any = N
     if group.rank != 0:
         group.follow(runner)
         return
-    with open(tplaunch.pids_path(ns.socket) + ".tmp", "w") as f:
+    with open(shared.pids_path(ns.socket) + ".tmp", "w") as f:
         f.write(" ".join(map(str, group.pids)))
-    os.replace(tplaunch.pids_path(ns.socket) + ".tmp", tplaunch.pids_path(ns.socket))
+    os.replace(shared.pids_path(ns.socket) + ".tmp", shared.pids_path(ns.socket))
     # Served like a single worker (listen.py): the Worker service, and the data path by route.
     service = LeaderService(group, runner)
     service.limits = limits
