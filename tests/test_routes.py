@@ -162,6 +162,47 @@ def test_killed_worker_is_rerouted_with_nothing_run_twice(tmp_path, tiny_models)
         assert d.stop() == 0
 
 
+@pytest.fixture(scope="module")
+def long_gpt2(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny GPT-2 with 1024 positions: a generation of seconds to kill a worker in the middle of."""
+    import tinymodels
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    path = tinymodels.build("gpt2", tmp_path_factory.mktemp("models") / "long-gpt2")
+    cfg = GPT2Config.from_pretrained(path)
+    cfg.n_positions, cfg.n_layer = 1024, 4
+    torch.manual_seed(0)
+    GPT2LMHeadModel(cfg).eval().save_pretrained(path)
+    return str(path)
+
+
+def test_worker_killed_mid_request_is_reported_not_rerun(tmp_path, long_gpt2):
+    model = long_gpt2
+    d = start_daemon(tmp_path)
+    conn = Connection(d.address)
+    try:
+        d.cli("load", model)
+        d.cli("dispatch", model)
+        pid = _info(conn, model).worker_pids[0]
+        options = nnd_pb2.GenerateOptions(max_new_tokens=1000, do_sample=True, seed=1)
+        long = nnd_pb2.TraceRequest(model=model, invokes=[_ids(k, 8) for k in range(16)], generate=options)
+        running = conn.stream("Generate", long, timeout=120)
+        assert next(running).HasField("step")  # it runs on the worker, sent there directly
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(errors.DaemonUnavailable) as caught:
+            list(running)
+        text = str(caught.value)
+        assert "killed by SIGKILL" in text and "while running this request" in text, text
+        assert conn.router.direct_calls == 1  # reported, not resent
+        # The next request finds no worker, goes to the daemon, which dispatches the model again.
+        assert _saved(conn.stream("Trace", _trace(model), timeout=120))
+        assert _info(conn, model).worker_requests == 1
+    finally:
+        conn.close()
+        assert d.stop() == 0
+
+
 def test_restarted_daemon_is_rerouted(tmp_path, tiny_models):
     model = tiny_models["gpt2"]
     d = start_daemon(tmp_path)

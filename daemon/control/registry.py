@@ -346,6 +346,7 @@ class Registry:
             for entry in self._entries.values():
                 if entry.worker is worker:
                     entry.worker = None
+                    entry.extra["lost"] = (worker.epoch, reason)  # for a client whose route it was (`route`)
                     entry.last_error = f"worker {reason}" if worker.fault else f"worker died: {reason}"
                     if entry.state == DISPATCHED:
                         entry.state = META
@@ -424,7 +425,8 @@ class Registry:
             if out.lost:
                 return out
         elif failed_epoch:
-            out.lost = entry.last_error
+            epoch, reason = entry.extra.get("lost", (0, ""))
+            out.lost = reason if epoch == failed_epoch else ""
         with self._lock:
             worker = entry.worker
             if entry.state == DISPATCHED and worker is not None and worker.public:

@@ -70,8 +70,11 @@ class Router:
             meta = [*self._metadata(), (EPOCH_KEY, str(route.epoch))]
             call = getattr(route.stub, method)(request, timeout=left, metadata=meta)
             self.direct_calls += 1
+            answered = False  # a response came: the request had begun, whatever the metadata says
             try:
-                yield from call
+                for response in call:
+                    answered = True
+                    yield response
                 return
             except grpc.RpcError as err:
                 if _never_ran(err):
@@ -79,8 +82,9 @@ class Router:
                     if attempt == 0:
                         continue
                 if err.code() == grpc.StatusCode.UNAVAILABLE:
-                    self._forget(model, route)
-                    raise self._lost(model, route, call, err, translate) from None
+                    lost = self._lost(model, route, call if not answered else None, err, translate)
+                    self._forget(model, route)  # after reading the call's metadata: closing ends it
+                    raise lost from None
                 raise translate(err) from None
             finally:
                 call.cancel()
@@ -118,10 +122,12 @@ class Router:
         self, model: str, route: Route, call: Any, err: grpc.RpcError, translate: Callable[[grpc.RpcError], Exception]
     ) -> Exception:
         """The worker went away with the request in it: say why and whether it ran, as the daemon would."""
-        try:
-            started = any(key == STARTED_KEY for key, _ in call.initial_metadata() or ())
-        except Exception:  # noqa: BLE001 - only a hint for the message
-            started = None
+        started: bool | None = True
+        if call is not None:
+            try:
+                started = any(key == STARTED_KEY for key, _ in call.initial_metadata() or ())
+            except Exception:  # noqa: BLE001 - only a hint for the message
+                started = None
         try:
             reason = self._daemon.GetRoute(
                 nnd_pb2.RouteRequest(model=model, failed_epoch=route.epoch), metadata=self._metadata(), timeout=10
@@ -134,7 +140,7 @@ class Router:
             when = "before this request ran (it was queued behind another one): none of it ran, so it is safe to retry"
         else:
             when = "while running this request"
-        what = reason if reason.startswith("hung") else f"died: {reason}"
+        what = reason if reason.startswith(("hung", "died")) else f"died: {reason}"
         return DaemonUnavailable(
             f"the worker of {model} {what}; this happened {when}; "
             "the next request dispatches the model again (`nnd ps` shows why it stopped)"
