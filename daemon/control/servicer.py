@@ -196,6 +196,8 @@ class NndServicer:
                 raise errors.Unavailable(f"model {entry.name} lost its worker: {entry.last_error}")
             peer = (entry.name, context.peer())
             if peer not in self._forwarded:
+                if len(self._forwarded) >= 4096:  # TCP peers differ by port: keep the set bounded
+                    self._forwarded.clear()
                 self._forwarded.add(peer)
                 log.info("forwarding %s of %s for %s, a client that does not follow routes", method, *peer)
             metadata = [(shared.MODEL_KEY, entry.name), (shared.EPOCH_KEY, str(worker.epoch))]
