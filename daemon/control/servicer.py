@@ -21,11 +21,10 @@ import grpc
 
 from nnd import __version__
 from nnd.v1 import graph_pb2, nnd_pb2, worker_pb2
-from nnd_daemon import errors, shared
+from nnd_daemon import errors, requests, shared
 from nnd_daemon.control import forward, uploads
 from nnd_daemon.control.registry import Registry
 from nnd_daemon.control.settings import Settings
-from nnd_daemon.engine import requests
 
 log = logging.getLogger("nnd.servicer")
 

@@ -21,8 +21,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from nnd.v1 import nnd_pb2, worker_pb2
-from nnd_daemon import errors, shared
-from nnd_daemon.engine import aliases, requests
+from nnd_daemon import errors, requests, shared
+from nnd_daemon.engine import aliases
 
 _SERVICE = "nnd.v1.Nnd"
 # Request-limit fields of nnd.v1.Limits a worker enforces (the daemon passes them at start).

@@ -1,5 +1,6 @@
 """Checks of a trace request against the daemon's limits, before any work
-(in the worker for data requests, in the daemon for scans and edits)."""
+(in the worker for data requests, in the daemon for scans and edits; no torch here:
+the control plane imports it)."""
 
 from __future__ import annotations
 
