@@ -95,8 +95,10 @@ class Worker:
         safe = "".join(c if c.isalnum() else "_" for c in name)[-40:]
         serial = next(_serial)
         self.socket = os.path.join(run_dir, f"w{serial}.sock")
-        # The route clients follow (nnd.proto, Route); empty: none.
-        self.public = os.path.join(public_dir, f"m{serial}.sock") if public_dir else ""
+        # The route clients follow (nnd.proto, Route); empty: none. A tensor-parallel group has
+        # none yet: its faults (a rank lost) are explained by `translate`, so its requests go
+        # through the daemon.
+        self.public = os.path.join(public_dir, f"m{serial}.sock") if public_dir and self.tp_size <= 1 else ""
         self.log_path = os.path.join(log_dir, f"{safe}.log")
         self._on_exit = on_exit
         self._stopping = False
