@@ -50,9 +50,10 @@ def start_daemon(
     prefix: tuple[str, ...] = (),
     cwd: str | None = None,
     env: dict[str, str] | None = None,
+    token: str = "",
 ) -> Daemon:
     """Start `nnd serve` on a socket under `tmp` and wait until it answers (`prefix`: a command that
-    runs it, e.g. setpriv as another user; `env`: added to the environment)."""
+    runs it, e.g. setpriv as another user; `env`: added to the environment; `token`: the one it answers to)."""
     import grpc
 
     from nnd.v1 import nnd_pb2, nnd_pb2_grpc
@@ -76,7 +77,8 @@ def start_daemon(
             if proc.poll() is not None:
                 raise RuntimeError(f"nnd serve exited ({proc.returncode}):\n{pathlib.Path(log_path).read_text()}")
             try:
-                stub.GetServerInfo(nnd_pb2.GetServerInfoRequest(), timeout=1)
+                auth = [("authorization", f"Bearer {token}")] if token else []
+                stub.GetServerInfo(nnd_pb2.GetServerInfoRequest(), timeout=1, metadata=auth)
                 break
             except grpc.RpcError:
                 if time.monotonic() > deadline:

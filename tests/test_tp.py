@@ -20,7 +20,7 @@ from daemonproc import start_daemon
 import nnd
 from nnd.v1 import nnd_pb2
 from nnd_daemon import errors
-from nnd_daemon.worker import tplaunch
+from nnd_daemon.control import tplaunch
 
 PROMPT = "Hello world, this is"
 ATOL = 1e-5

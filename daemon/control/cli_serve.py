@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from nnd import _address
+from nnd.v1 import address as _address
 from nnd_daemon.control.auth import Access, AccessError
 from nnd_daemon.control.server import serve
 from nnd_daemon.control.settings import Limits, Settings, parse_bytes

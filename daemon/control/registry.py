@@ -9,10 +9,17 @@ the NOTE of `nnd ps`); the next dispatch without a placement of its own (the
 next request's automatic one, or `nnd dispatch`) brings it back with the
 placement it had. A worker the watchdog finds hung is killed and its model
 re-dispatched at once, at most `restart_limit` times per `restart_window_s`.
+
+Each worker has an epoch (a new one per start) and a public socket: the
+model's route (`route`). Requests that go there directly are counted by the
+worker; its Status answers (watchdog pings, `nnd ps`, the keep-alive reaper)
+bring that activity here (`_sync`).
 """
 
 from __future__ import annotations
 
+import grp
+import itertools
 import logging
 import os
 import shutil
@@ -27,11 +34,10 @@ import psutil
 
 from nnd.v1 import helper_pb2, nnd_pb2, worker_pb2
 from nnd_daemon import errors
-from nnd_daemon.control import gpus, metamodel, statefile, uploads
+from nnd_daemon.control import gpus, metamodel, statefile, tplaunch, uploads
 from nnd_daemon.control.helper import Helper
 from nnd_daemon.control.settings import Settings, parse_duration
 from nnd_daemon.control.supervisor import Worker
-from nnd_daemon.worker import tplaunch
 
 log = logging.getLogger("nnd.registry")
 
@@ -73,15 +79,27 @@ def _merge(base: nnd_pb2.Placement, override: nnd_pb2.Placement | None) -> nnd_p
 
 
 class Registry:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, token: str | None = None) -> None:
         self.settings = settings
+        self._token = token  # workers ask clients for the daemon's token too
+        # Epochs differ across daemon restarts too, so a stale route can never match a new worker.
+        self._epochs = itertools.count(int(time.time() * 1000))
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._entries: dict[str, Entry] = {}
         self._loading: dict[str, threading.Event] = {}
         # Worker sockets live in a private short directory: unix socket paths
         # are limited to ~107 bytes, and state directories can be deep.
+        # The run dir holds the workers' public sockets (routes): like the daemon's socket, for its
+        # group (0750, setgid so sockets inherit the group); their private sockets are in a 0700 subdir.
         self.run_dir = tempfile.mkdtemp(prefix="nnd-", dir=os.environ.get("RUNTIME_DIRECTORY") or None)
+        if settings.socket_group:
+            os.chown(self.run_dir, -1, grp.getgrnam(settings.socket_group).gr_gid)
+            os.chmod(self.run_dir, 0o2750)
+        else:
+            os.chmod(self.run_dir, 0o750)
+        self.private_dir = os.path.join(self.run_dir, "private")
+        os.mkdir(self.private_dir, 0o700)
         self.log_dir = os.path.join(settings.state_dir, "logs")
         os.makedirs(self.log_dir, mode=0o750, exist_ok=True)
         # Meta builds, scans, tokenizing, edit and upload checks: never in this process (control/helper.py).
@@ -212,19 +230,32 @@ class Registry:
             self._make_room(entry)
             entry.state = DISPATCHING
             entry.last_error = f"re-dispatched {time.strftime('%H:%M:%S')} after: {again[1]}" if again else ""
+        lim = self.settings.limits
         worker = Worker(
             entry.name,
-            self.run_dir,
+            self.private_dir,
             self.log_dir,
             self._worker_exited,
             limits=self._engine_limits(),
             placement=placement,
             batch_window_ms=self.settings.batch_window_ms,
+            epoch=next(self._epochs),
+            public_dir=self.run_dir,
+            request_limits={
+                "max_request_bytes": lim.max_request_bytes,
+                "max_invokes": lim.max_invokes,
+                "max_new_tokens": lim.max_new_tokens,
+                "default_deadline_s": lim.default_deadline_s,
+                "max_queue_depth": lim.max_queue_depth,
+            },
+            token=self._token,
         )
         try:
             yield nnd_pb2.DispatchProgress(stage="starting", message="starting worker process")
             worker.start(self.settings.worker_start_timeout_s)
             entry.worker = worker
+            # Before any request can reach it: what it needs to complete requests itself.
+            worker.configure(self.worker_config(entry))
             load = worker_pb2.WorkerLoadRequest(
                 model=entry.meta.source,
                 revision=entry.meta.revision,
@@ -310,7 +341,9 @@ class Registry:
         live = [e for e in self._entries.values() if e is not entry and e.state in (DISPATCHED, DISPATCHING)]
         if not cap or len(live) < cap:
             return
-        idle = sorted((e for e in live if e.state == DISPATCHED and e.active == 0), key=lambda e: e.last_used)
+        for e in live:
+            self._sync(e, e.worker.last_status if e.worker is not None else None)
+        idle = sorted((e for e in live if e.state == DISPATCHED and not self.busy(e)), key=lambda e: e.last_used)
         if not idle:
             raise errors.ResourceExhausted(
                 f"{len(live)} models are dispatched (the cap is {cap}) and none is idle; try again later"
@@ -349,6 +382,7 @@ class Registry:
             for entry in self._entries.values():
                 if entry.worker is worker:
                     entry.worker = None
+                    entry.extra["lost"] = (worker.epoch, reason)  # for a client whose route it was (`route`)
                     entry.last_error = f"worker {reason}" if worker.fault else f"worker died: {reason}"
                     if entry.state == DISPATCHED:
                         entry.state = META
@@ -392,6 +426,69 @@ class Registry:
                 log.error("could not re-dispatch %s: %s", entry.name, exc)
 
         threading.Thread(target=redispatch, name=f"redispatch-{entry.name}", daemon=True).start()
+
+    # -- routes and what workers need ---------------------------------------
+    def worker_config(self, entry: Entry) -> worker_pb2.WorkerConfig:
+        """Everything a worker completes requests with: the aliases and every stored edit."""
+        config = self.alias_config(entry)
+        config.replace_edits = True
+        for edit in entry.meta.edits.all():
+            config.edits[edit.id].graphs.extend(edit.graphs)
+        return config
+
+    def alias_config(self, entry: Entry) -> worker_pb2.WorkerConfig:
+        config = worker_pb2.WorkerConfig(set_aliases=True)
+        table = entry.meta.aliases
+        for host, names in (table.hosts if table is not None else {}).items():
+            for alias, target in names.items():
+                config.aliases.add(host=host, alias=alias, target=target)
+        return config
+
+    def configure(self, entry: Entry, config: worker_pb2.WorkerConfig) -> None:
+        """Push a change (edits, aliases) to the model's worker, if it has one."""
+        worker = entry.worker
+        if worker is not None:
+            worker.configure(config)
+
+    def route(self, name: str, failed_epoch: int = 0) -> nnd_pb2.Route:
+        """Where the model's data requests go; with `failed_epoch`, why that worker ended."""
+        entry = self.get(name)
+        worker = entry.worker
+        out = nnd_pb2.Route()
+        if failed_epoch and worker is not None and worker.epoch == failed_epoch:
+            # The client lost its call: give a dying worker a moment to be seen dead, and say why.
+            out.lost = worker.wait_exit(2.0)
+            if out.lost:
+                return out
+        elif failed_epoch:
+            epoch, reason = entry.extra.get("lost", (0, ""))
+            out.lost = reason if epoch == failed_epoch else ""
+        with self._lock:
+            worker = entry.worker
+            if entry.state == DISPATCHED and worker is not None and worker.public:
+                out.address, out.epoch = worker.address, worker.epoch
+        return out
+
+    def _sync(self, entry: Entry, status: worker_pb2.WorkerStatus | None) -> None:
+        """Take in what the worker counted (requests sent to it directly): last use, keep-alive."""
+        if status is None or not (status.accepted or status.active):
+            return
+        now = time.time()
+        with self._lock:
+            used = now if status.active else now - status.idle_s
+            if used > entry.last_used:
+                entry.last_used = used
+            if status.keep_alive and status.keep_alive != entry.keep_alive:
+                try:
+                    _keep_alive_seconds(status.keep_alive)
+                    entry.keep_alive = status.keep_alive
+                except errors.NndError:
+                    pass  # not a duration: the worker ran the request; keep the old keep-alive
+
+    def busy(self, entry: Entry) -> bool:
+        """Requests in flight, through the daemon or (by the worker's last Status) directly."""
+        status = entry.worker.last_status if entry.worker is not None else None
+        return entry.active > 0 or bool(status is not None and status.active)
 
     # -- requests -----------------------------------------------------------
     def acquire(self, name: str, *, auto_dispatch: bool, keep_alive: str = "") -> Entry:
@@ -442,7 +539,11 @@ class Registry:
             now = time.time()
             for entry in self.entries():
                 exp = self.expires_at(entry)
-                if exp and entry.active == 0 and now >= exp:
+                if exp and entry.active == 0 and now >= exp and entry.worker is not None:
+                    # Requests may have gone to the worker directly: ask it before ending it.
+                    self._sync(entry, entry.worker.status())
+                    exp = self.expires_at(entry)
+                if exp and not self.busy(entry) and now >= exp:
                     log.info("keep-alive of %s expired; releasing", entry.name)
                     try:
                         self.release(entry.name, reason="")
@@ -452,6 +553,7 @@ class Registry:
     # -- views --------------------------------------------------------------
     def info(self, entry: Entry, *, modules: bool = False) -> nnd_pb2.ModelInfo:
         status = entry.worker.status() if entry.worker is not None and entry.state == DISPATCHED else None
+        self._sync(entry, status)
         out = nnd_pb2.ModelInfo(
             name=entry.name,
             state=entry.state,
@@ -471,9 +573,12 @@ class Registry:
         if entry.worker is not None:
             out.worker_pids.extend(entry.worker.pids)  # a tensor-parallel group: every rank, then torchrun
             out.tp_size = entry.worker.tp_size
+            if entry.state == DISPATCHED and entry.worker.public:
+                out.route.address, out.route.epoch = entry.worker.address, entry.worker.epoch
         if status is not None:
             out.requests.extend(status.requests)
             out.worker_rss_bytes = status.rss_bytes
+            out.worker_requests = status.accepted
             out.weights.extend(status.weights)
             out.ranks.extend(status.ranks)
         if modules:
@@ -517,7 +622,7 @@ class Registry:
 
 def _idle_s(entry: Entry, status: worker_pb2.WorkerStatus | None) -> float:
     """Seconds since the model last had work: 0 while a request runs or waits (here or on the worker)."""
-    if entry.active or (status is not None and status.requests):
+    if entry.active or (status is not None and (status.requests or status.active)):
         return 0.0
     last = max(entry.last_used, status.idle_since if status is not None else 0.0)
     return time.time() - last if last else 0.0

@@ -17,9 +17,9 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from nnd import _address
+from nnd.v1 import address as _address
 from nnd.v1 import nnd_pb2
-from nnd_daemon import errors
+from nnd_daemon import errors, shared
 from nnd_daemon.control import health, statedir
 from nnd_daemon.control.admission import Admission
 from nnd_daemon.control.auth import Access
@@ -30,11 +30,7 @@ from nnd_daemon.control.settings import Settings
 log = logging.getLogger("nnd.server")
 
 SERVICE = "nnd.v1.Nnd"
-OPTIONS = [
-    ("grpc.max_receive_message_length", 512 * 2**20),
-    ("grpc.max_send_message_length", 512 * 2**20),
-    ("grpc.so_reuseport", 0),
-]
+OPTIONS = [*shared.GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
 # gRPC handler threads. Every request waiting for a model holds one, so with
 # too few, requests queued behind a long one leave none for `nnd ps`, health
 # checks or a Release. More than a model's default queue (64) several times
@@ -43,8 +39,10 @@ HANDLER_THREADS = 256
 # Threads no gated call may take: they keep `nnd ps`, ListModels, GetModel,
 # GetServerInfo and health answering whatever else runs (control/admission.py).
 RESERVED_THREADS = 32
-# These stream a worker's serialized responses through unchanged.
-_RAW_RESPONSES = {"Scan", "Trace", "Generate", "Interact"}
+# These stream serialized responses through unchanged (a worker's, forwarded).
+_RAW_RESPONSES = {"Scan", "Interact", *shared.DATA_METHODS}
+# These take the request's bytes: the daemon forwards them to the model's worker unparsed.
+_RAW_REQUESTS = set(shared.DATA_METHODS)
 
 
 def _handlers(servicer: NndServicer, admission: Admission) -> grpc.GenericRpcHandler:
@@ -53,7 +51,7 @@ def _handlers(servicer: NndServicer, admission: Admission) -> grpc.GenericRpcHan
     for method in service.methods:
         req = getattr(nnd_pb2, method.input_type.name)
         resp = getattr(nnd_pb2, method.output_type.name)
-        serialize = (lambda b: b) if method.name in _RAW_RESPONSES else resp.SerializeToString
+        serialize = _pass_bytes if method.name in _RAW_RESPONSES else resp.SerializeToString
         fn = getattr(servicer, method.name, None)
         if fn is None:  # not implemented yet: gRPC answers UNIMPLEMENTED
             continue
@@ -70,12 +68,23 @@ def _handlers(servicer: NndServicer, admission: Admission) -> grpc.GenericRpcHan
             )
             continue
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        if method.name in _RAW_REQUESTS:  # forwarded unparsed, but still admitted (slots, warm-up)
+            handlers[method.name] = make(
+                admission.wrap(method.name, fn, streaming=method.server_streaming),
+                request_deserializer=None,
+                response_serializer=serialize,
+            )
+            continue
         handlers[method.name] = make(
             admission.wrap(method.name, _refuse_malformed(fn), streaming=method.server_streaming),
             request_deserializer=_parser(req),
             response_serializer=serialize,
         )
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+def _pass_bytes(message: Any) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 class _Malformed:
@@ -144,7 +153,7 @@ class Daemon:
             statedir.prepare(settings.state_dir)
         except (statedir.StateDirError, OSError) as exc:
             raise SystemExit(f"nnd: {exc}") from None
-        self.registry = Registry(settings)
+        self.registry = Registry(settings, token=self.access.token)
         self.servicer = NndServicer(settings, self.registry)
         self.admission = Admission(
             slow_slots=max(1, workers - RESERVED_THREADS),

@@ -1,5 +1,10 @@
 """The public Nnd service: validate, route to the registry or a worker, and map
-errors to statuses in one place (`_guard`)."""
+errors to statuses in one place (`_guard`).
+
+Trace, Generate and Session arrive here only from clients that do not follow
+routes: their bytes go to the model's worker unparsed (forward.py), and the
+worker checks them. Local clients send them to the worker directly (GetRoute).
+"""
 
 from __future__ import annotations
 
@@ -16,8 +21,8 @@ import grpc
 
 from nnd import __version__
 from nnd.v1 import graph_pb2, helper_pb2, nnd_pb2, worker_pb2
-from nnd_daemon import errors
-from nnd_daemon.control import gpus, requests, uploads
+from nnd_daemon import errors, requests, shared
+from nnd_daemon.control import forward, gpus, uploads
 from nnd_daemon.control.inflight import InflightBudget
 from nnd_daemon.control.registry import Registry
 from nnd_daemon.control.settings import Settings
@@ -55,6 +60,9 @@ class NndServicer:
     def __init__(self, settings: Settings, registry: Registry) -> None:
         self.settings = settings
         self.registry = registry
+        # Peers whose data requests the daemon forwarded: logged once each (how tests and
+        # operators see that a client does not follow routes).
+        self._forwarded: set[tuple[str, str]] = set()
         self.inflight = InflightBudget(settings.limits.max_inflight_bytes)
 
     # -- server -------------------------------------------------------------
@@ -98,6 +106,10 @@ class NndServicer:
     @_guard
     def GetModel(self, request: nnd_pb2.GetModelRequest, context: grpc.ServicerContext) -> nnd_pb2.ModelInfo:
         return self.registry.info(self.registry.get(request.model), modules=True)
+
+    @_guard
+    def GetRoute(self, request: nnd_pb2.RouteRequest, context: grpc.ServicerContext) -> nnd_pb2.Route:
+        return self.registry.route(request.model, request.failed_epoch)
 
     @_guard
     def ListModels(self, request: Any, context: grpc.ServicerContext) -> nnd_pb2.ListModelsResponse:
@@ -158,20 +170,21 @@ class NndServicer:
         return timeout or None
 
     @_guard
-    def Trace(self, request: nnd_pb2.TraceRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        yield from self._run(request, context, generate=False)
+    def Trace(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        yield from self._forward("Trace", raw, context)
 
     @_guard
-    def Generate(self, request: nnd_pb2.TraceRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        yield from self._run(request, context, generate=True)
+    def Generate(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        yield from self._forward("Generate", raw, context)
 
-    def _run(self, request: nnd_pb2.TraceRequest, context: grpc.ServicerContext, *, generate: bool) -> Iterator[bytes]:
-        requests.check(request, self.settings.limits, generate=generate)
-        meta = self.registry.get(request.model).meta
-        _resolve_aliases(meta, [request.graph])
-        stacks = meta.edits.stacks(request.edits, self.settings.limits.max_request_bytes)
-        run = worker_pb2.WorkerRunRequest(request=request, generate=generate, edits=stacks)
-        yield from self._on_worker(request.model, run, context, request.no_auto_dispatch, request.keep_alive)
+    @_guard
+    def Session(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
+        """Several traces in one request: run in order in the model's worker, or as scans here."""
+        steer = forward.peek(raw, session=True)
+        if steer.scan:
+            yield from self._scan_session(raw, context)
+            return
+        yield from self._forward("Session", raw, context, steer)
 
     @_guard
     def Interact(self, messages: Iterator[Any], context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -213,15 +226,16 @@ class NndServicer:
         finally:
             self.registry.done(entry)
 
-    def _on_worker(
-        self,
-        model: str,
-        run: worker_pb2.WorkerRunRequest,
-        context: grpc.ServicerContext,
-        no_auto_dispatch: bool,
-        keep_alive: str,
+    def _forward(
+        self, method: str, raw: bytes, context: grpc.ServicerContext, steer: forward.Steering | None = None
     ) -> Iterator[bytes]:
-        entry = self.registry.acquire(model, auto_dispatch=not no_auto_dispatch, keep_alive=keep_alive)
+        """Pass a data request's bytes to the model's worker (dispatching it first unless told not to)."""
+        steer = steer or forward.peek(raw, session=False)
+        if not steer.model:
+            raise errors.InvalidArgument("the request names no model")
+        entry = self.registry.acquire(
+            steer.model, auto_dispatch=not steer.no_auto_dispatch, keep_alive=steer.keep_alive
+        )
         try:
             remaining = context.time_remaining()
             timeout = (
@@ -230,12 +244,18 @@ class NndServicer:
             worker = entry.worker
             if worker is None:
                 raise errors.Unavailable(f"model {entry.name} lost its worker: {entry.last_error}")
+            peer = (entry.name, context.peer())
+            if peer not in self._forwarded:
+                if len(self._forwarded) >= 4096:  # TCP peers differ by port: keep the set bounded
+                    self._forwarded.clear()
+                self._forwarded.add(peer)
+                log.info("forwarding %s of %s for %s, a client that does not follow routes", method, *peer)
+            metadata = [(shared.MODEL_KEY, entry.name), (shared.EPOCH_KEY, str(worker.epoch))]
             # A client that goes away cancels the worker's call at once (not at its next response).
             try:
-                with self.inflight.hold(run.ByteSize(), "the request"):
-                    yield from self.inflight.passing(
-                        worker.run(run, timeout=timeout or None, client=context), "a result"
-                    )
+                with self.inflight.hold(len(raw), "the request"):
+                    call = worker.forward(method, raw, timeout=timeout or None, client=context, metadata=metadata)
+                    yield from self.inflight.passing(call, "a result")
             except errors.NndError:
                 if entry.gone:  # its worker was stopped under it: say why, not "Channel closed!"
                     raise errors.Unavailable(f"model {entry.name} was unloaded while this request ran") from None
@@ -243,13 +263,16 @@ class NndServicer:
         finally:
             self.registry.done(entry)
             if not context.is_active():  # an interrupted cell, a restarted kernel: say so in the daemon's log
-                kind = "session" if run.HasField("session") else "generate" if run.generate else "trace"
-                log.info("%s on %s cancelled: its client (%s) cancelled or went away", kind, entry.name, context.peer())
+                log.info("%s on %s cancelled: its client (%s) cancelled or went away", method, entry.name, context.peer())
 
-    # -- sessions -----------------------------------------------------------
-    @_guard
-    def Session(self, request: nnd_pb2.SessionRequest, context: grpc.ServicerContext) -> Iterator[Any]:
-        """Several traces in one request, run in order in the model's worker (or as scans in the helper)."""
+    def _scan_session(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
+        """A Session with `scan`: every block as a scan, in the helper process."""
+        try:
+            request = nnd_pb2.SessionRequest.FromString(raw)
+        except Exception as exc:  # noqa: BLE001 - a client's garbage is its own error
+            raise errors.InvalidArgument(
+                f"the request is not a valid nnd.v1.SessionRequest message ({exc}); nothing ran"
+            ) from None
         if not request.traces:
             raise errors.InvalidArgument("the session has no trace: add at least one")
         meta = self.registry.get(request.model).meta
@@ -257,16 +280,11 @@ class NndServicer:
         for trace in request.traces:
             if not trace.request.model:
                 trace.request.model = request.model
-            requests.check(trace.request, self.settings.limits, generate=trace.generate and not request.scan)
+            requests.check(trace.request, self.settings.limits, generate=False)
             ids.extend(trace.request.edits)
         _resolve_aliases(meta, [t.request.graph for t in request.traces])
         stacks = meta.edits.stacks(ids, self.settings.limits.max_request_bytes)
-        if request.scan:
-            yield from self._scan(meta, worker_pb2.WorkerRunRequest(session=request, edits=stacks), context, "this scan")
-            return
-        run = worker_pb2.WorkerRunRequest(session=request, edits=stacks)
-        for raw in self._on_worker(request.model, run, context, request.no_auto_dispatch, request.keep_alive):
-            yield nnd_pb2.TraceResponse.FromString(raw)
+        yield from self._scan(meta, worker_pb2.WorkerRunRequest(session=request, edits=stacks), context, "this scan")
 
     # -- edits --------------------------------------------------------------
     @_guard
@@ -291,6 +309,9 @@ class NndServicer:
             replace=request.replace,
             max_bytes=self.settings.limits.max_request_bytes,
         )
+        change = worker_pb2.WorkerConfig()
+        change.edits[edit.id].graphs.extend(edit.graphs)
+        self.registry.configure(entry, change)  # before the client can name it in a request to the worker
         return edit.info(entry.name)
 
     @_guard
@@ -300,10 +321,12 @@ class NndServicer:
 
     @_guard
     def DeleteEdit(self, request: nnd_pb2.DeleteEditRequest, context: grpc.ServicerContext) -> Any:
-        self.registry.get(request.model).meta.edits.delete(request.id)
+        entry = self.registry.get(request.model)
+        entry.meta.edits.delete(request.id)
+        self.registry.configure(entry, worker_pb2.WorkerConfig(deleted_edits=[request.id]))
         return nnd_pb2.DeleteEditResponse()
 
-    # -- tokens (run in the helper process: a tokenizer's cost is the text's) --
+    # -- tokens -------------------------------------------------------------
     def _tokens(self, model: str) -> helper_pb2.HelperModel:
         meta = self.registry.get(model).meta
         if not meta.has_tokenizer:
@@ -334,17 +357,17 @@ class NndServicer:
         return self.registry.helper.call("GetTokenizerFiles", ref, what="GetTokenizerFiles", client=context)
 
 
+def _resolve_aliases(meta: Any, graphs: list[Any]) -> None:
+    """Rewrite alias paths ("layers.0.attention") to real ones, so any client can use aliases."""
+    from nnd_daemon.engine import aliases
+
+    aliases.rewrite_graphs(graphs, meta.aliases)
+
+
 def _check_token_ids(sequences: Any) -> None:
     # Tokenizers take unsigned 32-bit ids; a larger or negative one overflows inside them.
     for ids in sequences:
         for i in ids.ids:
             if not 0 <= i < 2**32:
                 raise errors.InvalidArgument(f"token id {i} is out of range (ids are 0 .. 2**32-1)")
-
-
-def _resolve_aliases(meta: Any, graphs: list[Any]) -> None:
-    """Rewrite alias paths ("layers.0.attention") to real ones, so any client can use aliases."""
-    from nnd_daemon.engine import aliases
-
-    aliases.rewrite_graphs(graphs, meta.aliases)
 

@@ -1,5 +1,8 @@
 """Worker processes: start one per dispatched model, talk to it over a private
-unix socket, notice when it dies or hangs, end it on release.
+unix socket, notice when it dies or hangs, end it on release. Each worker also
+serves its model's data path on a public socket (its route, with an epoch of
+its own); clients send Trace/Generate/Session there, or to the daemon, which
+forwards the bytes (`forward`).
 
 Faults, as a client sees them (docs/reliability.md has the whole story):
 - a worker that dies (a crash, an OOM kill, `kill -9`) fails every request sent
@@ -36,15 +39,15 @@ import grpc
 import psutil
 
 from nnd.v1 import nnd_pb2, worker_pb2, worker_pb2_grpc
-from nnd_daemon import errors
-from nnd_daemon.control import gpus, statedir
-from nnd_daemon.worker import tplaunch
+from nnd_daemon import errors, shared
+from nnd_daemon.control import gpus, statedir, tplaunch
 
 log = logging.getLogger("nnd.supervisor")
 _serial = itertools.count(1)
 
 # (Not SingleThreadedUnaryStream: with it, concurrent calls to one worker were not concurrent.)
-OPTIONS = [("grpc.max_receive_message_length", 512 * 2**20), ("grpc.max_send_message_length", 512 * 2**20)]
+OPTIONS = shared.GRPC_OPTIONS
+TOKEN_ENV = "NND_WORKER_TOKEN"  # worker/listen.py reads it (the command line is public)
 
 
 def log_name(model: str) -> str:
@@ -93,9 +96,18 @@ class Worker:
         limits: dict[str, int] | None = None,
         placement: nnd_pb2.Placement | None = None,
         batch_window_ms: float = 0.0,
+        epoch: int = 0,
+        public_dir: str = "",
+        request_limits: dict[str, float] | None = None,
+        token: str | None = None,
     ) -> None:
         self.name = name
         self.run_dir = run_dir
+        self.epoch = epoch
+        self.request_limits = request_limits or {}
+        self._token = token
+        # The last Status answer (watchdog pings refresh it): activity for keep-alive and LRU.
+        self.last_status: worker_pb2.WorkerStatus | None = None
         self.limits = limits or {}
         self.batch_window_ms = batch_window_ms  # the worker's cross-client batching window (batching.py)
         # Tensor parallel: `proc` is torchrun's agent, `rank_pids` its ranks (rank 0 serves the socket).
@@ -104,7 +116,12 @@ class Worker:
         self.rank_pids: list[int] = []
         self._ranks: list[psutil.Process] = []
         self._log_offset = 0
-        self.socket = os.path.join(run_dir, f"w{next(_serial)}.sock")
+        serial = next(_serial)
+        self.socket = os.path.join(run_dir, f"w{serial}.sock")
+        # The route clients follow (nnd.proto, Route); empty: none. A tensor-parallel group has
+        # none yet: its faults (a rank lost) are explained by `translate`, so its requests go
+        # through the daemon.
+        self.public = os.path.join(public_dir, f"m{serial}.sock") if public_dir and self.tp_size <= 1 else ""
         self.log_path = os.path.join(log_dir, log_name(name))
         self._on_exit = on_exit
         self._stopping = False
@@ -128,19 +145,26 @@ class Worker:
         return [*self.rank_pids, self.proc.pid] if self.tp_size > 1 else [self.proc.pid]
 
     def start(self, timeout: float) -> None:
-        if os.path.exists(self.socket):
-            os.unlink(self.socket)
+        for path in (self.socket, self.public):
+            if path and os.path.exists(path):
+                os.unlink(path)
         logf = os.fdopen(statedir.open_log(self.log_path), "ab")  # owned by the child; never through a link
         args = ["--socket", self.socket, "--name", self.name]
         args += ["--parent", str(os.getpid()), "--limits", json.dumps(self.limits)]
+        args += ["--epoch", str(self.epoch), "--request-limits", json.dumps(self.request_limits)]
+        if self.public:
+            args += ["--public", self.public]
         if self.batch_window_ms > 0 and self.tp_size <= 1:
             args += ["--batch-window-ms", str(self.batch_window_ms)]
         cmd = [*isolated_python(), "-m", "nnd_daemon.worker", *args]
-        env = None
+        env = dict(os.environ)
         if self.tp_size > 1:  # a torchrun group of tp_size ranks, each running the same worker module
             cmd = tplaunch.command(self.tp_size, args)
             env = tplaunch.environment(self.placement, gpus.count())
             self._log_offset = logf.tell()
+        env.pop(TOKEN_ENV, None)
+        if self._token:
+            env[TOKEN_ENV] = self._token
         # No preexec_fn: running Python between fork and exec in a threaded
         # daemon can crash the child. The worker ties its life to ours itself.
         self.proc = subprocess.Popen(
@@ -168,6 +192,24 @@ class Worker:
             request_serializer=worker_pb2.WorkerRunRequest.SerializeToString,
             response_deserializer=None,
         )
+        # Clients' data requests, forwarded as bytes (worker/gateway.py parses them).
+        self.forward_raw = {
+            method: self.channel.unary_stream(f"/nnd.v1.Nnd/{method}") for method in shared.DATA_METHODS
+        }
+
+    @property
+    def address(self) -> str:
+        """The route's gRPC target: the public socket."""
+        return "unix://" + self.public if self.public else ""
+
+    def configure(self, config: worker_pb2.WorkerConfig, timeout: float = 30.0) -> None:
+        """Push aliases or edits; a worker that is gone needs none."""
+        if self.stub is None:
+            return
+        try:
+            self.stub.Configure(config, timeout=timeout)
+        except grpc.RpcError as err:
+            log.warning("could not configure the worker of %s: %s", self.name, err.details())
 
     def describe_exit(self) -> str:
         code = self.proc.poll() if self.proc else None
@@ -231,7 +273,7 @@ class Worker:
         if self.stub is None:
             return False
         try:
-            self.stub.Status(worker_pb2.WorkerStatusRequest(), timeout=timeout)
+            self.last_status = self.stub.Status(worker_pb2.WorkerStatusRequest(), timeout=timeout)
         except grpc.RpcError:
             return False
         return True
@@ -307,13 +349,38 @@ class Worker:
         finally:
             call.cancel()
 
+    def forward(
+        self,
+        method: str,
+        raw: bytes,
+        *,
+        timeout: float | None,
+        client: grpc.ServicerContext,
+        metadata: list[tuple[str, str]],
+    ) -> Iterator[bytes]:
+        """Send a client's request bytes to the worker unparsed and pass its responses back (as `run`)."""
+        who = dict(client.invocation_metadata() or ()).get("nnd-client") or client.peer()
+        call = self.forward_raw[method](raw, timeout=timeout, metadata=[*metadata, ("nnd-client", str(who)[:80])])
+        if not client.add_callback(call.cancel):
+            call.cancel()
+        ran = False  # a queued request's turn came (worker/service.py's RUNNING): it may have run
+        try:
+            for response in call:
+                ran = ran or response == _RUNNING
+                yield response
+        except grpc.RpcError as err:
+            raise self.translate(err, started=ran or _started(call)) from None
+        finally:
+            call.cancel()
+
     def status(self, timeout: float = 2.0) -> worker_pb2.WorkerStatus | None:
         if self.stub is None:
             return None
         try:
-            return self.stub.Status(worker_pb2.WorkerStatusRequest(), timeout=timeout)
+            self.last_status = self.stub.Status(worker_pb2.WorkerStatusRequest(), timeout=timeout)
         except grpc.RpcError:
             return None
+        return self.last_status
 
     def translate(self, err: grpc.RpcError, *, started: bool | None = None) -> errors.NndError:
         """A worker's status, re-raised for the client; a vanished worker is UNAVAILABLE.
@@ -384,14 +451,26 @@ class Worker:
                 self.proc.kill()
                 self.proc.wait()
         self._kill_ranks()  # ranks torchrun did not get to end (its agent was killed)
-        if os.path.exists(self.socket):
-            try:
-                os.unlink(self.socket)
-            except OSError:
-                pass
+        for path in (self.socket, self.public):
+            if path and os.path.exists(path):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
 
     def info(self) -> dict[str, Any]:
-        return {"pid": self.pid, "socket": self.socket}
+        return {"pid": self.pid, "socket": self.socket, "public": self.public, "epoch": self.epoch}
+
+    def wait_exit(self, timeout: float) -> str:
+        """Why the worker ended, waiting up to `timeout` s for a dying one; "" if it runs on."""
+        if self.proc is None:
+            return ""
+        if self.proc.poll() is None:
+            self._wait_exit(timeout)
+        if self.proc.poll() is None:
+            return ""
+        self._ended.wait(timeout)  # its exit handled (`_watch`): the registry has seen it
+        return self.exit_reason or self.describe_exit()
 
     def _rank_gone(self) -> bool:
         for rank in self._ranks:

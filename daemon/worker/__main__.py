@@ -1,7 +1,8 @@
-"""Worker process entry: `python -m nnd_daemon.worker --socket PATH`.
+"""Worker process entry: `python -m nnd_daemon.worker --socket PATH --public PATH`.
 
 Started by the daemon (never by hand); serves the Worker service on a private
-unix socket until the daemon ends it.
+unix socket and the model's data path on a public one (listen.py) until the
+daemon ends it.
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ import os
 import signal
 import threading
 import time
-from concurrent import futures
-
-import grpc
 
 from nnd.v1 import worker_pb2_grpc
-from nnd_daemon.worker.service import RPC_THREADS, WorkerService
+from nnd_daemon import shared
+from nnd_daemon.worker import listen
+from nnd_daemon.worker.service import WorkerService
 
 
 def _die_with_parent(parent: int) -> None:
@@ -37,9 +37,6 @@ def _die_with_parent(parent: int) -> None:
         threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-OPTIONS = [("grpc.max_receive_message_length", 512 * 2**20), ("grpc.max_send_message_length", 512 * 2**20)]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(prog="nnd-worker", description=__doc__)
     parser.add_argument("--socket", required=True, help="unix socket to serve on")
@@ -48,8 +45,12 @@ def main() -> None:
     parser.add_argument("--limits", default="", help="engine limits as JSON (from the daemon's settings)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     parser.add_argument(
-        "--batch-window-ms", type=float, default=0.0, help="gather compatible Traces this long into one forward (0: off)"
+        "--batch-window-ms",
+        type=float,
+        default=0.0,
+        help="gather compatible Traces this long into one forward (0: off)",
     )
+    listen.add_arguments(parser)
     ns = parser.parse_args()
     # Under torchrun (tensor parallel) this process is one rank of a group; tp.py runs it.
     rank = os.environ.get("RANK", "") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
@@ -70,20 +71,17 @@ def main() -> None:
     if rank:
         from nnd_daemon.worker import tp
 
-        tp.main(ns, OPTIONS, limits)
+        tp.main(ns, shared.GRPC_OPTIONS, limits)
         return
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=RPC_THREADS), options=OPTIONS)
     service = WorkerService()
     service.limits = limits
     if ns.batch_window_ms > 0:
         from nnd_daemon.worker import batching
 
         service.batcher = batching.for_service(service, ns.batch_window_ms)
-    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
-    server.add_insecure_port("unix://" + ns.socket)
-    server.start()
-    signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=2))
-    server.wait_for_termination()
+    servers = listen.start(service, ns, worker_pb2_grpc.add_WorkerServicer_to_server)
+    signal.signal(signal.SIGTERM, lambda *_: listen.stop(servers, 2))
+    servers[-1].wait_for_termination()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from nnd.v1 import nnd_pb2
+from nnd.v1 import nnd_pb2, worker_pb2
+from nnd_daemon import errors
 
 
 @dataclass
@@ -35,6 +36,37 @@ class Activity:
         self._seq = itertools.count()
         self._requests: dict[int, Request] = {}
         self.idle_since = 0.0
+        # The data path's admissions (gateway.py): requests in, counted against the queue depth.
+        self.active = 0
+        self.accepted = 0
+        self.keep_alive = ""
+
+    def begin(self, keep_alive: str, depth: int, model: str) -> None:
+        """Count a request in; RESOURCE_EXHAUSTED if `depth` (0: no limit) are already in."""
+        with self._lock:
+            if depth and self.active >= depth:
+                raise errors.ResourceExhausted(f"the queue of {model} is full (max_queue_depth={depth})")
+            self.active += 1
+            self.accepted += 1
+            if keep_alive:
+                self.keep_alive = keep_alive
+
+    def end(self) -> None:
+        with self._lock:
+            self.active -= 1
+            if not self.active and not self._requests:
+                self.idle_since = time.time()
+
+    def fill(self, status: worker_pb2.WorkerStatus) -> None:
+        """Status's activity fields: what runs and waits, counts, and idle time."""
+        status.requests.extend(self.snapshot())
+        with self._lock:
+            status.active = self.active
+            status.accepted = self.accepted
+            status.keep_alive = self.keep_alive
+            status.idle_since = self.idle_since
+            if not self.active and not self._requests and self.idle_since:
+                status.idle_s = time.time() - self.idle_since
 
     @contextlib.contextmanager
     def track(self, kind: str, client: str, steps: int = 0) -> Iterator[Request]:

@@ -22,11 +22,6 @@ _END = object()
 # A queued request's turn has come (the daemon reads it as STARTED_KEY: from here on it may have run).
 RUNNING = nnd_pb2.TraceResponse(queued=nnd_pb2.Queued(running=True))
 _STARTED = object()  # the request has the model: tell the daemon it is no longer queued
-# gRPC threads of a worker. Every request waiting for the model holds one, and
-# the daemon sends at most one per handler thread of its own (control/server.py,
-# 256); Status pings must always find one more: a watchdog ping stuck behind
-# queued requests would make a busy worker look hung. Threads start on demand.
-RPC_THREADS = 320
 # Metadata naming the client of a request (`nnd ps`); the daemon passes it on.
 CLIENT_KEY = "nnd-client"
 
@@ -39,9 +34,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # One forward at a time: the daemon queues, the worker runs.
         self._run_lock = turns.Turns()  # fair, and lent between generation steps
         self.limits: Any = None
-        self.activity = activity.Activity()  # requests in flight, for `nnd ps` and keep-alive
+        # Requests clients sent (directly or through the daemon): `nnd ps`, keep-alive and LRU read it.
+        self.activity = activity.Activity()
         # Cross-client batching of compatible Traces (batching.py); None: every request runs alone.
         self.batcher: Any = None
+        # The data path (gateway.py), set when the sockets open (listen.py).
+        self.gateway: Any = None
 
     # -- Load ---------------------------------------------------------------
     def Load(self, request: worker_pb2.WorkerLoadRequest, context: grpc.ServicerContext) -> Iterator[Any]:
@@ -74,9 +72,20 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     # -- Run ----------------------------------------------------------------
     def Run(self, request: worker_pb2.WorkerRunRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        yield from self.run(request, context)
+
+    def run(
+        self,
+        request: worker_pb2.WorkerRunRequest,
+        context: grpc.ServicerContext,
+        stop: threading.Event | None = None,
+        on_error: Callable[[BaseException], BaseException] = lambda exc: exc,
+    ) -> Iterator[Any]:
+        """Run `request` for `context`; `stop` ends it early (the call's end always does);
+        `on_error` may turn a failure into another one before it becomes the status."""
         if self.model is None:
             errors.abort(context, errors.FailedPrecondition("worker has no model loaded"))
-        stop = threading.Event()
+        stop = stop or threading.Event()
         context.add_callback(stop.set)
         kind = "session" if request.HasField("session") else "generate" if request.generate else "trace"
         steps = (request.request.generate.max_new_tokens or 20) if kind == "generate" else 0
@@ -94,7 +103,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     context.send_initial_metadata(((errors.STARTED_KEY, "1"),))
 
             if kind != "trace" or ahead:  # a queued trace streams too: its turn is a message
-                for item in self._run_streaming(request, context, stop, started, announce_turn=bool(ahead)):
+                stream = self._run_streaming(request, context, stop, started, on_error, announce_turn=bool(ahead))
+                for item in stream:
                     if isinstance(item, nnd_pb2.TraceResponse) and item.WhichOneof("kind") == "step":
                         tracked.step = item.step.step + 1
                     yield item
@@ -105,7 +115,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             try:
                 self._work(request, out.append, stop, started)
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
-                _abort(context, exc)
+                _abort(context, on_error(exc))
         yield from out
 
     def _run_streaming(
@@ -114,6 +124,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         context: grpc.ServicerContext,
         stop: threading.Event,
         started: Callable[[], None],
+        on_error: Callable[[BaseException], BaseException],
         *,
         announce_turn: bool = False,
     ) -> Iterator[Any]:
@@ -139,7 +150,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     yield RUNNING
                 continue
             if isinstance(item, BaseException):
-                _abort(context, item)
+                _abort(context, on_error(item))
             yield item
 
     def _work(
@@ -244,14 +255,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 _abort(context, item)
             yield item
 
+    # -- Configure ----------------------------------------------------------
+    def Configure(self, request: worker_pb2.WorkerConfig, context: grpc.ServicerContext) -> Any:
+        self.gateway.configure(request)
+        return worker_pb2.WorkerConfigured()
+
     # -- Status -------------------------------------------------------------
     def Status(self, request: worker_pb2.WorkerStatusRequest, context: grpc.ServicerContext) -> Any:
-        status = worker_pb2.WorkerStatus(
-            rss_bytes=psutil.Process().memory_info().rss,
-            dtype=self.dtype,
-            requests=self.activity.snapshot(),
-            idle_since=self.activity.idle_since,
-        )
+        status = worker_pb2.WorkerStatus(rss_bytes=psutil.Process().memory_info().rss, dtype=self.dtype)
+        self.activity.fill(status)
         if self.model is not None:
             for device, nbytes in sorted(loader.weight_bytes(self.model).items()):
                 status.weights.add(device=device, bytes=nbytes)

@@ -30,7 +30,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from concurrent import futures
 from datetime import timedelta
 from typing import Any
 
@@ -40,10 +39,10 @@ import torch
 import torch.distributed as dist
 
 from nnd.v1 import worker_pb2, worker_pb2_grpc
-from nnd_daemon import errors
+from nnd_daemon import errors, shared
 from nnd_daemon.engine import sharding
-from nnd_daemon.worker import loader, tplaunch, tplayout
-from nnd_daemon.worker.service import RPC_THREADS, WorkerService
+from nnd_daemon.worker import listen, loader, tplayout
+from nnd_daemon.worker.service import WorkerService
 
 log = logging.getLogger("nnd.worker.tp")
 
@@ -72,7 +71,7 @@ class Group:
         self.rank = int(os.environ["RANK"])
         self.world = int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
-        self.timeout_s = tplaunch.timeout_s()
+        self.timeout_s = shared.timeout_s()
         self.gpu = torch.cuda.is_available()
         timeout = timedelta(seconds=self.timeout_s)
         if self.gpu:
@@ -211,7 +210,7 @@ class Group:
         sock = os.environ.get("NND_TP_SOCKET", "")
         if sock:
             try:  # the first rank to tell wins
-                with open(tplaunch.reason_path(sock), "x") as f:
+                with open(shared.reason_path(sock), "x") as f:
                     f.write(f"rank {self.rank}: {reason}")
             except OSError:
                 pass
@@ -333,16 +332,13 @@ def main(ns: argparse.Namespace, options: list[tuple[str, int]], limits: Any = N
     if group.rank != 0:
         group.follow(runner)
         return
-    with open(tplaunch.pids_path(ns.socket) + ".tmp", "w") as f:
+    with open(shared.pids_path(ns.socket) + ".tmp", "w") as f:
         f.write(" ".join(map(str, group.pids)))
-    os.replace(tplaunch.pids_path(ns.socket) + ".tmp", tplaunch.pids_path(ns.socket))
-    # As many threads as a single worker: the watchdog's pings must not starve behind queued requests.
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=RPC_THREADS), options=options)
+    os.replace(shared.pids_path(ns.socket) + ".tmp", shared.pids_path(ns.socket))
+    # Served like a single worker (listen.py): the Worker service, and the data path by route.
     service = LeaderService(group, runner)
     service.limits = limits
-    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
-    server.add_insecure_port("unix://" + ns.socket)
-    server.start()
-    signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=2))
-    server.wait_for_termination()
+    servers = listen.start(service, ns, worker_pb2_grpc.add_WorkerServicer_to_server)
+    signal.signal(signal.SIGTERM, lambda *_: listen.stop(servers, 2))
+    servers[-1].wait_for_termination()
     os._exit(0)  # the other ranks wait in a broadcast; torchrun ends them when we are gone

@@ -1,4 +1,5 @@
-"""One gRPC channel to the daemon, shared by every model handle of a process."""
+"""One gRPC channel to the daemon, shared by every model handle of a process,
+and the routes to its models' workers (_route.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from nnd import _address
+from nnd import _address, _route
 from nnd.errors import DaemonUnavailable, NndError, from_rpc_error
 from nnd.v1 import nnd_pb2_grpc
 
@@ -68,6 +69,10 @@ class Connection:
     daemon that wants client certificates (mTLS), `tls_cert`/`tls_key`
     (default `$NND_TLS_CERT`/`$NND_TLS_KEY`) name the client's PEM files.
     Unix sockets never use TLS.
+
+    Over a unix socket, Trace, Generate and Session go straight to the model's
+    worker by its route (`direct`; `$NND_DIRECT=0` turns that off): the
+    daemon only steers. Over TCP they go through the daemon.
     """
 
     def __init__(
@@ -97,6 +102,10 @@ class Connection:
         else:
             self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self.stub = nnd_pb2_grpc.NndStub(self.channel)
+        self.direct = (
+            not self.tls and _address.unix_path(self.address) is not None and os.environ.get("NND_DIRECT") != "0"
+        )
+        self.router = _route.Router(self.stub, self._metadata, CHANNEL_OPTIONS)
 
     def _metadata(self) -> list[tuple[str, str]]:
         who = [("nnd-client", _CLIENT)]  # shown by `nnd ps` beside this process's requests
@@ -112,6 +121,14 @@ class Connection:
     def stream(self, method: str, request: Any, *, timeout: float | None = None) -> Iterator[Any]:
         """A server-streaming call; iterating raises nnd exceptions. Closing the
         iterator cancels the call on the daemon."""
+        if self.direct and method in _route.DATA_METHODS and not getattr(request, "scan", False):
+            yield from self.router.stream(
+                method, request, timeout, lambda left: self._stream(method, request, left), self._translate
+            )
+            return
+        yield from self._stream(method, request, timeout)
+
+    def _stream(self, method: str, request: Any, timeout: float | None) -> Iterator[Any]:
         call = getattr(self.stub, method)(request, timeout=timeout, metadata=self._metadata())
         try:
             yield from call
@@ -144,6 +161,7 @@ class Connection:
         return exc
 
     def close(self) -> None:
+        self.router.close()
         self.channel.close()
 
 

@@ -251,7 +251,7 @@ class RequestInFlight(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., client: _Optional[str] = ..., state: _Optional[str] = ..., since: _Optional[float] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "state", "task", "architecture", "config", "num_parameters", "placement", "dispatched_placement", "modules", "weights", "worker_rss_bytes", "worker_pids", "idle_s", "expires_at", "last_error", "dtype", "estimated_bytes", "tp_size", "ranks", "requests")
+    __slots__ = ("name", "state", "task", "architecture", "config", "num_parameters", "placement", "dispatched_placement", "modules", "weights", "worker_rss_bytes", "worker_pids", "idle_s", "expires_at", "last_error", "dtype", "estimated_bytes", "tp_size", "ranks", "requests", "route", "worker_requests")
     class ConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +279,8 @@ class ModelInfo(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: ModelState
     task: str
@@ -299,7 +301,9 @@ class ModelInfo(_message.Message):
     tp_size: int
     ranks: _containers.RepeatedCompositeFieldContainer[WorkerRank]
     requests: _containers.RepeatedCompositeFieldContainer[RequestInFlight]
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., task: _Optional[str] = ..., architecture: _Optional[str] = ..., config: _Optional[_Mapping[str, str]] = ..., num_parameters: _Optional[int] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., dispatched_placement: _Optional[_Union[Placement, _Mapping]] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., weights: _Optional[_Iterable[_Union[DeviceMemory, _Mapping]]] = ..., worker_rss_bytes: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., idle_s: _Optional[float] = ..., expires_at: _Optional[float] = ..., last_error: _Optional[str] = ..., dtype: _Optional[str] = ..., estimated_bytes: _Optional[int] = ..., tp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[WorkerRank, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[RequestInFlight, _Mapping]]] = ...) -> None: ...
+    route: Route
+    worker_requests: int
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., task: _Optional[str] = ..., architecture: _Optional[str] = ..., config: _Optional[_Mapping[str, str]] = ..., num_parameters: _Optional[int] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., dispatched_placement: _Optional[_Union[Placement, _Mapping]] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., weights: _Optional[_Iterable[_Union[DeviceMemory, _Mapping]]] = ..., worker_rss_bytes: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., idle_s: _Optional[float] = ..., expires_at: _Optional[float] = ..., last_error: _Optional[str] = ..., dtype: _Optional[str] = ..., estimated_bytes: _Optional[int] = ..., tp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[WorkerRank, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[RequestInFlight, _Mapping]]] = ..., route: _Optional[_Union[Route, _Mapping]] = ..., worker_requests: _Optional[int] = ...) -> None: ...
 
 class WorkerRank(_message.Message):
     __slots__ = ("rank", "pid", "rss_bytes", "device")
@@ -312,6 +316,24 @@ class WorkerRank(_message.Message):
     rss_bytes: int
     device: str
     def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("model", "failed_epoch")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FAILED_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    failed_epoch: int
+    def __init__(self, model: _Optional[str] = ..., failed_epoch: _Optional[int] = ...) -> None: ...
+
+class Route(_message.Message):
+    __slots__ = ("address", "epoch", "lost")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    epoch: int
+    lost: str
+    def __init__(self, address: _Optional[str] = ..., epoch: _Optional[int] = ..., lost: _Optional[str] = ...) -> None: ...
 
 class Invoke(_message.Message):
     __slots__ = ("text", "tokens", "prompts", "args", "kwargs")

@@ -49,6 +49,11 @@ class NndStub:
                 request_serializer=nnd_dot_v1_dot_nnd__pb2.GetModelRequest.SerializeToString,
                 response_deserializer=nnd_dot_v1_dot_nnd__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.GetRoute = channel.unary_unary(
+                '/nnd.v1.Nnd/GetRoute',
+                request_serializer=nnd_dot_v1_dot_nnd__pb2.RouteRequest.SerializeToString,
+                response_deserializer=nnd_dot_v1_dot_nnd__pb2.Route.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/nnd.v1.Nnd/ListModels',
                 request_serializer=nnd_dot_v1_dot_nnd__pb2.ListModelsRequest.SerializeToString,
@@ -156,6 +161,16 @@ class NndServicer:
 
     def GetModel(self, request, context):
         """State, config summary and module tree of one model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRoute(self, request, context):
+        """Where to send a model's Trace, Generate and Session directly: its
+        worker's unix socket and epoch (see Route). Cheap: no module tree. An
+        empty address means no worker is running; send the request to the daemon,
+        which dispatches the model first. Following routes is optional.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -328,6 +343,11 @@ def add_NndServicer_to_server(servicer, server):
                     request_deserializer=nnd_dot_v1_dot_nnd__pb2.GetModelRequest.FromString,
                     response_serializer=nnd_dot_v1_dot_nnd__pb2.ModelInfo.SerializeToString,
             ),
+            'GetRoute': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRoute,
+                    request_deserializer=nnd_dot_v1_dot_nnd__pb2.RouteRequest.FromString,
+                    response_serializer=nnd_dot_v1_dot_nnd__pb2.Route.SerializeToString,
+            ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
                     request_deserializer=nnd_dot_v1_dot_nnd__pb2.ListModelsRequest.FromString,
@@ -495,6 +515,33 @@ class Nnd:
             '/nnd.v1.Nnd/GetModel',
             nnd_dot_v1_dot_nnd__pb2.GetModelRequest.SerializeToString,
             nnd_dot_v1_dot_nnd__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRoute(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nnd.v1.Nnd/GetRoute',
+            nnd_dot_v1_dot_nnd__pb2.RouteRequest.SerializeToString,
+            nnd_dot_v1_dot_nnd__pb2.Route.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,6 +8,41 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class WorkerConfig(_message.Message):
+    __slots__ = ("set_aliases", "aliases", "edits", "deleted_edits", "replace_edits")
+    class EditsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: EditStack
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[EditStack, _Mapping]] = ...) -> None: ...
+    SET_ALIASES_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
+    EDITS_FIELD_NUMBER: _ClassVar[int]
+    DELETED_EDITS_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_EDITS_FIELD_NUMBER: _ClassVar[int]
+    set_aliases: bool
+    aliases: _containers.RepeatedCompositeFieldContainer[AliasBinding]
+    edits: _containers.MessageMap[str, EditStack]
+    deleted_edits: _containers.RepeatedScalarFieldContainer[str]
+    replace_edits: bool
+    def __init__(self, set_aliases: _Optional[bool] = ..., aliases: _Optional[_Iterable[_Union[AliasBinding, _Mapping]]] = ..., edits: _Optional[_Mapping[str, EditStack]] = ..., deleted_edits: _Optional[_Iterable[str]] = ..., replace_edits: _Optional[bool] = ...) -> None: ...
+
+class AliasBinding(_message.Message):
+    __slots__ = ("host", "alias", "target")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    ALIAS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    alias: str
+    target: str
+    def __init__(self, host: _Optional[str] = ..., alias: _Optional[str] = ..., target: _Optional[str] = ...) -> None: ...
+
+class WorkerConfigured(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class WorkerLoadRequest(_message.Message):
     __slots__ = ("model", "revision", "placement", "trust_remote_code", "task")
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -60,7 +95,7 @@ class WorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("rss_bytes", "weights", "dtype", "devices", "ranks", "requests", "idle_since")
+    __slots__ = ("rss_bytes", "weights", "dtype", "devices", "ranks", "requests", "idle_since", "active", "idle_s", "accepted", "keep_alive")
     class DevicesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +110,10 @@ class WorkerStatus(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     IDLE_SINCE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
     rss_bytes: int
     weights: _containers.RepeatedCompositeFieldContainer[_nnd_pb2.DeviceMemory]
     dtype: str
@@ -82,4 +121,8 @@ class WorkerStatus(_message.Message):
     ranks: _containers.RepeatedCompositeFieldContainer[_nnd_pb2.WorkerRank]
     requests: _containers.RepeatedCompositeFieldContainer[_nnd_pb2.RequestInFlight]
     idle_since: float
-    def __init__(self, rss_bytes: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[_nnd_pb2.DeviceMemory, _Mapping]]] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Mapping[str, str]] = ..., ranks: _Optional[_Iterable[_Union[_nnd_pb2.WorkerRank, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[_nnd_pb2.RequestInFlight, _Mapping]]] = ..., idle_since: _Optional[float] = ...) -> None: ...
+    active: int
+    idle_s: float
+    accepted: int
+    keep_alive: str
+    def __init__(self, rss_bytes: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[_nnd_pb2.DeviceMemory, _Mapping]]] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Mapping[str, str]] = ..., ranks: _Optional[_Iterable[_Union[_nnd_pb2.WorkerRank, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[_nnd_pb2.RequestInFlight, _Mapping]]] = ..., idle_since: _Optional[float] = ..., active: _Optional[int] = ..., idle_s: _Optional[float] = ..., accepted: _Optional[int] = ..., keep_alive: _Optional[str] = ...) -> None: ...

@@ -55,6 +55,11 @@ class WorkerStub:
                 request_serializer=nnd_dot_v1_dot_worker__pb2.WorkerStatusRequest.SerializeToString,
                 response_deserializer=nnd_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
                 _registered_method=True)
+        self.Configure = channel.unary_unary(
+                '/nnd.v1.Worker/Configure',
+                request_serializer=nnd_dot_v1_dot_worker__pb2.WorkerConfig.SerializeToString,
+                response_deserializer=nnd_dot_v1_dot_worker__pb2.WorkerConfigured.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -86,7 +91,15 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Status(self, request, context):
-        """Liveness and memory figures.
+        """Liveness, activity and memory figures.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Configure(self, request, context):
+        """What a worker needs to check and complete clients' requests itself:
+        the model's aliases and stored edits. Sent at dispatch and on each change.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,6 +127,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=nnd_dot_v1_dot_worker__pb2.WorkerStatusRequest.FromString,
                     response_serializer=nnd_dot_v1_dot_worker__pb2.WorkerStatus.SerializeToString,
+            ),
+            'Configure': grpc.unary_unary_rpc_method_handler(
+                    servicer.Configure,
+                    request_deserializer=nnd_dot_v1_dot_worker__pb2.WorkerConfig.FromString,
+                    response_serializer=nnd_dot_v1_dot_worker__pb2.WorkerConfigured.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +242,33 @@ class Worker:
             '/nnd.v1.Worker/Status',
             nnd_dot_v1_dot_worker__pb2.WorkerStatusRequest.SerializeToString,
             nnd_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Configure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nnd.v1.Worker/Configure',
+            nnd_dot_v1_dot_worker__pb2.WorkerConfig.SerializeToString,
+            nnd_dot_v1_dot_worker__pb2.WorkerConfigured.FromString,
             options,
             channel_credentials,
             insecure,

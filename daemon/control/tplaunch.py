@@ -1,4 +1,5 @@
-"""What the daemon needs for a tensor-parallel worker group, without starting one.
+"""What the daemon needs for a tensor-parallel worker group, without starting one
+(control plane; the group's own side is worker/tp.py).
 
 - `check`: the refusals Dispatch makes before any process starts (degree vs the
   model's heads and widths, mixture-of-experts, GPU count, placements TP cannot honour);
@@ -20,15 +21,13 @@ from typing import Any
 
 from nnd.v1 import nnd_pb2
 from nnd_daemon import errors
+from nnd_daemon.shared import pids_path, reason_path, timeout_s
 
 QUANTIZED = ("nf4", "fp4", "int8")
 # Config fields that mean "mixture of experts" when positive.
 MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 # Config fields a TP degree must divide (the column-parallel projections split along them).
 DIVIDED_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
-# Seconds a rank may wait in one collective, or for the other ranks at the end of a request,
-# before the group counts as hung and is stopped (env NND_TP_TIMEOUT_S).
-DEFAULT_TIMEOUT_S = 300.0
 # How long the daemon waits for torchrun to stop the rest of a group once one rank is gone.
 GROUP_EXIT_WAIT_S = 10.0
 
@@ -37,11 +36,6 @@ def tp_size(placement: nnd_pb2.Placement | None) -> int:
     return max(1, placement.tp_size) if placement is not None else 1
 
 
-def timeout_s() -> float:
-    try:
-        return float(os.environ.get("NND_TP_TIMEOUT_S", "") or DEFAULT_TIMEOUT_S)
-    except ValueError:
-        return DEFAULT_TIMEOUT_S
 
 
 def on_gpu(placement: nnd_pb2.Placement, gpus: int) -> bool:
@@ -147,14 +141,6 @@ def environment(placement: nnd_pb2.Placement, gpus: int) -> dict[str, str]:
     # torchrun starts each rank as `python -u -m nnd_daemon.worker`: keep the working directory off its sys.path.
     env["PYTHONSAFEPATH"] = "1"
     return env
-
-
-def pids_path(sock: str) -> str:
-    return sock + ".pids"
-
-
-def reason_path(sock: str) -> str:
-    return sock + ".reason"
 
 
 def read_pids(sock: str) -> list[int]:

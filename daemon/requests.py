@@ -1,4 +1,6 @@
-"""Checks of a trace request against the daemon's limits, before any work."""
+"""Checks of a trace request against the daemon's limits, before any work
+(in the worker for data requests, in the daemon for scans and edits; no torch here:
+the control plane imports it)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,6 @@ from typing import Any
 
 from nnd.v1 import nnd_pb2
 from nnd_daemon import errors
-from nnd_daemon.control.settings import Limits
 
 # Protobuf parsers refuse messages nested more than 100 deep, and the daemon
 # wraps a request up to 3 levels deeper for its worker (a session's trace, a
@@ -57,7 +58,8 @@ def _repeated(fd: Any) -> bool:
     return bool(flag) if flag is not None else fd.label == fd.LABEL_REPEATED
 
 
-def check(request: nnd_pb2.TraceRequest, limits: Limits, *, generate: bool) -> None:
+def check(request: nnd_pb2.TraceRequest, limits: Any, *, generate: bool) -> None:
+    """`limits`: anything with the request-limit fields of nnd.v1.Limits."""
     if not request.model:
         raise errors.InvalidArgument("the request names no model")
     if not request.invokes:
@@ -85,7 +87,7 @@ def check(request: nnd_pb2.TraceRequest, limits: Limits, *, generate: bool) -> N
             )
 
 
-def engine_limits(limits: Limits) -> Any:
+def engine_limits(limits: Any) -> Any:
     from nnd_daemon.engine import EngineLimits
 
     return EngineLimits(

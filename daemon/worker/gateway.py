@@ -1,0 +1,173 @@
+"""A worker's data path: nnd.v1.Nnd's Trace, Generate and Session, served to
+clients on the worker's public socket (they follow the model's route) and to
+the daemon on the private one (bytes it forwards, unparsed, for clients that
+do not follow routes).
+
+Everything the daemon used to do per request happens here, so the daemon can
+stay out of the data path: the route's epoch, the request limits, the queue
+depth, the default deadline, alias paths, and the stored edits a request names
+(the daemon pushes aliases and edits with Configure, at dispatch and on each
+change). Activity is counted for the daemon's keep-alive, LRU and `nnd ps`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from nnd.v1 import nnd_pb2, worker_pb2
+from nnd_daemon import errors, requests, shared
+from nnd_daemon.engine import aliases
+
+_SERVICE = "nnd.v1.Nnd"
+# Request-limit fields of nnd.v1.Limits a worker enforces (the daemon passes them at start).
+LIMIT_FIELDS = ("max_request_bytes", "max_invokes", "max_new_tokens", "default_deadline_s", "max_queue_depth")
+
+
+class Gateway:
+    """Checks and completes a client's data request, then runs it on `service`."""
+
+    def __init__(self, service: Any, name: str, epoch: int, limits: dict[str, float]) -> None:
+        self.service = service
+        self.name = name
+        self.epoch = epoch
+        self.limits = SimpleNamespace(**{f: limits.get(f, 0) for f in LIMIT_FIELDS})
+        self._lock = threading.Lock()
+        self._bindings: list[worker_pb2.AliasBinding] = []
+        self._table: aliases.AliasTable | None = None
+        self._edits: dict[str, worker_pb2.EditStack] = {}
+
+    # -- what the daemon pushes ----------------------------------------------
+    def configure(self, config: worker_pb2.WorkerConfig) -> None:
+        with self._lock:
+            if config.set_aliases:
+                self._bindings = list(config.aliases)
+                self._table = None  # rebuilt on the next request, over the loaded model
+            if config.replace_edits:
+                self._edits = {}
+            self._edits.update(config.edits)
+            for edit_id in config.deleted_edits:
+                self._edits.pop(edit_id, None)
+
+    def _aliases(self) -> aliases.AliasTable | None:
+        with self._lock:
+            if self._table is None and self.service.model is not None:
+                table = aliases.AliasTable.of(self.service.model, standard=False)
+                for b in self._bindings:
+                    table.hosts.setdefault(b.host, {})[b.alias] = b.target
+                self._table = table
+            return self._table
+
+    def _stacks(self, ids: list[str]) -> dict[str, worker_pb2.EditStack]:
+        with self._lock:
+            missing = [i for i in ids if i not in self._edits]
+            if missing:
+                raise errors.NotFound(
+                    f"no stored edit {missing[0]!r} for this model; ListEdits shows the ones there are"
+                )
+            return {i: self._edits[i] for i in dict.fromkeys(ids)}
+
+    # -- requests ----------------------------------------------------------------
+    def handler(self) -> grpc.GenericRpcHandler:
+        """Trace, Generate and Session: bytes in (parsed here, so malformed ones get
+        INVALID_ARGUMENT), TraceResponse out."""
+        handlers = {
+            method: grpc.unary_stream_rpc_method_handler(
+                self._method(method), request_deserializer=None, response_serializer=_serialize
+            )
+            for method in shared.DATA_METHODS
+        }
+        return grpc.method_handlers_generic_handler(_SERVICE, handlers)
+
+    def _method(self, method: str) -> Callable[[bytes, grpc.ServicerContext], Iterator[Any]]:
+        def serve(raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
+            yield from self.serve(method, raw, context)
+
+        return serve
+
+    def serve(self, method: str, raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
+        sent = dict(context.invocation_metadata()).get(shared.EPOCH_KEY)
+        if sent is not None and sent != str(self.epoch):
+            # Nothing ran: the client fetches the route again and resends (nnd.proto, Route).
+            context.set_trailing_metadata(((shared.ROUTE_KEY, shared.STALE),))
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"stale route: the worker of {self.name} is at epoch {self.epoch}, not {sent}; "
+                "fetch the route again (GetRoute)",
+            )
+        try:
+            run = self._prepare(method, raw)
+            keep_alive = run.session.keep_alive if run.HasField("session") else run.request.keep_alive
+            self.service.activity.begin(keep_alive, int(self.limits.max_queue_depth), self.name)
+        except errors.NndError as err:
+            errors.abort(context, err)
+            return
+        try:
+            yield from self._run(run, context)
+        finally:
+            self.service.activity.end()
+
+    def _run(self, run: worker_pb2.WorkerRunRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        stop = threading.Event()
+        expired = threading.Event()
+        remaining = context.time_remaining()
+        default = float(self.limits.default_deadline_s)
+        timer = None
+        if default > 0 and (remaining is None or remaining > 1e8):  # the client set no deadline: the daemon's
+            timer = threading.Timer(default, lambda: (expired.set(), stop.set()))
+            timer.daemon = True
+            timer.start()
+
+        def on_error(exc: BaseException) -> BaseException:
+            if expired.is_set():
+                return errors.DeadlineExceeded(
+                    f"the request ran past the daemon's default deadline ({default:g} s); "
+                    "pass a timeout or raise --default-deadline"
+                )
+            return exc
+
+        try:
+            yield from self.service.run(run, context, stop, on_error)
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _prepare(self, method: str, raw: bytes) -> worker_pb2.WorkerRunRequest:
+        """The request parsed, checked against the limits, aliases resolved, edits attached."""
+        if method == "Session":
+            session = _parse(nnd_pb2.SessionRequest, raw)
+            if not session.traces:
+                raise errors.InvalidArgument("the session has no trace: add at least one")
+            if session.scan:
+                raise errors.InvalidArgument("a scan session runs on the daemon, not on a worker: send it there")
+            ids: list[str] = []
+            for trace in session.traces:
+                if not trace.request.model:
+                    trace.request.model = session.model
+                requests.check(trace.request, self.limits, generate=trace.generate)
+                ids.extend(trace.request.edits)
+            aliases.rewrite_graphs([t.request.graph for t in session.traces], self._aliases())
+            return worker_pb2.WorkerRunRequest(session=session, edits=self._stacks(ids))
+        request = _parse(nnd_pb2.TraceRequest, raw)
+        generate = method == "Generate"
+        requests.check(request, self.limits, generate=generate)
+        aliases.rewrite_graphs([request.graph], self._aliases())
+        return worker_pb2.WorkerRunRequest(request=request, generate=generate, edits=self._stacks(list(request.edits)))
+
+
+def _parse(message: Any, raw: bytes) -> Any:
+    try:
+        return message.FromString(raw)
+    except (DecodeError, RecursionError, ValueError) as exc:
+        raise errors.InvalidArgument(
+            f"the request is not a valid nnd.v1.{message.__name__} message ({exc}); nothing ran"
+        ) from None
+
+
+def _serialize(message: Any) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()

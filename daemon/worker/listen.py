@@ -1,0 +1,67 @@
+"""A worker's two sockets: the private one only the daemon can reach (the
+Worker service, and the data methods for bytes the daemon forwards), and the
+public one clients reach by the model's route (the data methods only, behind
+the daemon's token when one is configured, in a directory of the daemon's
+group)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from nnd_daemon import shared
+from nnd_daemon.tokens import TokenInterceptor
+from nnd_daemon.worker.gateway import Gateway
+
+# The daemon hands a worker its token here, not on the command line (which `ps` shows).
+TOKEN_ENV = "NND_WORKER_TOKEN"
+# gRPC threads per server. Every request waiting for the model holds one, and
+# the daemon sends at most one per handler thread of its own (control/server.py,
+# 256); Status pings must always find one more: a watchdog ping stuck behind
+# queued requests would make a busy worker look hung. Threads start on demand.
+RPC_THREADS = 320
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--public", default="", help="unix socket clients reach by the model's route")
+    parser.add_argument("--epoch", type=int, default=0, help="the route's epoch (the daemon's count of workers)")
+    parser.add_argument("--request-limits", default="", help="request limits as JSON (gateway.LIMIT_FIELDS)")
+
+
+def start(service: Any, ns: argparse.Namespace, add_worker: Callable[[Any, grpc.Server], None]) -> list[grpc.Server]:
+    """Serve `service` (add_worker adds its Worker servicer) and its data path; returns the servers."""
+    gateway = Gateway(service, ns.name, ns.epoch, json.loads(ns.request_limits or "{}"))
+    service.gateway = gateway
+    servers = []
+    token = os.environ.pop(TOKEN_ENV, "")
+    if ns.public:
+        interceptors = [TokenInterceptor(token)] if token else []
+        public = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=RPC_THREADS), options=shared.GRPC_OPTIONS, interceptors=interceptors
+        )
+        public.add_generic_rpc_handlers((gateway.handler(),))
+        old = os.umask(0o117)  # 0660: the daemon's group may connect, as to the daemon's own socket
+        try:
+            public.add_insecure_port("unix://" + ns.public)
+        finally:
+            os.umask(old)
+        public.start()
+        servers.append(public)
+    private = grpc.server(futures.ThreadPoolExecutor(max_workers=RPC_THREADS), options=shared.GRPC_OPTIONS)
+    add_worker(service, private)
+    private.add_generic_rpc_handlers((gateway.handler(),))
+    private.add_insecure_port("unix://" + ns.socket)
+    private.start()  # last: the daemon waits for this socket, so the public one is ready by then
+    servers.append(private)
+    return servers
+
+
+def stop(servers: list[grpc.Server], grace: float) -> None:
+    for server in servers:
+        server.stop(grace=grace)

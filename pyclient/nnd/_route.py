@@ -1,0 +1,164 @@
+"""Routes: send a model's Trace, Generate and Session straight to its worker.
+
+The daemon says where a model's worker listens (GetRoute: a unix socket and an
+epoch); a client on the daemon's host sends its data requests there, one hop
+instead of two. When the route is stale (the worker ended, was re-dispatched,
+or the daemon restarted) the call fails before anything ran: the client asks
+the daemon again and resends, once. A call the worker had accepted is never
+resent; it fails with UNAVAILABLE saying whether it had started, as the
+daemon says it. With no route (the model is not dispatched) the request goes
+to the daemon, which dispatches the model first. (protos/nnd/v1/nnd.proto, Route.)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from nnd.errors import DaemonUnavailable
+from nnd.v1 import nnd_pb2, nnd_pb2_grpc
+
+EPOCH_KEY = "nnd-epoch"
+ROUTE_KEY = "nnd-route"
+STALE = "stale"
+STARTED_KEY = "nnd-started"
+DATA_METHODS = frozenset({"Trace", "Generate", "Session"})
+# gRPC's words when no connection could be made: the request never left the client.
+_NOT_CONNECTED = ("failed to connect", "No such file or directory", "Connection refused", "connections to all backends")
+
+
+@dataclass
+class Route:
+    address: str
+    epoch: int
+    channel: grpc.Channel
+    stub: nnd_pb2_grpc.NndStub
+
+
+class Router:
+    """The routes of one connection's models, fetched on first use and when stale."""
+
+    def __init__(self, daemon: nnd_pb2_grpc.NndStub, metadata: Callable[[], list[tuple[str, str]]], options: Any):
+        self._daemon = daemon
+        self._metadata = metadata
+        self._options = options
+        self._lock = threading.Lock()
+        self._routes: dict[str, Route] = {}
+        self.direct_calls = 0  # calls that went to a worker (tests and benchmarks read it)
+
+    def stream(
+        self,
+        method: str,
+        request: Any,
+        timeout: float | None,
+        via_daemon: Callable[[float | None], Iterator[Any]],
+        translate: Callable[[grpc.RpcError], Exception],
+    ) -> Iterator[Any]:
+        model = request.model
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for attempt in (0, 1):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            route = self._route(model, translate)
+            if route is None:  # no worker: the daemon dispatches the model and runs the request
+                yield from via_daemon(left)
+                return
+            meta = [*self._metadata(), (EPOCH_KEY, str(route.epoch))]
+            call = getattr(route.stub, method)(request, timeout=left, metadata=meta)
+            self.direct_calls += 1
+            answered = False  # a response came: the request had begun, whatever the metadata says
+            try:
+                for response in call:
+                    answered = True
+                    yield response
+                return
+            except grpc.RpcError as err:
+                if _never_ran(err):
+                    self._forget(model, route)
+                    if attempt == 0:
+                        continue
+                if err.code() == grpc.StatusCode.UNAVAILABLE:
+                    lost = self._lost(model, route, call if not answered else None, err, translate)
+                    self._forget(model, route)  # after reading the call's metadata: closing ends it
+                    raise lost from None
+                raise translate(err) from None
+            finally:
+                call.cancel()
+
+    def _route(self, model: str, translate: Callable[[grpc.RpcError], Exception]) -> Route | None:
+        with self._lock:
+            route = self._routes.get(model)
+        if route is not None:
+            return route
+        try:
+            answer = self._daemon.GetRoute(nnd_pb2.RouteRequest(model=model), metadata=self._metadata(), timeout=30)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older daemon: no routes
+                return None
+            raise translate(err) from None
+        if not answer.address:
+            return None
+        channel = grpc.insecure_channel(answer.address, options=self._options)
+        route = Route(answer.address, answer.epoch, channel, nnd_pb2_grpc.NndStub(channel))
+        with self._lock:
+            old = self._routes.get(model)
+            if old is not None and old.epoch == route.epoch:
+                channel.close()
+                return old
+            self._routes[model] = route
+        return route
+
+    def _forget(self, model: str, route: Route) -> None:
+        with self._lock:
+            if self._routes.get(model) is route:
+                del self._routes[model]
+        route.channel.close()
+
+    def _lost(
+        self, model: str, route: Route, call: Any, err: grpc.RpcError, translate: Callable[[grpc.RpcError], Exception]
+    ) -> Exception:
+        """The worker went away with the request in it: say why and whether it ran, as the daemon would."""
+        started: bool | None = True
+        if call is not None:
+            try:
+                started = any(key == STARTED_KEY for key, _ in call.initial_metadata() or ())
+            except Exception:  # noqa: BLE001 - only a hint for the message
+                started = None
+        try:
+            reason = self._daemon.GetRoute(
+                nnd_pb2.RouteRequest(model=model, failed_epoch=route.epoch), metadata=self._metadata(), timeout=10
+            ).lost
+        except grpc.RpcError:
+            reason = ""
+        if not reason:
+            return translate(err)
+        if started is False:
+            when = "before this request ran (it was queued behind another one): none of it ran, so it is safe to retry"
+        else:
+            when = "while running this request"
+        what = reason if reason.startswith(("hung", "died")) else f"died: {reason}"
+        return DaemonUnavailable(
+            f"the worker of {model} {what}; this happened {when}; "
+            "the next request dispatches the model again (`nnd ps` shows why it stopped)"
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            routes, self._routes = list(self._routes.values()), {}
+        for route in routes:
+            route.channel.close()
+
+
+def _never_ran(err: grpc.RpcError) -> bool:
+    """The worker refused the call for its epoch, or no connection was made: nothing ran."""
+    code = err.code()
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return any(k == ROUTE_KEY and v == STALE for k, v in err.trailing_metadata() or ())
+    if code == grpc.StatusCode.UNAVAILABLE:
+        details = err.details() or ""
+        return any(text in details for text in _NOT_CONNECTED)
+    return False
