@@ -31,6 +31,7 @@ import psutil
 
 from nnd.v1 import helper_pb2, helper_pb2_grpc
 from nnd_daemon import errors
+from nnd_daemon.control import statedir
 
 log = logging.getLogger("nnd.helper")
 
@@ -109,7 +110,7 @@ class Helper:
             os.unlink(self.socket)
         cmd = [sys.executable, "-I", "-m", "nnd_daemon.helper", "--socket", self.socket]
         cmd += ["--parent", str(os.getpid()), "--memory-bytes", str(self.memory_bytes), "--cache", str(self.cache)]
-        with open(self.log_path, "ab") as logf:
+        with os.fdopen(statedir.open_log(self.log_path), "ab") as logf:  # never through a link (statedir.py)
             # No preexec_fn (unsafe in a threaded daemon): the helper sets its own rlimit.
             self._proc = subprocess.Popen(
                 cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, close_fds=True, cwd=self.cwd

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +97,9 @@ def _pieces(content: bytes | str) -> Iterator[bytes]:
             yield piece
 
 
+_ONE_UPLOAD = threading.Lock()
+
+
 def send(conn: Any, payload: Payload, request: nnd_pb2.LoadModelRequest) -> tuple[nnd_pb2.ModelInfo, UploadInfo]:
     """Make sure the daemon holds `payload`, then load it with `request` (its `upload` is set here)."""
     info = UploadInfo(payload.kind, payload.sha256, payload.total)
@@ -106,7 +110,9 @@ def send(conn: Any, payload: Payload, request: nnd_pb2.LoadModelRequest) -> tupl
         if not info.existed or attempt:
             sent = [0]
             try:
-                response = conn.stub.Upload(payload.messages(sent), metadata=conn._metadata())
+                # One upload at a time per process: the daemon caps uploads in progress per client.
+                with _ONE_UPLOAD:
+                    response = conn.stub.Upload(payload.messages(sent), metadata=conn._metadata())
             except grpc.RpcError as err:
                 raise conn._translate(err) from None
             info.sent_bytes += response.received_bytes
