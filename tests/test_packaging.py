@@ -1,0 +1,24 @@
+"""`pip install .` (not editable) ships every package of the tree: a new process kind or subpackage
+that pyproject.toml does not list would be missing from a real install while the editable one works."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    roots = {name: ROOT / folder for name, folder in config["package-dir"].items()}
+    found = set()
+    for name, folder in roots.items():
+        for init in folder.rglob("__init__.py"):
+            rel = init.parent.relative_to(folder)
+            found.add(".".join([name, *rel.parts]))
+    assert found <= listed, f"not listed in pyproject.toml [tool.setuptools] packages: {sorted(found - listed)}"
