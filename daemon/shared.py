@@ -4,7 +4,14 @@ group leaves beside its socket."""
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
+import re
+from typing import Any
+
+from nnd.v1.shm import SHM_DIR, alive, reap_dead
+from nnd_daemon import errors
 
 # Both servers and the daemon's channels to workers: results stream in chunks
 # of a few MiB, but a single message may be large.
@@ -44,3 +51,110 @@ def pids_path(sock: str) -> str:
 def reason_path(sock: str) -> str:
     """Why a group stopped itself, written by the rank that stopped it."""
     return sock + ".reason"
+
+
+# ---------------------------------------------------------------- tensor parallel: config fields
+# Config fields that mean "mixture of experts" when positive.
+MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+# Config fields a TP degree must divide (the column-parallel projections split along them).
+DIVIDED_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+# ---------------------------------------------------------------- model classes and dtypes
+# (the daemon's budgets, the helper's meta builds and a worker's loading agree on these)
+
+# Architecture-name suffix -> pipeline task, checked in order (longest first
+# where one suffix contains another). Inferred offline: nnsight asks the Hub.
+_TASK_BY_SUFFIX = [
+    ("ForCausalLM", "text-generation"),
+    ("LMHeadModel", "text-generation"),
+    ("ForMaskedLM", "fill-mask"),
+    ("ForSequenceClassification", "text-classification"),
+    ("ForTokenClassification", "token-classification"),
+    ("ForQuestionAnswering", "question-answering"),
+    ("ForConditionalGeneration", "text2text-generation"),
+    ("ForPreTraining", "pretraining"),
+]
+
+_AUTO_BY_TASK = {
+    "text-generation": "AutoModelForCausalLM",
+    "fill-mask": "AutoModelForMaskedLM",
+    "text-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "question-answering": "AutoModelForQuestionAnswering",
+    "text2text-generation": "AutoModelForSeq2SeqLM",
+}
+
+# Bytes per parameter for each dispatch dtype; 4-bit formats carry one
+# scale per 64-element block besides the packed nibbles.
+BYTES_PER_PARAM = {
+    "float32": 4.0,
+    "float64": 8.0,
+    "float16": 2.0,
+    "bfloat16": 2.0,
+    "int8": 1.0 + 4.0 / 64,
+    "nf4": 0.5 + 4.0 / 64,
+    "fp4": 0.5 + 4.0 / 64,
+}
+
+QUANTIZED = ("nf4", "fp4", "int8")
+
+
+def infer_task(architectures: list[str] | None) -> str:
+    for arch in architectures or []:
+        for suffix, task in _TASK_BY_SUFFIX:
+            if arch.endswith(suffix):
+                return task
+    return "feature-extraction"
+
+
+def model_class(config: Any, task: str) -> Any:
+    """The class to build: the checkpoint's own architecture when transformers
+    knows it (so module paths match the weights), else the task's Auto class."""
+    import transformers
+
+    for arch in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, str(arch), None)
+        if cls is not None:
+            check_model_class(str(arch), cls)
+            return cls
+    auto = getattr(transformers, _AUTO_BY_TASK.get(task, "AutoModel"))
+    return auto
+
+
+def check_model_class(arch: str, cls: Any) -> None:
+    """Refuse a config whose `architectures` names something in transformers that is
+    not a model class (`pipeline`, a tokenizer, a function): nothing else may be built."""
+    from transformers import PreTrainedModel
+
+    if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel)):
+        raise errors.InvalidArgument(
+            f"the config's architectures names {arch!r}, which is not a transformers model class"
+        )
+
+
+def default_dtype(config: Any) -> str:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    name = str(dtype).removeprefix("torch.") if dtype is not None else "float32"
+    return name if name in BYTES_PER_PARAM else "float32"
+
+
+# ---------------------------------------------------------------- shared memory left behind
+
+_OLD_SEGMENT = re.compile(r"nnd-([0-9]{1,10})-[0-9]{1,12}-[0-9a-f]{8}")  # what workers created before
+
+
+def remove_segments(pid: int = 0) -> int:
+    """Unlink the segments older workers of this user created: worker `pid`'s (called when it is
+    gone), or (pid 0, at the daemon's start) those of every worker that is gone; and dead clients' regions."""
+    n = 0
+    uid = os.geteuid()
+    for path in glob.glob(os.path.join(SHM_DIR, "nnd-[0-9]*")):
+        m = _OLD_SEGMENT.fullmatch(os.path.basename(path))
+        if m is None or (pid and int(m.group(1)) != pid) or (not pid and alive(int(m.group(1)), 0)):
+            continue
+        with contextlib.suppress(OSError):
+            if os.lstat(path).st_uid == uid:
+                os.unlink(path)
+                n += 1
+    return n + reap_dead()

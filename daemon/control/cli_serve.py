@@ -8,6 +8,7 @@ import os
 import sys
 
 from nnd.v1 import address as _address
+from nnd_daemon import shared
 from nnd_daemon.control.auth import Access, AccessError
 from nnd_daemon.control.server import serve
 from nnd_daemon.control.settings import Limits, Settings, parse_bytes
@@ -87,9 +88,7 @@ def run(ns: argparse.Namespace) -> int:
         print(f"nnd: {exc}", file=sys.stderr)
         return 1
     settings = settings_from_args(ns)
-    from nnd_daemon.worker import shm
-
-    shm.remove_segments()  # shared memory of workers gone with an earlier daemon (SIGKILL, older versions)
+    shared.remove_segments()  # shared memory of workers gone with an earlier daemon (SIGKILL, older versions)
     serve(settings, access, grace=ns.grace)
     # Calls are drained, workers ended, state saved. Skip interpreter teardown:
     # with torch and transformers imported its garbage collection alone takes

@@ -13,77 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nnd.v1 import helper_pb2, nnd_pb2
-from nnd_daemon import errors
 from nnd_daemon.control.edits import EditStore
-
-# Architecture-name suffix -> pipeline task, checked in order (longest first
-# where one suffix contains another). Inferred offline: nnsight asks the Hub.
-_TASK_BY_SUFFIX = [
-    ("ForCausalLM", "text-generation"),
-    ("LMHeadModel", "text-generation"),
-    ("ForMaskedLM", "fill-mask"),
-    ("ForSequenceClassification", "text-classification"),
-    ("ForTokenClassification", "token-classification"),
-    ("ForQuestionAnswering", "question-answering"),
-    ("ForConditionalGeneration", "text2text-generation"),
-    ("ForPreTraining", "pretraining"),
-]
-
-_AUTO_BY_TASK = {
-    "text-generation": "AutoModelForCausalLM",
-    "fill-mask": "AutoModelForMaskedLM",
-    "text-classification": "AutoModelForSequenceClassification",
-    "token-classification": "AutoModelForTokenClassification",
-    "question-answering": "AutoModelForQuestionAnswering",
-    "text2text-generation": "AutoModelForSeq2SeqLM",
-}
-
-# Bytes per parameter for each dispatch dtype; 4-bit formats carry one
-# scale per 64-element block besides the packed nibbles.
-BYTES_PER_PARAM = {
-    "float32": 4.0,
-    "float64": 8.0,
-    "float16": 2.0,
-    "bfloat16": 2.0,
-    "int8": 1.0 + 4.0 / 64,
-    "nf4": 0.5 + 4.0 / 64,
-    "fp4": 0.5 + 4.0 / 64,
-}
-
-QUANTIZED = ("nf4", "fp4", "int8")
-
-
-def infer_task(architectures: list[str] | None) -> str:
-    for arch in architectures or []:
-        for suffix, task in _TASK_BY_SUFFIX:
-            if arch.endswith(suffix):
-                return task
-    return "feature-extraction"
-
-
-def model_class(config: Any, task: str) -> Any:
-    """The class to build: the checkpoint's own architecture when transformers
-    knows it (so module paths match the weights), else the task's Auto class."""
-    import transformers
-
-    for arch in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, str(arch), None)
-        if cls is not None:
-            check_model_class(str(arch), cls)
-            return cls
-    auto = getattr(transformers, _AUTO_BY_TASK.get(task, "AutoModel"))
-    return auto
-
-
-def check_model_class(arch: str, cls: Any) -> None:
-    """Refuse a config whose `architectures` names something in transformers that is
-    not a model class (`pipeline`, a tokenizer, a function): nothing else may be built."""
-    from transformers import PreTrainedModel
-
-    if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel)):
-        raise errors.InvalidArgument(
-            f"the config's architectures names {arch!r}, which is not a transformers model class"
-        )
+from nnd_daemon.shared import BYTES_PER_PARAM, QUANTIZED, default_dtype, infer_task, model_class  # noqa: F401
 
 
 @dataclass
@@ -116,7 +47,7 @@ class MetaModel:
 
     @property
     def config(self) -> Any:
-        """The config fields worker/tplaunch.check reads, as attributes."""
+        """The config fields control/tplaunch.check reads, as attributes."""
         return types.SimpleNamespace(**json.loads(self.description.tp_config_json or "{}"))
 
     def renamed(self, renames: Any) -> Any:
@@ -169,9 +100,3 @@ def describe(helper: Any, ref: helper_pb2.HelperModel) -> MetaModel:
     description = helper.describe(ref)
     tree = [(m.path, m.type) for m in description.modules]
     return MetaModel(ref=ref, description=description, aliases=AliasTable.of_tree(tree))
-
-
-def default_dtype(config: Any) -> str:
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    name = str(dtype).removeprefix("torch.") if dtype is not None else "float32"
-    return name if name in BYTES_PER_PARAM else "float32"

@@ -229,10 +229,8 @@ class Worker:
         assert self.proc is not None
         self.proc.wait()
         self.exit_reason = self.describe_exit()
-        from nnd_daemon.worker import shm
-
-        for pid in self.pids:  # shared-memory results a dead worker left behind (worker/shm.py)
-            shm.remove_segments(pid)
+        for pid in self.pids:  # shared-memory results a dead worker left behind (older versions)
+            shared.remove_segments(pid)
         self._ended.set()
         if not self._stopping:
             log.warning("worker for %s %s: %s", self.name, "hung" if self.fault else "died", self.exit_reason)

@@ -21,13 +21,8 @@ from typing import Any
 
 from nnd.v1 import nnd_pb2
 from nnd_daemon import errors
-from nnd_daemon.shared import pids_path, reason_path, timeout_s
+from nnd_daemon.shared import DIVIDED_FIELDS, MOE_FIELDS, QUANTIZED, pids_path, reason_path, timeout_s
 
-QUANTIZED = ("nf4", "fp4", "int8")
-# Config fields that mean "mixture of experts" when positive.
-MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
-# Config fields a TP degree must divide (the column-parallel projections split along them).
-DIVIDED_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
 # How long the daemon waits for torchrun to stop the rest of a group once one rank is gone.
 GROUP_EXIT_WAIT_S = 10.0
 

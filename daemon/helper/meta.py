@@ -12,8 +12,15 @@ from typing import Any
 
 from nnd.v1 import helper_pb2, nnd_pb2
 from nnd_daemon import errors
-from nnd_daemon.control.metamodel import BYTES_PER_PARAM, QUANTIZED, default_dtype, infer_task, model_class
-from nnd_daemon.worker.tplaunch import DIVIDED_FIELDS, MOE_FIELDS
+from nnd_daemon.shared import (
+    BYTES_PER_PARAM,
+    DIVIDED_FIELDS,
+    MOE_FIELDS,
+    QUANTIZED,
+    default_dtype,
+    infer_task,
+    model_class,
+)
 
 # A config.json is a few KiB (a large label map: a few MiB). Anything bigger is
 # refused before it is read: parsing a huge (or sparse) file only costs memory.
@@ -178,7 +185,7 @@ def _summary(config: Any) -> dict[str, str]:
 
 
 def _tp_config(config: Any) -> dict[str, Any]:
-    """What worker/tplaunch.check reads of a config (its text config), as plain data."""
+    """What control/tplaunch.check reads of a config (its text config), as plain data."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     out: dict[str, Any] = {"model_type": getattr(text, "model_type", "") or getattr(config, "model_type", "?")}
     for f in (*MOE_FIELDS, *DIVIDED_FIELDS):

@@ -270,7 +270,7 @@ def load(
     req: worker_pb2.WorkerLoadRequest, report: Callable[[int, int, str], None]
 ) -> tuple[torch.nn.Module, Any, str]:
     """A worker's Load for an uploaded exported program: (module, no tokenizer, dtype)."""
-    from nnd_daemon.control.metamodel import QUANTIZED
+    from nnd_daemon.shared import QUANTIZED
     from nnd_daemon.worker.loader import torch_dtype
 
     placement = req.placement

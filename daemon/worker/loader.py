@@ -10,7 +10,7 @@ import torch
 
 from nnd.v1 import nnd_pb2, worker_pb2
 from nnd_daemon import errors
-from nnd_daemon.control.metamodel import QUANTIZED, infer_task, model_class
+from nnd_daemon.shared import QUANTIZED, infer_task, model_class
 
 Report = Callable[[int, int, str], None]
 

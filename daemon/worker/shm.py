@@ -44,24 +44,20 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import glob
 import logging
 import mmap
 import os
-import re
 import stat
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-from nnd._shm import REGION_NAME, aligned, alive, reap_dead
+from nnd.v1.shm import REGION_NAME, SHM_DIR, aligned, reap_dead
 from nnd_daemon import errors
 
 log = logging.getLogger("nnd.worker.shm")
 
-SHM_DIR = "/dev/shm"
 MAX_MAPPINGS = 16  # client regions kept mapped; the least recently used goes first
-_OLD_SEGMENT = re.compile(r"nnd-([0-9]{1,10})-[0-9]{1,12}-[0-9a-f]{8}")  # what workers created before
 
 
 def reap_s() -> float:
@@ -71,20 +67,6 @@ def reap_s() -> float:
         return 2.0
 
 
-def remove_segments(pid: int = 0) -> int:
-    """Unlink the segments older workers of this user created: worker `pid`'s (called when it is
-    gone), or (pid 0, at the daemon's start) those of every worker that is gone; and dead clients' regions."""
-    n = 0
-    uid = os.geteuid()
-    for path in glob.glob(os.path.join(SHM_DIR, "nnd-[0-9]*")):
-        m = _OLD_SEGMENT.fullmatch(os.path.basename(path))
-        if m is None or (pid and int(m.group(1)) != pid) or (not pid and alive(int(m.group(1)), 0)):
-            continue
-        with contextlib.suppress(OSError):
-            if os.lstat(path).st_uid == uid:
-                os.unlink(path)
-                n += 1
-    return n + reap_dead()
 
 
 # ------------------------------------------------------------------ client regions

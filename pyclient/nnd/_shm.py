@@ -41,13 +41,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
-import glob
 import itertools
 import mmap
 import os
 import re
 import secrets
-import stat
 import sys
 import threading
 import weakref
@@ -55,12 +53,9 @@ from typing import Any
 
 import numpy as np
 
-SHM_DIR = "/dev/shm"
-ALIGN = 64  # offsets of results in a region: cache-line aligned, for any dtype
-# A process's directory of regions: pid, process start time, random.
-DIR_NAME = re.compile(r"nnd-c([0-9]{1,10})-([0-9]{1,20})-([0-9a-f]{8})")
-# A region, as a request names it: its directory, then serial and 128 random bits.
-REGION_NAME = re.compile(r"(nnd-c[0-9]{1,10}-[0-9]{1,20}-[0-9a-f]{8})/([0-9]{1,12}-[0-9a-f]{32})")
+from nnd.v1.shm import ALIGN, SHM_DIR, aligned, process_start, reap_dead, remove_dir
+from nnd.v1.shm import alive as alive  # noqa: F401 - part of this module's interface (tests, tools)
+
 _FRESH_NAME = re.compile(r"nnd-[0-9]+-[0-9]+-[0-9a-f]+")  # segments older workers created
 KEEP_FREE = 2  # free regions kept mapped between requests; more are unlinked
 # Regions a process has at once. Past that (results kept alive, or freed only by a later garbage
@@ -72,10 +67,6 @@ PRIVATE = -1  # the "group" of regions for a daemon of this user: no group acces
 def available(address: str) -> bool:
     """Whether results can come through shared memory: Linux, /dev/shm, and a daemon on this host's unix socket."""
     return sys.platform.startswith("linux") and os.path.isdir(SHM_DIR) and address.startswith("unix:")
-
-
-def aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
 
 
 def region_max() -> int:
@@ -106,73 +97,6 @@ def access_group(address: str) -> int | None:
 
 
 # ------------------------------------------------------------------ whose region, and is its owner alive
-
-
-def process_start(pid: int) -> int | None:
-    """Process `pid`'s start time in clock ticks since boot (0 without /proc); None if there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat_line = f.read()
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return 0 if not os.path.isdir("/proc/self") else None
-    try:
-        return int(stat_line[stat_line.rindex(b")") + 2 :].split()[19])  # field 22; the name in (...) may hold spaces
-    except (ValueError, IndexError):
-        return 0
-
-
-def alive(pid: int, start: int) -> bool:
-    """Whether the process that created a region (its pid and start time, from the name) still runs."""
-    if not os.path.isdir("/proc/self"):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    now = process_start(pid)
-    return now is not None and (start == 0 or now == 0 or now == start)
-
-
-_OLD_REGION = re.compile(r"nnd-c([0-9]{1,10})-([0-9]{1,20})-[0-9]{1,12}-[0-9a-f]{8}")  # before directories
-
-
-def _remove_dir(path: str) -> None:
-    """Remove a region directory of this user and the regions in it (never following a link)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        for name in os.listdir(fd):
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=fd)
-    finally:
-        os.close(fd)
-    os.rmdir(path)
-
-
-def reap_dead() -> int:
-    """Remove the regions (of this user) whose creating process is gone; returns how many directories or files."""
-    n = 0
-    uid = os.geteuid()
-    for path in glob.glob(os.path.join(SHM_DIR, "nnd-c*")):
-        name = os.path.basename(path)
-        m = DIR_NAME.fullmatch(name) or _OLD_REGION.fullmatch(name)
-        if m is None:
-            continue
-        try:
-            st = os.lstat(path)
-            if st.st_uid != uid or alive(int(m.group(1)), int(m.group(2))):
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                _remove_dir(path)
-            else:
-                os.unlink(path)
-            n += 1
-        except OSError:
-            continue
-    return n
 
 
 # ------------------------------------------------------------------ the pool
@@ -231,7 +155,7 @@ class Directory:
         with contextlib.suppress(OSError):
             os.close(self.fd)
         with contextlib.suppress(OSError):
-            _remove_dir(self.path)
+            remove_dir(self.path)
 
 
 class Region:
