@@ -114,8 +114,9 @@ def test_worker_socket_is_guarded_like_the_daemons(routed, tiny_models):
         conn.close()
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
     assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) & 0o777 == 0o750
-    private = [p for p in pathlib.Path(os.path.dirname(path)).iterdir() if p.is_dir()]
-    assert [stat.S_IMODE(p.stat().st_mode) for p in private] == [0o700]  # the Worker service: the daemon's only
+    dirs = {p.name: stat.S_IMODE(p.stat().st_mode) for p in pathlib.Path(os.path.dirname(path)).iterdir() if p.is_dir()}
+    assert dirs.pop("private") == 0o700  # the Worker service: the daemon's only
+    assert all(not mode & 0o022 for mode in dirs.values()), dirs  # empty working directories: no one else writes
 
 
 def test_stale_epoch_is_refused_before_anything_runs(routed, tiny_models):
