@@ -183,8 +183,9 @@ def test_greedy_generate_with_per_step_saves_equals_hf(arch: Pair) -> None:
     path = arch.layer(1)
     tupled = _is_tuple(arch, path)
     with arch.remote.generate(PROMPT, max_new_tokens=3, min_new_tokens=3, do_sample=False) as tracer:
-        for _ in tracer.iter[:]:
-            steps = _value(arch.remote.layers[1], tupled).save()  # one entry per step
+        steps = list().save()
+        for _ in tracer.iter[0:3]:  # the body runs once per step (nnsight's idiom)
+            steps.append(_value(arch.remote.layers[1], tupled))
         ids = tracer.result.save()
     with torch.no_grad():
         expected = arch.ref.generate(**arch.enc, max_new_tokens=3, min_new_tokens=3, do_sample=False)
