@@ -29,6 +29,8 @@ MODEL_KEY = "nnd-model"  # set by the daemon when it forwards bytes it did not p
 
 # The data methods a worker serves to clients (the rest of nnd.v1.Nnd is the daemon's).
 DATA_METHODS = ("Trace", "Generate", "Session")
+# Metadata naming a request's client for `nnd ps` (the Python client sends user@host:pid); the daemon passes it on.
+CLIENT_KEY = "nnd-client"
 
 # Tensor-parallel groups (control/tplaunch.py starts them, worker/tp.py runs them).
 # Seconds a rank may wait in one collective, or for the other ranks at the end of a request,

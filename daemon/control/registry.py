@@ -475,7 +475,7 @@ class Registry:
             return
         now = time.time()
         with self._lock:
-            used = now if status.active else now - status.idle_s
+            used = now if status.active else status.idle_since
             if used > entry.last_used:
                 entry.last_used = used
             if status.keep_alive and status.keep_alive != entry.keep_alive:

@@ -310,8 +310,7 @@ class Worker:
         if not isinstance(request, worker_pb2.WorkerRunRequest):
             request = worker_pb2.WorkerRunRequest(request=request, generate=generate)
         # Who asked, for the worker's `nnd ps` view: the client's own name for itself, else its peer address.
-        who = dict(client.invocation_metadata() or ()).get("nnd-client") or client.peer() if client is not None else ""
-        call = self.run_raw(request, timeout=timeout, metadata=(("nnd-client", str(who)[:80]),) if who else None)
+        call = self.run_raw(request, timeout=timeout, metadata=_client_metadata(client) if client is not None else None)
         if client is not None and not client.add_callback(call.cancel):
             call.cancel()  # the client is already gone
         ran = False  # a queued request's turn came (worker/service.py's RUNNING): it may have run
@@ -357,8 +356,7 @@ class Worker:
         metadata: list[tuple[str, str]],
     ) -> Iterator[bytes]:
         """Send a client's request bytes to the worker unparsed and pass its responses back (as `run`)."""
-        who = dict(client.invocation_metadata() or ()).get("nnd-client") or client.peer()
-        call = self.forward_raw[method](raw, timeout=timeout, metadata=[*metadata, ("nnd-client", str(who)[:80])])
+        call = self.forward_raw[method](raw, timeout=timeout, metadata=[*metadata, *_client_metadata(client)])
         if not client.add_callback(call.cancel):
             call.cancel()
         ran = False  # a queued request's turn came (worker/service.py's RUNNING): it may have run
@@ -501,6 +499,12 @@ def _process(pid: int) -> psutil.Process | None:
         return psutil.Process(pid)
     except psutil.Error:
         return None
+
+
+def _client_metadata(client: grpc.ServicerContext) -> list[tuple[str, str]]:
+    """Who asked, for the worker's `nnd ps` view: the client's own name for itself, else its peer address."""
+    who = dict(client.invocation_metadata() or ()).get(shared.CLIENT_KEY) or client.peer() or ""
+    return [(shared.CLIENT_KEY, str(who)[:80])] if who else []
 
 
 _RUNNING = nnd_pb2.TraceResponse(queued=nnd_pb2.Queued(running=True)).SerializeToString()

@@ -65,8 +65,6 @@ class Activity:
             status.accepted = self.accepted
             status.keep_alive = self.keep_alive
             status.idle_since = self.idle_since
-            if not self.active and not self._requests and self.idle_since:
-                status.idle_s = time.time() - self.idle_since
 
     @contextlib.contextmanager
     def track(self, kind: str, client: str, steps: int = 0) -> Iterator[Request]:

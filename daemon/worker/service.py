@@ -14,7 +14,7 @@ import grpc
 import psutil
 
 from nnd.v1 import nnd_pb2, worker_pb2, worker_pb2_grpc
-from nnd_daemon import errors
+from nnd_daemon import errors, shared
 from nnd_daemon.worker import activity, loader, turns
 
 log = logging.getLogger("nnd.worker")
@@ -22,8 +22,6 @@ _END = object()
 # A queued request's turn has come (the daemon reads it as STARTED_KEY: from here on it may have run).
 RUNNING = nnd_pb2.TraceResponse(queued=nnd_pb2.Queued(running=True))
 _STARTED = object()  # the request has the model: tell the daemon it is no longer queued
-# Metadata naming the client of a request (`nnd ps`); the daemon passes it on.
-CLIENT_KEY = "nnd-client"
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -288,7 +286,7 @@ def _log_if_cancelled(stop: threading.Event, tracked: activity.Request) -> Itera
 def _client(context: grpc.ServicerContext) -> str:
     """Who sent a request: the client's own `nnd-client` metadata (free text, shortened), else the peer."""
     for key, value in context.invocation_metadata() or ():
-        if key == CLIENT_KEY and isinstance(value, str):
+        if key == shared.CLIENT_KEY and isinstance(value, str):
             return value[:80]
     return context.peer() or "?"
 

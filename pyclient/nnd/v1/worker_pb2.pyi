@@ -95,7 +95,7 @@ class WorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("rss_bytes", "weights", "dtype", "devices", "ranks", "requests", "idle_since", "active", "idle_s", "accepted", "keep_alive")
+    __slots__ = ("rss_bytes", "weights", "dtype", "devices", "ranks", "requests", "idle_since", "active", "accepted", "keep_alive")
     class DevicesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -111,7 +111,6 @@ class WorkerStatus(_message.Message):
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     IDLE_SINCE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
-    IDLE_S_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
     rss_bytes: int
@@ -122,7 +121,6 @@ class WorkerStatus(_message.Message):
     requests: _containers.RepeatedCompositeFieldContainer[_nnd_pb2.RequestInFlight]
     idle_since: float
     active: int
-    idle_s: float
     accepted: int
     keep_alive: str
-    def __init__(self, rss_bytes: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[_nnd_pb2.DeviceMemory, _Mapping]]] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Mapping[str, str]] = ..., ranks: _Optional[_Iterable[_Union[_nnd_pb2.WorkerRank, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[_nnd_pb2.RequestInFlight, _Mapping]]] = ..., idle_since: _Optional[float] = ..., active: _Optional[int] = ..., idle_s: _Optional[float] = ..., accepted: _Optional[int] = ..., keep_alive: _Optional[str] = ...) -> None: ...
+    def __init__(self, rss_bytes: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[_nnd_pb2.DeviceMemory, _Mapping]]] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Mapping[str, str]] = ..., ranks: _Optional[_Iterable[_Union[_nnd_pb2.WorkerRank, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[_nnd_pb2.RequestInFlight, _Mapping]]] = ..., idle_since: _Optional[float] = ..., active: _Optional[int] = ..., accepted: _Optional[int] = ..., keep_alive: _Optional[str] = ...) -> None: ...
