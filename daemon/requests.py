@@ -4,9 +4,12 @@ the control plane imports it)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from nnd.v1 import nnd_pb2
+from google.protobuf.message import DecodeError
+
+from nnd.v1 import nnd_pb2, worker_pb2
 from nnd_daemon import errors
 
 # Protobuf parsers refuse messages nested more than 100 deep, and the daemon
@@ -97,3 +100,47 @@ def engine_limits(limits: Any) -> Any:
         max_new_tokens=limits.max_new_tokens,
         max_constant_bytes=limits.max_constant_bytes,
     )
+
+
+def parse(message: Any, raw: bytes) -> Any:
+    """`raw` as a `message`; INVALID_ARGUMENT if it is not one."""
+    try:
+        return message.FromString(raw)
+    except (DecodeError, RecursionError, ValueError) as exc:
+        raise errors.InvalidArgument(
+            f"the request is not a valid nnd.v1.{message.__name__} message ({exc}); nothing ran"
+        ) from None
+
+
+def prepare(
+    method: str,
+    raw: bytes,
+    limits: Any,
+    *,
+    rewrite: Callable[[list[Any]], None],
+    stacks: Callable[[list[str]], dict[str, worker_pb2.EditStack]],
+    scan: bool = False,
+) -> worker_pb2.WorkerRunRequest:
+    """A client's Trace, Generate, Scan or Session bytes as the engine runs them: parsed,
+    checked against `limits`, alias paths rewritten (`rewrite`), the stored edits it names
+    attached (`stacks`). The worker does this for its requests, the helper for scans
+    (`scan`: a Scan, or a Session with `scan` set; the worker takes no scan sessions)."""
+    if method == "Session":
+        session = parse(nnd_pb2.SessionRequest, raw)
+        if not session.traces:
+            raise errors.InvalidArgument("the session has no trace: add at least one")
+        if session.scan and not scan:
+            raise errors.InvalidArgument("a scan session runs on the daemon, not on a worker: send it there")
+        ids: list[str] = []
+        for trace in session.traces:
+            if not trace.request.model:
+                trace.request.model = session.model
+            check(trace.request, limits, generate=trace.generate and not session.scan)
+            ids.extend(trace.request.edits)
+        rewrite([t.request.graph for t in session.traces])
+        return worker_pb2.WorkerRunRequest(session=session, edits=stacks(ids))
+    request = parse(nnd_pb2.TraceRequest, raw)
+    generate = method == "Generate"
+    check(request, limits, generate=generate)
+    rewrite([request.graph])
+    return worker_pb2.WorkerRunRequest(request=request, generate=generate, edits=stacks(list(request.edits)))

@@ -66,7 +66,8 @@ def bystander(bounded, tiny_models) -> Callable[[], torch.Tensor]:
 
 
 class Health:
-    """Calls grpc.health.v1 Check on the daemon, each with a 1 s deadline, until stopped."""
+    """Calls grpc.health.v1 Check on the daemon until stopped, each with a 5 s deadline:
+    a frozen daemon never answers, while a busy 2-core box may take a second."""
 
     def __init__(self, address: str) -> None:
         self.address = address
@@ -83,7 +84,7 @@ class Health:
             health = health_pb2_grpc.HealthStub(channel)
             while True:
                 try:
-                    reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    reply = health.Check(health_pb2.HealthCheckRequest(), timeout=5.0)
                     assert reply.status == health_pb2.HealthCheckResponse.SERVING
                     self.answers += 1
                 except (grpc.RpcError, AssertionError) as exc:

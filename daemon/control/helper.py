@@ -92,7 +92,8 @@ class Helper:
                 with self._call_lock:
                     self._ensure()
             except errors.NndError as exc:
-                log.warning("the helper did not start (the next call tries again): %s", exc)
+                if not self._closed:  # a daemon stopping during the start says nothing about the helper
+                    log.warning("the helper did not start (the next call tries again): %s", exc)
 
         threading.Thread(target=start, name="helper-start", daemon=True).start()
         threading.Thread(target=lambda: __import__("nnd_daemon.engine.aliases"), name="imports", daemon=True).start()

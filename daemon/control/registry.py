@@ -112,7 +112,6 @@ class Registry:
             call_timeout_s=settings.limits.default_deadline_s,
         )
         uploads.use_checker(settings, self.helper.check_upload)
-        self.helper.start_soon()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="keep-alive", daemon=True)
         self._reaper.start()
@@ -591,7 +590,10 @@ class Registry:
             statefile.write(self.settings.state_file, self._entries.values())
 
     def restore(self, on_error: Callable[[str, Exception], None]) -> None:
-        """Load (and re-dispatch in the background) what the state file lists."""
+        """Start the helper, then load (and re-dispatch in the background) what the
+        state file lists. Called once the socket is bound: a daemon that cannot
+        bind exits without having started anything."""
+        self.helper.start_soon()
         for rec in statefile.read(self.settings.state_file):
             try:
                 self.load(rec.load_request())

@@ -41,8 +41,9 @@ HANDLER_THREADS = 256
 RESERVED_THREADS = 32
 # These stream serialized responses through unchanged (a worker's, forwarded).
 _RAW_RESPONSES = {"Scan", "Interact", *shared.DATA_METHODS}
-# These take the request's bytes: the daemon forwards them to the model's worker unparsed.
-_RAW_REQUESTS = set(shared.DATA_METHODS)
+# These take the request's bytes: the daemon forwards them unparsed (to the model's
+# worker; a Scan to the helper), reading only the fields it steers by (forward.py).
+_RAW_REQUESTS = {"Scan", *shared.DATA_METHODS}
 
 
 def _handlers(servicer: NndServicer, admission: Admission) -> grpc.GenericRpcHandler:
@@ -229,14 +230,15 @@ class Daemon:
         return address
 
     def start(self) -> None:
-        # Restored models are known (META) before the first call is answered;
-        # their re-dispatch runs in the background.
-        self.registry.restore(lambda name, exc: log.error("could not restore %s: %s", name, exc))
+        # Bind first, so a daemon that cannot (another one listens there) exits
+        # before starting a helper. Restored models are known (META) before the
+        # first call is answered; their re-dispatch runs in the background.
         try:
             address = self.bind()
         except BaseException:
             self.registry.shutdown()
             raise
+        self.registry.restore(lambda name, exc: log.error("could not restore %s: %s", name, exc))
         self.server.start()
         path = _address.unix_path(address)
         if path:

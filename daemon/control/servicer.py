@@ -142,27 +142,31 @@ class NndServicer:
 
     # -- tracing ------------------------------------------------------------
     @_guard
-    def Scan(self, request: nnd_pb2.TraceRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        requests.check(request, self.settings.limits, generate=False)
-        meta = self.registry.get(request.model).meta
-        _resolve_aliases(meta, [request.graph])
-        stacks = meta.edits.stacks(request.edits, self.settings.limits.max_request_bytes)
-        run = worker_pb2.WorkerRunRequest(request=request, edits=stacks)
-        for message in self._scan(meta, run, context, "this Scan"):
-            yield message.SerializeToString()
+    def Scan(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        yield from self._scan(raw, context, session=False)
 
-    def _scan(
-        self, meta: Any, run: worker_pb2.WorkerRunRequest, context: grpc.ServicerContext, what: str
-    ) -> list[nnd_pb2.TraceResponse]:
-        """A scan (or scan session) of `meta`'s model, run in the helper process."""
-        with self.inflight.hold(run.ByteSize(), what):
+    def _scan(self, raw: bytes, context: grpc.ServicerContext, *, session: bool) -> Iterator[bytes]:
+        """A Scan (or scan Session), run in the helper process. The daemon reads only the
+        model and the edit ids off the wire: parsing and checking a request (millions of
+        nodes, hundreds of MB) is the helper's work, never this process's."""
+        steer = forward.peek(raw, session=session)
+        if not steer.model:
+            raise errors.InvalidArgument("the request names no model")
+        entry = self.registry.get(steer.model)
+        stacks = entry.meta.edits.stacks(forward.edit_ids(raw, session), self.settings.limits.max_request_bytes)
+        what = "this scan" if session else "this Scan"
+        with self.inflight.hold(len(raw), what):
             scan = helper_pb2.HelperScanRequest(
-                model=meta.ref,
-                run=run,
-                limits_json=json.dumps(dataclasses.asdict(requests.engine_limits(self.settings.limits))),
+                model=entry.meta.ref,
+                request=raw,
+                session=session,
+                edits=stacks,
+                aliases=self.registry.alias_config(entry).aliases,
+                limits_json=json.dumps(dataclasses.asdict(self.settings.limits)),
             )
             out = self.registry.helper.call("Scan", scan, what=what, timeout=self._deadline(context), client=context)
-        return list(out.responses)
+        for message in out.responses:
+            yield message.SerializeToString()
 
     def _deadline(self, context: grpc.ServicerContext) -> float | None:
         remaining = context.time_remaining()
@@ -182,7 +186,7 @@ class NndServicer:
         """Several traces in one request: run in order in the model's worker, or as scans here."""
         steer = forward.peek(raw, session=True)
         if steer.scan:
-            yield from self._scan_session(raw, context)
+            yield from self._scan(raw, context, session=True)
             return
         yield from self._forward("Session", raw, context, steer)
 
@@ -264,27 +268,6 @@ class NndServicer:
             self.registry.done(entry)
             if not context.is_active():  # an interrupted cell, a restarted kernel: say so in the daemon's log
                 log.info("%s on %s cancelled: its client (%s) cancelled or went away", method, entry.name, context.peer())
-
-    def _scan_session(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
-        """A Session with `scan`: every block as a scan, in the helper process."""
-        try:
-            request = nnd_pb2.SessionRequest.FromString(raw)
-        except Exception as exc:  # noqa: BLE001 - a client's garbage is its own error
-            raise errors.InvalidArgument(
-                f"the request is not a valid nnd.v1.SessionRequest message ({exc}); nothing ran"
-            ) from None
-        if not request.traces:
-            raise errors.InvalidArgument("the session has no trace: add at least one")
-        meta = self.registry.get(request.model).meta
-        ids: list[str] = []
-        for trace in request.traces:
-            if not trace.request.model:
-                trace.request.model = request.model
-            requests.check(trace.request, self.settings.limits, generate=False)
-            ids.extend(trace.request.edits)
-        _resolve_aliases(meta, [t.request.graph for t in request.traces])
-        stacks = meta.edits.stacks(ids, self.settings.limits.max_request_bytes)
-        yield from self._scan(meta, worker_pb2.WorkerRunRequest(session=request, edits=stacks), context, "this scan")
 
     # -- edits --------------------------------------------------------------
     @_guard

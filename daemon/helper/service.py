@@ -11,6 +11,7 @@ import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -77,35 +78,40 @@ class HelperService(helper_pb2_grpc.HelperServicer):
 
     @_guard
     def Scan(self, request: helper_pb2.HelperScanRequest, context: grpc.ServicerContext) -> Any:
-        from nnd_daemon import engine
+        from nnd_daemon import engine, requests
+        from nnd_daemon.engine import aliases
 
         built = self._model(request.model)
-        limits = engine.EngineLimits(**json.loads(request.limits_json or "{}"))
-        run = request.run
+        limits = SimpleNamespace(**json.loads(request.limits_json or "{}"))
+        table = aliases.AliasTable.of(built.module, standard=False)
+        for b in request.aliases:
+            table.hosts.setdefault(b.host, {})[b.alias] = b.target
+
+        def stacks(ids: list[str]) -> dict[str, Any]:
+            missing = [i for i in ids if i not in request.edits]
+            if missing:  # the daemon attached every id it read; a mismatch is its bug, not the client's
+                raise errors.NndError(f"internal error: edit {missing[0]!r} was not attached to the scan")
+            return dict(request.edits)
+
+        run = requests.prepare(
+            "Session" if request.session else "Scan",
+            request.request,
+            limits,
+            rewrite=lambda graphs: aliases.rewrite_graphs(graphs, table),
+            stacks=stacks,
+            scan=True,
+        )
+        engine_limits = requests.engine_limits(limits)
         edits = {i: list(stack.graphs) for i, stack in run.edits.items()}
         out = helper_pb2.HelperScanResponse()
+        common = dict(
+            emit=out.responses.append, cancelled=lambda: not context.is_active(), limits=engine_limits, edits=edits
+        )
         with built.lock:
             if run.HasField("session"):
-                engine.run_session(
-                    built.module,
-                    built.tokenizer,
-                    run.session,
-                    emit=out.responses.append,
-                    cancelled=lambda: not context.is_active(),
-                    limits=limits,
-                    edits=edits,
-                )
+                engine.run_session(built.module, built.tokenizer, run.session, **common)
             else:
-                engine.run(
-                    built.module,
-                    built.tokenizer,
-                    run.request,
-                    mode="scan",
-                    emit=out.responses.append,
-                    cancelled=lambda: not context.is_active(),
-                    limits=limits,
-                    edits=edits,
-                )
+                engine.run(built.module, built.tokenizer, run.request, mode="scan", **common)
         return out
 
     @_guard

@@ -18,9 +18,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 
-from nnd.v1 import nnd_pb2, worker_pb2
+from nnd.v1 import worker_pb2
 from nnd_daemon import errors, requests, shared
 from nnd_daemon.engine import aliases
 
@@ -138,35 +137,13 @@ class Gateway:
                 timer.cancel()
 
     def _prepare(self, method: str, raw: bytes) -> worker_pb2.WorkerRunRequest:
-        """The request parsed, checked against the limits, aliases resolved, edits attached."""
-        if method == "Session":
-            session = _parse(nnd_pb2.SessionRequest, raw)
-            if not session.traces:
-                raise errors.InvalidArgument("the session has no trace: add at least one")
-            if session.scan:
-                raise errors.InvalidArgument("a scan session runs on the daemon, not on a worker: send it there")
-            ids: list[str] = []
-            for trace in session.traces:
-                if not trace.request.model:
-                    trace.request.model = session.model
-                requests.check(trace.request, self.limits, generate=trace.generate)
-                ids.extend(trace.request.edits)
-            aliases.rewrite_graphs([t.request.graph for t in session.traces], self._aliases())
-            return worker_pb2.WorkerRunRequest(session=session, edits=self._stacks(ids))
-        request = _parse(nnd_pb2.TraceRequest, raw)
-        generate = method == "Generate"
-        requests.check(request, self.limits, generate=generate)
-        aliases.rewrite_graphs([request.graph], self._aliases())
-        return worker_pb2.WorkerRunRequest(request=request, generate=generate, edits=self._stacks(list(request.edits)))
-
-
-def _parse(message: Any, raw: bytes) -> Any:
-    try:
-        return message.FromString(raw)
-    except (DecodeError, RecursionError, ValueError) as exc:
-        raise errors.InvalidArgument(
-            f"the request is not a valid nnd.v1.{message.__name__} message ({exc}); nothing ran"
-        ) from None
+        return requests.prepare(
+            method,
+            raw,
+            self.limits,
+            rewrite=lambda graphs: aliases.rewrite_graphs(graphs, self._aliases()),
+            stacks=self._stacks,
+        )
 
 
 def _serialize(message: Any) -> bytes:

@@ -88,7 +88,7 @@ class HelperServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Scan(self, request, context):
-        """A Scan (`run.request`) or a scan Session (`run.session`) on the meta model.
+        """A Scan, or a scan Session, on the meta model.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
