@@ -583,3 +583,22 @@ def test_gradient_of_a_module_value_matches_torch(daemon, gpt2, tiny_models):
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5)
     assert np.abs(want).max() > 0
+
+
+def test_the_daemon_process_never_loads_torch(daemon, gpt2):
+    """The control plane stays light: models are built in the helper and run in workers, so after
+    GetServerInfo, a scan and a trace forwarded through it, torch's library is not mapped in the
+    daemon's process (a daemon that imported torch would carry its ~1 GB of mappings and seconds of start)."""
+    channel, stub = _stub(daemon.address, BIG)
+    with channel:
+        info = stub.GetServerInfo(nnd_pb2.GetServerInfoRequest(), timeout=120)
+        assert "add" in info.ops and info.libraries["torch"]
+        request = nnd_pb2.TraceRequest(model=gpt2, invokes=[nnd_pb2.Invoke(text="Hello world")])
+        node = request.graph.nodes.add(id=1)
+        node.module.path, node.module.point = "transformer.h.0", graph_pb2.OUTPUT
+        request.graph.nodes.add(id=2).save.value.ref = 1
+        for rpc in (stub.Scan, stub.Trace):  # without a route: the daemon forwards the bytes
+            assert list(rpc(request, timeout=300))[-1].WhichOneof("kind") == "done"
+        worker = int(stub.GetModel(nnd_pb2.GetModelRequest(model=gpt2), timeout=60).worker_pids[0])
+    maps = {pid: pathlib.Path(f"/proc/{pid}/maps").read_text() for pid in (daemon.proc.pid, worker)}
+    assert "libtorch" not in maps[daemon.proc.pid] and "libtorch" in maps[worker]

@@ -76,6 +76,7 @@ class Helper:
         self._stub: helper_pb2_grpc.HelperStub | None = None
         self.restarts = 0
         self._closed = False
+        self._capabilities: helper_pb2.HelperCapabilities | None = None
 
     @property
     def pid(self) -> int:
@@ -85,18 +86,16 @@ class Helper:
     # -- process ---------------------------------------------------------------
     def start_soon(self) -> None:
         """Start the helper in the background now, so the first LoadModel does not wait for its
-        imports; meanwhile import here what the daemon's side of a model needs (the alias table)."""
+        imports, and learn its capabilities (GetServerInfo answers from them)."""
 
         def start() -> None:
             try:
-                with self._call_lock:
-                    self._ensure()
+                self.capabilities()
             except errors.NndError as exc:
                 if not self._closed:  # a daemon stopping during the start says nothing about the helper
                     log.warning("the helper did not start (the next call tries again): %s", exc)
 
         threading.Thread(target=start, name="helper-start", daemon=True).start()
-        threading.Thread(target=lambda: __import__("nnd_daemon.engine.aliases"), name="imports", daemon=True).start()
 
     def _ensure(self) -> helper_pb2_grpc.HelperStub:
         if self._closed:
@@ -260,6 +259,14 @@ class Helper:
 
     def check_upload(self, kind: str, folder: str) -> None:
         self.call("CheckUpload", helper_pb2.HelperUploadRequest(kind=kind, folder=folder), what="the upload's check")
+
+    def capabilities(self) -> helper_pb2.HelperCapabilities:
+        """The engine's ops and attributes and the library versions, asked once (they are the
+        installed packages': a restarted helper has the same)."""
+        caps = self._capabilities
+        if caps is None:
+            caps = self._capabilities = self.call("Capabilities", helper_pb2.HelperEmpty(), what="a capabilities call")
+        return caps
 
     def status(self) -> helper_pb2.HelperStatus:
         return self.call("Status", helper_pb2.HelperEmpty(), what="a status call", timeout=10.0)

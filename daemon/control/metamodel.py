@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nnd.v1 import helper_pb2, nnd_pb2
+from nnd_daemon import aliases
 from nnd_daemon.control.edits import EditStore
-from nnd_daemon.shared import BYTES_PER_PARAM, QUANTIZED, default_dtype, infer_task, model_class  # noqa: F401
 
 
 @dataclass
@@ -23,7 +23,7 @@ class MetaModel:
 
     ref: helper_pb2.HelperModel  # how the helper (re)builds it
     description: helper_pb2.MetaDescription
-    # Module aliases (the standard set, then `rename=` entries): an engine.aliases.AliasTable.
+    # Module aliases (the standard set, then `rename=` entries): a daemon/aliases.py AliasTable.
     aliases: Any = None
     # Graphs stored by CreateEdit, applied to the requests that name them.
     edits: EditStore = field(default_factory=EditStore)
@@ -55,7 +55,6 @@ class MetaModel:
         handle that asked: the model's own table is left as it was, so handles never collide."""
         import copy
 
-        from nnd_daemon.engine import aliases
 
         rules = aliases.rules(renames)
         with self.lock:
@@ -95,8 +94,6 @@ class MetaModel:
 
 def describe(helper: Any, ref: helper_pb2.HelperModel) -> MetaModel:
     """The META model `ref` names, built (in the helper) and described."""
-    from nnd_daemon.engine.aliases import AliasTable
-
     description = helper.describe(ref)
     tree = [(m.path, m.type) for m in description.modules]
-    return MetaModel(ref=ref, description=description, aliases=AliasTable.of_tree(tree))
+    return MetaModel(ref=ref, description=description, aliases=aliases.AliasTable.of_tree(tree))

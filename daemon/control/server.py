@@ -286,10 +286,10 @@ class Daemon:
 
 
 def _warm_up(ready: threading.Event) -> None:
-    """Import what LoadModel needs while the daemon is idle, so the first load
-    answers in milliseconds rather than paying seconds of imports. Calls wait
-    for `ready` (control/admission.py): a request importing transformers while
-    this thread does can fail with `ImportError: cannot import name ...`."""
+    """Import the daemon's own deferred modules while it is idle. Calls wait for
+    `ready` (control/admission.py): two threads importing the same package at
+    once can fail with `ImportError: cannot import name ...`. The daemon never
+    imports torch or transformers: models are built in the helper and workers."""
     try:
         _import_everything()
     except Exception:  # a failed warm-up costs speed, not service: requests import what they need
@@ -299,16 +299,7 @@ def _warm_up(ready: threading.Event) -> None:
 
 
 def _import_everything() -> None:
-    import transformers
-    from transformers import AutoConfig, AutoTokenizer, PreTrainedModel  # noqa: F401
-
-    from nnd_daemon import engine  # noqa: F401
-
-    with __import__("torch").device("meta"):
-        cfg = transformers.GPT2Config(
-            n_layer=1, n_embd=8, n_head=1, vocab_size=8, n_positions=8, bos_token_id=0, eos_token_id=0
-        )
-        transformers.GPT2LMHeadModel(cfg)
+    from nnd_daemon.control import tplaunch  # noqa: F401 - the first dispatch's
 
 
 def nnd_version() -> str:

@@ -13,7 +13,6 @@ import functools
 import inspect
 import json
 import logging
-import platform
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,7 +20,7 @@ import grpc
 
 from nnd import __version__
 from nnd.v1 import graph_pb2, helper_pb2, nnd_pb2, worker_pb2
-from nnd_daemon import errors, requests, shared
+from nnd_daemon import aliases, errors, requests, shared
 from nnd_daemon.control import forward, gpus, uploads
 from nnd_daemon.control.inflight import InflightBudget
 from nnd_daemon.control.registry import Registry
@@ -68,22 +67,17 @@ class NndServicer:
     # -- server -------------------------------------------------------------
     @_guard
     def GetServerInfo(self, request: Any, context: grpc.ServicerContext) -> nnd_pb2.ServerInfo:
-        import torch
-        import transformers
-
-        from nnd_daemon.engine import ops
-
+        # The engine's ops and the library versions come from the helper: this process never imports torch.
+        caps = self.registry.helper.capabilities()
         info = nnd_pb2.ServerInfo(
             version=__version__,
             protocol="nnd.v1",
-            ops=sorted(ops.OPS),
-            attributes=sorted(ops.ATTRIBUTES),
+            ops=caps.ops,
+            attributes=caps.attributes,
             limits=self.settings.limits.to_proto(),
             devices=["cpu"] + [f"cuda:{i}" for i in range(gpus.count())],
         )
-        info.libraries.update(
-            {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
-        )
+        info.libraries.update(caps.libraries)
         return info
 
     # -- models -------------------------------------------------------------
@@ -342,8 +336,6 @@ class NndServicer:
 
 def _resolve_aliases(meta: Any, graphs: list[Any]) -> None:
     """Rewrite alias paths ("layers.0.attention") to real ones, so any client can use aliases."""
-    from nnd_daemon.engine import aliases
-
     aliases.rewrite_graphs(graphs, meta.aliases)
 
 

@@ -78,8 +78,7 @@ class HelperService(helper_pb2_grpc.HelperServicer):
 
     @_guard
     def Scan(self, request: helper_pb2.HelperScanRequest, context: grpc.ServicerContext) -> Any:
-        from nnd_daemon import engine, requests
-        from nnd_daemon.engine import aliases
+        from nnd_daemon import aliases, engine, requests
 
         built = self._model(request.model)
         limits = SimpleNamespace(**json.loads(request.limits_json or "{}"))
@@ -152,6 +151,21 @@ class HelperService(helper_pb2_grpc.HelperServicer):
     def CheckUpload(self, request: helper_pb2.HelperUploadRequest, context: grpc.ServicerContext) -> Any:
         checks.check_upload(request.kind, request.folder)
         return helper_pb2.HelperEmpty()
+
+    @_guard
+    def Capabilities(self, request: Any, context: grpc.ServicerContext) -> Any:
+        import platform
+
+        import torch
+        import transformers
+
+        from nnd_daemon.engine import ops
+
+        caps = helper_pb2.HelperCapabilities(ops=sorted(ops.OPS), attributes=sorted(ops.ATTRIBUTES))
+        caps.libraries.update(
+            {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+        )
+        return caps
 
     @_guard
     def Status(self, request: Any, context: grpc.ServicerContext) -> Any:

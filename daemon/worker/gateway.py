@@ -20,8 +20,7 @@ from typing import Any
 import grpc
 
 from nnd.v1 import worker_pb2
-from nnd_daemon import errors, requests, shared
-from nnd_daemon.engine import aliases
+from nnd_daemon import aliases, errors, requests, shared
 
 _SERVICE = "nnd.v1.Nnd"
 # Request-limit fields of nnd.v1.Limits a worker enforces (the daemon passes them at start).

@@ -11,8 +11,8 @@ from reference import forward, inputs
 from torch.testing import assert_close
 
 from nnd.v1 import nnd_pb2
-from nnd_daemon import engine, errors
-from nnd_daemon.engine import aliases, wire
+from nnd_daemon import aliases, engine, errors
+from nnd_daemon.engine import wire
 
 PROMPT = "The Eiffel Tower is in the city of"
 OTHER = "Hello world"

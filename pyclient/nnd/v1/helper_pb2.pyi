@@ -126,6 +126,23 @@ class HelperEmpty(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class HelperCapabilities(_message.Message):
+    __slots__ = ("ops", "attributes", "libraries")
+    class LibrariesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    LIBRARIES_FIELD_NUMBER: _ClassVar[int]
+    ops: _containers.RepeatedScalarFieldContainer[str]
+    attributes: _containers.RepeatedScalarFieldContainer[str]
+    libraries: _containers.ScalarMap[str, str]
+    def __init__(self, ops: _Optional[_Iterable[str]] = ..., attributes: _Optional[_Iterable[str]] = ..., libraries: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
 class HelperStatus(_message.Message):
     __slots__ = ("rss_bytes", "models")
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]

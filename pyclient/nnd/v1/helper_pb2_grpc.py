@@ -75,6 +75,11 @@ class HelperStub:
                 request_serializer=nnd_dot_v1_dot_helper__pb2.HelperEmpty.SerializeToString,
                 response_deserializer=nnd_dot_v1_dot_helper__pb2.HelperStatus.FromString,
                 _registered_method=True)
+        self.Capabilities = channel.unary_unary(
+                '/nnd.v1.Helper/Capabilities',
+                request_serializer=nnd_dot_v1_dot_helper__pb2.HelperEmpty.SerializeToString,
+                response_deserializer=nnd_dot_v1_dot_helper__pb2.HelperCapabilities.FromString,
+                _registered_method=True)
 
 
 class HelperServicer:
@@ -132,6 +137,14 @@ class HelperServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Capabilities(self, request, context):
+        """What the engine offers (ops, attributes) and the library versions: the daemon
+        reports them in GetServerInfo without importing torch itself.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HelperServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -174,6 +187,11 @@ def add_HelperServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=nnd_dot_v1_dot_helper__pb2.HelperEmpty.FromString,
                     response_serializer=nnd_dot_v1_dot_helper__pb2.HelperStatus.SerializeToString,
+            ),
+            'Capabilities': grpc.unary_unary_rpc_method_handler(
+                    servicer.Capabilities,
+                    request_deserializer=nnd_dot_v1_dot_helper__pb2.HelperEmpty.FromString,
+                    response_serializer=nnd_dot_v1_dot_helper__pb2.HelperCapabilities.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -392,6 +410,33 @@ class Helper:
             '/nnd.v1.Helper/Status',
             nnd_dot_v1_dot_helper__pb2.HelperEmpty.SerializeToString,
             nnd_dot_v1_dot_helper__pb2.HelperStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Capabilities(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nnd.v1.Helper/Capabilities',
+            nnd_dot_v1_dot_helper__pb2.HelperEmpty.SerializeToString,
+            nnd_dot_v1_dot_helper__pb2.HelperCapabilities.FromString,
             options,
             channel_credentials,
             insecure,

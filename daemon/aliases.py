@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from nnd.v1 import graph_pb2
+from nnd_daemon import errors
 
-from .. import errors
+if TYPE_CHECKING:  # the control plane imports this module and never torch
+    import torch
 
 # alias -> candidate paths relative to the root, first match wins.
 _ROOT_STANDARD: tuple[tuple[str, tuple[str, ...]], ...] = (
