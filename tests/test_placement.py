@@ -64,11 +64,12 @@ def test_dispatch_over_budget_is_refused_with_figures(tmp_path, tiny_models):
 def test_keep_alive_expiry_releases(daemon, tiny_models):
     path = tiny_models["gpt2"]
     daemon.cli("load", path)
+    daemon.cli("dispatch", path)
+    pid = _ps(daemon)[path]["worker_pids"][0]
+    # A dispatched model takes a new keep-alive. (Not asserted DISPATCHED after this call: on a
+    # busy box one second may pass before `nnd ps` answers.)
     daemon.cli("dispatch", path, "--keep-alive", "1s")
-    model = _ps(daemon)[path]
-    assert model["state"] == "DISPATCHED" and float(model["expires_at"]) > time.time() - 1
-    pid = model["worker_pids"][0]
-    _wait_state(daemon, path, "META", timeout=15)
+    _wait_state(daemon, path, "META", timeout=60)
     psutil.wait_procs([psutil.Process(pid)] if psutil.pid_exists(pid) else [], timeout=10)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     daemon.cli("dispatch", path, "--keep-alive", "-1")  # back to forever for later tests
