@@ -9,10 +9,15 @@ streamed Generate steps are checked the same way.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import pathlib
+import select
 import shutil
+import signal
 import subprocess
+import time
 from typing import Any
 
 import grpc
@@ -262,6 +267,167 @@ def test_node_client_matches_python_and_torch(node_client, daemon, tiny_models, 
     steps = generate_steps(daemon.address, model, prompt, NEW_TOKENS)
     assert [(s["step"], s["id"], s["text"]) for s in out["generate"]] == steps
     assert [i for _, i, _ in steps] == greedy(model, prompt, NEW_TOKENS)
+
+    # Scan went to the daemon; Trace and Generate to the model's worker by its route.
+    assert out["routes"] == {"direct": 2, "daemon": 1, "rerouted": 0, "fallback": 0}
+
+
+# A driver that keeps one Router (client.js) across commands read from stdin, so the test can
+# change the worker between two of its traces: "trace" (the steering graph of the main test at
+# layers.0; answers the sha256 of the logits' bytes, the route it used and the Router's counts),
+# "stale" (make the cached route's epoch an old one), "forget" (drop cached routes), "quit".
+DRIVER = r"""
+const crypto = require('crypto');
+const readline = require('readline');
+const [clientPath, address, model] = process.argv.slice(1);
+const { connect, Router, trace, steeringVector, steeringGraph } = require(clientPath);
+const daemon = connect(address);
+const router = new Router(daemon, true);
+const { graph } = steeringGraph('layers.0', steeringVector(64, 7, 2.5));
+const request = { model, invokes: [{ text: process.env.PROMPT }], graph };
+const lines = readline.createInterface({ input: process.stdin });
+const answer = (obj) => process.stdout.write(JSON.stringify(obj) + '\n');
+lines.on('line', async (cmd) => {
+  try {
+    if (cmd === 'trace') {
+      const { saved, blobs } = await trace(router, request, 120);
+      const t = saved.get(9).tensor;
+      const bytes = Number(t.blob) ? blobs.get(t.blob) : t.data;
+      const route = router.routes.get(model);
+      answer({
+        sha: crypto.createHash('sha256').update(bytes).digest('hex'),
+        epoch: route ? String(route.epoch) : null,
+        counts: router.counts,
+      });
+    } else if (cmd === 'stale') {
+      const route = router.routes.get(model);
+      route.epoch = String(BigInt(route.epoch) - 1n);
+      answer({ epoch: route.epoch });
+    } else if (cmd === 'forget') {
+      router.close();
+      answer({});
+    } else {
+      router.close();
+      daemon.close();
+      lines.close();
+    }
+  } catch (err) {
+    answer({ error: `${err.code} ${err.details || err.message}` });
+  }
+});
+"""
+
+
+class _Driver:
+    def __init__(self, client: pathlib.Path, address: str, model: str) -> None:
+        self.proc = subprocess.Popen(
+            ["node", "-e", DRIVER, str(client), address, model],
+            cwd=NODE_DIR,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PROMPT": SHORT_PROMPT},
+        )
+
+    def ask(self, command: str, timeout: float = 180) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        assert ready, f"the node driver did not answer {command!r} within {timeout:.0f} s"
+        line = self.proc.stdout.readline()
+        assert line, f"the node driver exited:\n{self.proc.stderr.read() if self.proc.stderr else ''}"
+        out = json.loads(line)
+        assert "error" not in out, out["error"]
+        return out
+
+    def close(self) -> None:
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+            self.proc.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+
+
+def test_node_client_follows_routes_across_a_worker_restart(node_client, daemon, tmp_path, tiny_models):
+    """The Node client's traces go to the worker, not through the daemon; a stale epoch and a restarted
+    worker are re-routed around; a worker it cannot reach is reached through the daemon."""
+    from nnd.connection import Connection
+
+    # A copy of its own on the shared daemon: its worker gets killed here, and the daemon's log
+    # lines about forwarding name it.
+    model = str(tmp_path / "routed-gpt2")
+    shutil.copytree(tiny_models["gpt2"], model)
+    d = daemon
+    conn = Connection(d.address)
+    driver = _Driver(node_client, d.address, model)
+
+    def info() -> nnd_pb2.ModelInfo:
+        return conn.call("GetModel", nnd_pb2.GetModelRequest(model=model), timeout=60)
+
+    try:
+        d.cli("load", model)
+        d.cli("dispatch", model)
+        # The same request from the Python client (which follows routes too): the bytes to expect.
+        request = nnd_pb2.TraceRequest(
+            model=model,
+            invokes=[nnd_pb2.Invoke(text=SHORT_PROMPT)],
+            graph=steering_graph("layers.0", steering_vector(64, 7, 2.5)),
+        )
+        saved = [r.saved.value.tensor for r in conn.stream("Trace", request, timeout=120) if r.HasField("saved")]
+        want = hashlib.sha256([t for t in saved if t.shape[-1] == 320][0].data).hexdigest()
+        first = info()
+        assert first.worker_requests == 1
+
+        out = driver.ask("trace")
+        assert out["sha"] == want and out["epoch"] == str(first.route.epoch)
+        assert out["counts"] == {"direct": 1, "daemon": 0, "rerouted": 0, "fallback": 0}
+        assert info().worker_requests == 2  # the worker ran it ...
+        assert f"of {model} for" not in d.log()  # ... and the daemon forwarded none of it
+
+        # A route whose epoch is not the worker's: refused before anything ran, re-fetched, resent once.
+        driver.ask("stale")
+        out = driver.ask("trace")
+        assert out["sha"] == want and out["epoch"] == str(first.route.epoch)
+        assert out["counts"] == {"direct": 2, "daemon": 0, "rerouted": 1, "fallback": 0}
+        assert info().worker_requests == 3  # the refused call was never counted, let alone run
+
+        # The worker dies and is dispatched again (a new epoch, a new socket): the cached route is dead.
+        os.kill(first.worker_pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while info().state != nnd_pb2.META:
+            assert time.monotonic() < deadline, "the killed worker's model did not return to META"
+            time.sleep(0.1)
+        d.cli("dispatch", model)
+        second = info()
+        assert second.route.epoch != first.route.epoch
+        out = driver.ask("trace")
+        assert out["sha"] == want and out["epoch"] == str(second.route.epoch)
+        assert out["counts"] == {"direct": 3, "daemon": 0, "rerouted": 2, "fallback": 0}
+        assert info().worker_requests == 1  # run once, on the new worker
+        assert f"of {model} for" not in d.log()
+
+        # A worker socket the client cannot reach (moved out of its sight; the worker still serves it):
+        # the fresh route fails too, so the request goes through the daemon, which forwards it.
+        driver.ask("forget")  # an open connection would survive the move
+        sock = second.route.address[len("unix://") :]
+        os.rename(sock, sock + ".away")
+        try:
+            out = driver.ask("trace")
+        finally:
+            os.rename(sock + ".away", sock)
+        assert out["sha"] == want and out["epoch"] is None
+        assert out["counts"] == {"direct": 3, "daemon": 1, "rerouted": 3, "fallback": 1}
+        assert f"forwarding Trace of {model} for" in d.log()
+        assert info().worker_requests == 2
+    finally:
+        driver.close()
+        conn.close()
+        d.cli("unload", model, check=False)
 
 
 def test_node_client_grpc_error_is_one_line(node_client, daemon, tiny_models):

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import time
 
 import grpc
@@ -18,7 +19,7 @@ import torch
 from daemonproc import start_daemon
 
 import nnd
-from nnd.v1 import nnd_pb2
+from nnd.v1 import nnd_pb2, nnd_pb2_grpc
 from nnd_daemon import errors
 from nnd_daemon.control import tplaunch
 
@@ -110,6 +111,40 @@ def test_group_is_two_ranks_and_an_agent(tpd, tp2, paths):
         ("rank 1", "cpu", str(pids[1])),
     ]
     assert all(r["RSS"].endswith("iB") for r in rank_rows)
+
+
+def _info(m) -> nnd_pb2.ModelInfo:
+    return m._conn.call("GetModel", nnd_pb2.GetModelRequest(model=m._name), timeout=60)
+
+
+def test_the_group_has_a_route_and_rank_0_serves_it(tpd, tp2, paths):
+    """Traces go to rank 0's own socket (one hop); it checks the epoch, limits and token like a worker."""
+    conn = tp2._conn
+    route = _info(tp2).route
+    assert route.address.startswith("unix://") and route.epoch
+    sock = route.address[len("unix://") :]
+    assert stat.S_IMODE(os.stat(sock).st_mode) == 0o660  # the daemon's group, as the daemon's socket
+    before, direct = _info(tp2).worker_requests, conn.router.direct_calls
+    with tp2.trace(PROMPT):
+        logits = tp2.lm_head.output.save()
+    assert logits.shape[-1] == 320
+    assert conn.router.direct_calls == direct + 1 and _info(tp2).worker_requests == before + 1
+    assert f"of {paths['tp2']} for" not in tpd.log()  # the daemon forwarded nothing of this model
+    channel = grpc.insecure_channel(route.address)
+    try:
+        stub = nnd_pb2_grpc.NndStub(channel)
+        request = nnd_pb2.TraceRequest(model=paths["tp2"], invokes=[nnd_pb2.Invoke(text=PROMPT)])
+        with pytest.raises(grpc.RpcError) as stale:
+            list(stub.Trace(request, metadata=[("nnd-epoch", str(route.epoch - 1))], timeout=60))
+        assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert ("nnd-route", "stale") in tuple(stale.value.trailing_metadata())
+        too_many = nnd_pb2.TraceRequest(model=paths["tp2"], invokes=[nnd_pb2.Invoke(text="x")] * 1000)
+        with pytest.raises(grpc.RpcError) as limit:
+            list(stub.Trace(too_many, metadata=[("nnd-epoch", str(route.epoch))], timeout=60))
+        assert limit.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_invokes" in limit.value.details()
+    finally:
+        channel.close()
+    assert _info(tp2).worker_requests == before + 1  # neither refused call reached the group
 
 
 def _columns(table: str) -> list[dict[str, str]]:
@@ -349,6 +384,7 @@ def test_a_killed_rank_takes_the_group_down_cleanly(tpd, tp2, paths):
     """Last: it ends the shared group."""
     path = paths["tp2"]
     pids = _ps(tpd)[path]["worker_pids"]
+    epoch = _info(tp2).route.epoch
     procs = [psutil.Process(p) for p in pids]
     stream = tp2.stream(PROMPT, max_new_tokens=1000)
     next(stream)  # the request is running on both ranks
@@ -366,9 +402,14 @@ def test_a_killed_rank_takes_the_group_down_cleanly(tpd, tp2, paths):
     assert model["state"] == "META" and "rank 1" in model["last_error"] and "SIGKILL" in model["last_error"]
     assert not model.get("worker_pids")
     assert tpd.proc.poll() is None  # the daemon stays up
-    # and a later dispatch works again
+    # and a later dispatch works again: the client's cached route is dead, it re-routes to the new group
     tpd.cli("dispatch", path)
+    direct = tp2._conn.router.direct_calls
     with tp2.trace(PROMPT):
         logits = tp2.lm_head.output.save()
     assert logits.shape[-1] == 320 and len(_ps(tpd)[path]["worker_pids"]) == 3
+    info = _info(tp2)
+    assert info.route.epoch != epoch and info.worker_requests == 1
+    assert tp2._conn.router.direct_calls == direct + 1  # sent to the new group directly
+    assert f"of {path} for" not in tpd.log()
     tp2.release()

@@ -118,10 +118,9 @@ class Worker:
         self._log_offset = 0
         serial = next(_serial)
         self.socket = os.path.join(run_dir, f"w{serial}.sock")
-        # The route clients follow (nnd.proto, Route); empty: none. A tensor-parallel group has
-        # none yet: its faults (a rank lost) are explained by `translate`, so its requests go
-        # through the daemon.
-        self.public = os.path.join(public_dir, f"m{serial}.sock") if public_dir and self.tp_size <= 1 else ""
+        # The route clients follow (nnd.proto, Route); empty: none. A tensor-parallel group's rank 0
+        # serves it (worker/tp.py); a client that loses its call there learns why from `wait_exit`.
+        self.public = os.path.join(public_dir, f"m{serial}.sock") if public_dir else ""
         self.log_path = os.path.join(log_dir, log_name(name))
         self._on_exit = on_exit
         self._stopping = False
@@ -387,19 +386,8 @@ class Worker:
             self._wait_exit(2.0)
             return self.lost(self.fault, started)
         if self.tp_size > 1 and self.proc and (code == grpc.StatusCode.UNAVAILABLE or self._rank_gone()):
-            # A group goes down as a whole: torchrun stops the other ranks when one dies; wait for it to
-            # finish, and finish it ourselves if a rank hangs (torchrun would wait 30 s on a stuck one).
             # (A CANCELLED with every rank alive is a cancelled request, not a failing group.)
-            try:
-                self.proc.wait(tplaunch.GROUP_EXIT_WAIT_S)
-            except subprocess.TimeoutExpired:
-                log.warning("worker group for %s did not stop by itself; killing its ranks", self.name)
-                self._kill_ranks()
-                try:
-                    self.proc.wait(tplaunch.GROUP_EXIT_WAIT_S)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
+            self._end_group()
         if code == grpc.StatusCode.UNAVAILABLE or (self.proc and self.proc.poll() is not None):
             self._wait_exit(0.5)  # a dropped connection: the process is going, let it be reaped
             died = self.proc is not None and self.proc.poll() is not None
@@ -457,16 +445,41 @@ class Worker:
     def info(self) -> dict[str, Any]:
         return {"pid": self.pid, "socket": self.socket, "public": self.public, "epoch": self.epoch}
 
+    def _end_group(self) -> None:
+        """A group goes down as a whole: torchrun stops the other ranks when one dies; wait for it to
+        finish, and finish it ourselves if a rank hangs (torchrun would wait 30 s on a stuck one)."""
+        assert self.proc is not None
+        try:
+            self.proc.wait(tplaunch.GROUP_EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("worker group for %s did not stop by itself; killing its ranks", self.name)
+            self._kill_ranks()
+            try:
+                self.proc.wait(tplaunch.GROUP_EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
     def wait_exit(self, timeout: float) -> str:
-        """Why the worker ended, waiting up to `timeout` s for a dying one; "" if it runs on."""
+        """Why the worker ended, waiting up to `timeout` s for a dying one; "" if it runs on.
+
+        A tensor-parallel group that is going down (a rank gone, or rank 0 stopping the group after
+        it answered UNAVAILABLE) is waited for as `translate` waits, so a client of its route hears
+        which rank failed and how, as one sent through the daemon does."""
         if self.proc is None:
             return ""
+        if self.tp_size > 1 and self.proc.poll() is None and (self._rank_gone() or self._group_stopping()):
+            self._end_group()
         if self.proc.poll() is None:
             self._wait_exit(timeout)
         if self.proc.poll() is None:
             return ""
         self._ended.wait(timeout)  # its exit handled (`_watch`): the registry has seen it
         return self.exit_reason or self.describe_exit()
+
+    def _group_stopping(self) -> bool:
+        """Rank 0 recorded why it stops the group (worker/tp.py, Group.fail)."""
+        return os.path.exists(shared.reason_path(self.socket))
 
     def _rank_gone(self) -> bool:
         for rank in self._ranks:

@@ -1,6 +1,7 @@
 """A tensor-parallel worker group: N ranks started by torchrun run one model in lockstep.
 
-Rank 0 serves the private Worker service to the daemon, exactly like a
+Rank 0 serves the private Worker service to the daemon, and the model's route
+(clients' Trace, Generate and Session on its public socket), exactly like a
 single-process worker. Every Load and Run it receives is broadcast to the other
 ranks (a small int64 header -- kind, sequence number, seed, length -- and the
 request's protobuf bytes, over gloo); all ranks then load or run the engine
@@ -330,12 +331,14 @@ def main(ns: argparse.Namespace, options: list[tuple[str, int]], limits: Any = N
     runner = Runner(group, limits)
     log.info("rank %d of %d up (pid %d, %s)", group.rank, group.world, os.getpid(), "nccl" if group.gpu else "gloo")
     if group.rank != 0:
+        os.environ.pop(listen.TOKEN_ENV, None)  # only rank 0 serves clients (the route) and checks it
         group.follow(runner)
         return
     with open(shared.pids_path(ns.socket) + ".tmp", "w") as f:
         f.write(" ".join(map(str, group.pids)))
     os.replace(shared.pids_path(ns.socket) + ".tmp", shared.pids_path(ns.socket))
-    # Served like a single worker (listen.py): the Worker service, and the data path by route.
+    # Served like a single worker (listen.py): the Worker service to the daemon, and the data path
+    # to clients by the model's route, behind the same token, limits, queue depth and epoch.
     service = LeaderService(group, runner)
     service.limits = limits
     servers = listen.start(service, ns, worker_pb2_grpc.add_WorkerServicer_to_server)

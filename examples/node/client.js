@@ -5,7 +5,9 @@
 // a graph with Scan (shapes only, no weights), then runs it with Trace: add a
 // steering vector to one layer's output at the last position and read the
 // next-token top 5. Last, it generates a few tokens, printing each step as it
-// streams in. The results go to stdout as JSON:
+// streams in. Over a unix socket, Trace and Generate go straight to the
+// model's worker by its route (GetRoute), one hop; everything else, and every
+// call over TCP, goes to the daemon. The results go to stdout as JSON:
 //
 //   node client.js --address unix:///run/nnd/nnd.sock --model openai-community/gpt2 \
 //       --prompt "The Eiffel Tower is in the city of" --layer 5 --scale 4 --new-tokens 5
@@ -79,19 +81,29 @@ function usageError(message) {
 
 // ------------------------------------------------------------------ the service
 
+let service = null;
+
+// The nnd.v1.Nnd service, from the .proto files (loaded once).
+function nndService() {
+  if (service === null) {
+    const definition = protoLoader.loadSync('nnd/v1/nnd.proto', {
+      includeDirs: [PROTOS],
+      keepCase: true, // field names as in the .proto (snake_case)
+      longs: String, // int64 as decimal strings: token ids and shapes stay exact
+      enums: String, // "OUTPUT", "FLOAT32", "DISPATCHED"
+      defaults: true,
+      oneofs: true, // each oneof gets a virtual property naming the field that is set
+    });
+    service = grpc.loadPackageDefinition(definition).nnd.v1.Nnd;
+  }
+  return service;
+}
+
+// A client of the daemon, or of a model's worker (a route's address: the same service).
 function connect(address) {
-  const definition = protoLoader.loadSync('nnd/v1/nnd.proto', {
-    includeDirs: [PROTOS],
-    keepCase: true, // field names as in the .proto (snake_case)
-    longs: String, // int64 as decimal strings: token ids and shapes stay exact
-    enums: String, // "OUTPUT", "FLOAT32", "DISPATCHED"
-    defaults: true,
-    oneofs: true, // each oneof gets a virtual property naming the field that is set
-  });
-  const nnd = grpc.loadPackageDefinition(definition).nnd.v1;
   // Results come in chunks under 4 MiB, so the defaults would do; lifting the
   // limits keeps this client working against daemons with other chunk sizes.
-  return new nnd.Nnd(address, grpc.credentials.createInsecure(), {
+  return new (nndService())(address, grpc.credentials.createInsecure(), {
     'grpc.max_receive_message_length': -1,
     'grpc.max_send_message_length': -1,
   });
@@ -101,18 +113,27 @@ function deadline(seconds) {
   return new Date(Date.now() + seconds * 1000);
 }
 
+// Every call's metadata: the daemon's token, when NND_TOKEN gives one (a worker asks for the same
+// token), and `extra` pairs (a route's epoch).
+function metadata(extra = {}) {
+  const md = new grpc.Metadata();
+  if (process.env.NND_TOKEN) md.set('authorization', `Bearer ${process.env.NND_TOKEN.trim()}`);
+  for (const [key, value] of Object.entries(extra)) md.set(key, value);
+  return md;
+}
+
 function unary(client, method, request, timeout) {
   return new Promise((resolve, reject) => {
-    client[method](request, { deadline: deadline(timeout) }, (err, response) =>
+    client[method](request, metadata(), { deadline: deadline(timeout) }, (err, response) =>
       err ? reject(err) : resolve(response),
     );
   });
 }
 
 // A server stream: calls onMessage for each message as it arrives; resolves when it ends.
-function stream(client, method, request, timeout, onMessage) {
+function stream(client, method, request, timeout, onMessage, extra = {}) {
   return new Promise((resolve, reject) => {
-    const call = client[method](request, { deadline: deadline(timeout) });
+    const call = client[method](request, metadata(extra), { deadline: deadline(timeout) });
     call.on('data', (msg) => {
       try {
         onMessage(msg);
@@ -124,6 +145,120 @@ function stream(client, method, request, timeout, onMessage) {
     call.on('error', reject);
     call.on('end', resolve);
   });
+}
+
+// ------------------------------------------------------------------ routes
+
+// Routes (docs/protocol.md section 1.1): a client on the daemon's host sends a
+// model's Trace, Generate and Session straight to the model's worker, one hop
+// instead of two; the daemon only says where (GetRoute: a unix socket and an
+// epoch). Following them is optional: the daemon forwards what it is sent.
+const DATA_METHODS = new Set(['Trace', 'Generate', 'Session']);
+// grpc-js's words when no connection could be made: the request never left this process.
+const NOT_CONNECTED = 'No connection established';
+
+function isStale(err) {
+  return err.code === grpc.status.FAILED_PRECONDITION && err.metadata && err.metadata.get('nnd-route')[0] === 'stale';
+}
+
+function notConnected(err) {
+  return err.code === grpc.status.UNAVAILABLE && String(err.details || '').includes(NOT_CONNECTED);
+}
+
+class Router {
+  // `daemon`: the daemon's client; `direct`: follow routes (only over a unix socket: the
+  // worker's socket is on the daemon's host, and a TCP client may be elsewhere).
+  constructor(daemon, direct) {
+    this.daemon = daemon;
+    this.direct = direct;
+    this.routes = new Map(); // model -> {address, epoch, client}
+    this.counts = { direct: 0, daemon: 0, rerouted: 0, fallback: 0 };
+  }
+
+  // The model's route, from the cache or the daemon; null: send to the daemon.
+  async route(model, timeout) {
+    if (this.routes.has(model)) return this.routes.get(model);
+    let answer;
+    try {
+      answer = await unary(this.daemon, 'GetRoute', { model }, timeout);
+    } catch (err) {
+      if (err.code === grpc.status.UNIMPLEMENTED) return null; // an older daemon: no routes
+      throw err;
+    }
+    if (!answer.address) return null; // no worker now: the daemon dispatches the model
+    const route = { address: answer.address, epoch: answer.epoch, client: connect(answer.address) };
+    this.routes.set(model, route);
+    return route;
+  }
+
+  forget(model, route) {
+    if (this.routes.get(model) === route) this.routes.delete(model);
+    route.client.close();
+  }
+
+  viaDaemon(method, request, timeout, onMessage) {
+    this.counts.daemon++;
+    return stream(this.daemon, method, request, timeout, onMessage);
+  }
+
+  // Send a data request by the model's route. Nothing is ever sent twice once a worker may
+  // have run it: a resend happens only when the worker refused the call for its epoch (a
+  // stale route) or no connection was made at all.
+  async stream(method, request, timeout, onMessage) {
+    if (!this.direct || !DATA_METHODS.has(method) || request.scan) {
+      return this.viaDaemon(method, request, timeout, onMessage);
+    }
+    const model = request.model;
+    for (let attempt = 0; attempt < 2; attempt++) {
+      const route = await this.route(model, timeout);
+      if (route === null) return this.viaDaemon(method, request, timeout, onMessage);
+      let answered = false;
+      try {
+        this.counts.direct++;
+        await stream(route.client, method, request, timeout, (msg) => {
+          answered = true;
+          onMessage(msg);
+        }, { 'nnd-epoch': String(route.epoch) });
+        return undefined;
+      } catch (err) {
+        if (answered || !(isStale(err) || notConnected(err))) {
+          if (err.code === grpc.status.UNAVAILABLE) await this.explainLoss(model, route, err);
+          throw err;
+        }
+        // Nothing ran: the worker ended or was replaced. Ask the daemon again and resend.
+        this.counts.direct--;
+        this.forget(model, route);
+        if (attempt === 0) {
+          this.counts.rerouted++;
+          continue;
+        }
+        if (notConnected(err)) {
+          // The fresh route cannot be reached either (another mount namespace, a socket
+          // this user may not open): the daemon can, and forwards the request.
+          this.counts.fallback++;
+          return this.viaDaemon(method, request, timeout, onMessage);
+        }
+        throw err;
+      }
+    }
+    return this.viaDaemon(method, request, timeout, onMessage);
+  }
+
+  // The worker went away with the request in it: ask the daemon why (Route.lost), and say so.
+  async explainLoss(model, route, err) {
+    this.forget(model, route);
+    try {
+      const answer = await unary(this.daemon, 'GetRoute', { model, failed_epoch: route.epoch }, 10);
+      if (answer.lost) err.details = `the worker of ${model} ended (${answer.lost}) during this request: ${err.details}`;
+    } catch (_) {
+      // only a better message
+    }
+  }
+
+  close() {
+    for (const route of this.routes.values()) route.client.close();
+    this.routes.clear();
+  }
 }
 
 // Dispatch: the worker starts and loads the weights; progress streams in, the
@@ -144,11 +279,12 @@ async function dispatch(client, model, timeout) {
 // Scan, Trace or Generate: a stream of TraceResponse (Saved, Chunk, StepTokens,
 // then one TraceDone). Each StepTokens goes to onStep as soon as it arrives.
 // Returns {saved: Map(node id -> Value), blobs: Map(blob id -> Buffer), done}.
-async function trace(client, request, timeout, method = 'Trace', onStep = () => {}) {
+// `router` sends Trace and Generate by the model's route, Scan to the daemon.
+async function trace(router, request, timeout, method = 'Trace', onStep = () => {}) {
   const saved = new Map();
   const pieces = new Map();
   let done = null;
-  await stream(client, method, request, timeout, (msg) => {
+  await router.stream(method, request, timeout, (msg) => {
     switch (msg.kind) {
       case 'saved':
         saved.set(msg.saved.node, msg.saved.value);
@@ -302,6 +438,8 @@ function topK(values, offset, count, k) {
 async function main() {
   const opts = parseArgs(process.argv.slice(2));
   const client = connect(opts.address);
+  // Routes over a unix socket, unless NND_DIRECT=0 (as the Python client).
+  const router = new Router(client, opts.address.startsWith('unix:') && process.env.NND_DIRECT !== '0');
   try {
     const info = await unary(client, 'LoadModel', { model: opts.model }, opts.timeout);
     const width = hiddenSize(info);
@@ -311,7 +449,7 @@ async function main() {
 
     const request = { model: info.name, invokes: [{ text: opts.prompt }], graph };
     // Scan: the same graph on the META model, shapes and dtypes only (no weights needed).
-    const scanned = await trace(client, request, opts.timeout, 'Scan');
+    const scanned = await trace(router, request, opts.timeout, 'Scan');
     const scan = {};
     for (const [name, id] of [['layer_output', layerSave], ['logits', logitsSave]]) {
       const t = scanned.saved.get(id).tensor;
@@ -319,7 +457,7 @@ async function main() {
     }
 
     const dispatched = await dispatch(client, info.name, opts.timeout);
-    const { saved, blobs, done } = await trace(client, request, opts.timeout);
+    const { saved, blobs, done } = await trace(router, request, opts.timeout);
     for (const id of [layerSave, logitsSave]) {
       if (!saved.has(id) || saved.get(id).kind !== 'tensor') throw new Error(`node ${id} saved no tensor`);
     }
@@ -348,7 +486,7 @@ async function main() {
         graph: { nodes: [], scopes: [] },
         generate: { max_new_tokens: opts['new-tokens'], do_sample: false, stream_text: true },
       };
-      await trace(client, generation, opts.timeout, 'Generate', (step) => {
+      await trace(router, generation, opts.timeout, 'Generate', (step) => {
         process.stderr.write(`step ${step.step}: ${JSON.stringify(step.text[0])}\n`);
         steps.push({ step: step.step, id: Number(step.ids[0]), text: step.text[0] });
       });
@@ -369,9 +507,11 @@ async function main() {
       dispatch: dispatched,
       scan,
       generate: steps,
+      routes: router.counts,
     };
     process.stdout.write(JSON.stringify(out, null, 2) + '\n');
   } finally {
+    router.close();
     client.close();
   }
 }
@@ -395,4 +535,4 @@ if (require.main === module) {
   });
 }
 
-module.exports = { steeringVector, steeringGraph, decodeTensor };
+module.exports = { connect, Router, trace, steeringVector, steeringGraph, decodeTensor };

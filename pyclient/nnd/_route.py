@@ -141,10 +141,12 @@ class Router:
         else:
             when = "while running this request"
         what = reason if reason.startswith(("hung", "died")) else f"died: {reason}"
-        return DaemonUnavailable(
+        lost = DaemonUnavailable(
             f"the worker of {model} {what}; this happened {when}; "
             "the next request dispatches the model again (`nnd ps` shows why it stopped)"
         )
+        lost.code = grpc.StatusCode.UNAVAILABLE  # as the daemon's answer for the same loss carries
+        return lost
 
     def close(self) -> None:
         with self._lock:
