@@ -249,8 +249,8 @@ class UploadStore:
 
 def _well_formed(messages: Iterator[Any]) -> Iterator[Any]:
     for message in messages:
-        if not isinstance(message, nnd_pb2.UploadRequest):  # server.py's parser could not read it
-            raise errors.InvalidArgument(getattr(message, "text", "a message of the Upload is not an UploadRequest"))
+        if isinstance(message, errors.Malformed):  # server.py's parser could not read it
+            raise message.error
         yield message
 
 

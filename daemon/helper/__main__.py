@@ -19,8 +19,6 @@ from concurrent import futures
 
 import grpc
 
-OPTIONS = [("grpc.max_receive_message_length", 512 * 2**20), ("grpc.max_send_message_length", 512 * 2**20)]
-
 
 def _die_with_parent(parent: int) -> None:
     # Polling, not PR_SET_PDEATHSIG: that fires when the daemon *thread* that started us ends.
@@ -48,12 +46,14 @@ def main() -> None:
     import transformers  # noqa: F401
 
     from nnd.v1 import helper_pb2_grpc
-    from nnd_daemon.helper.service import HelperService
+    from nnd_daemon import errors, shared
+    from nnd_daemon.helper.service import HelperService, memory_error
 
     torch.set_num_threads(1)  # fake tensors compute nothing; one thread keeps the CPU bound per call honest
     if ns.memory_bytes > 0:
         resource.setrlimit(resource.RLIMIT_AS, (ns.memory_bytes, ns.memory_bytes))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=OPTIONS)
+    mapped = errors.ErrorInterceptor(logging.getLogger("nnd.helper"), translate=memory_error)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=shared.GRPC_OPTIONS, interceptors=[mapped])
     helper_pb2_grpc.add_HelperServicer_to_server(HelperService(ns.cache), server)
     server.add_insecure_port("unix://" + ns.socket)
     server.start()

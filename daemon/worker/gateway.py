@@ -93,19 +93,14 @@ class Gateway:
         sent = dict(context.invocation_metadata()).get(shared.EPOCH_KEY)
         if sent is not None and sent != str(self.epoch):
             # Nothing ran: the client fetches the route again and resends (nnd.proto, Route).
-            context.set_trailing_metadata(((shared.ROUTE_KEY, shared.STALE),))
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise errors.FailedPrecondition(
                 f"stale route: the worker of {self.name} is at epoch {self.epoch}, not {sent}; "
                 "fetch the route again (GetRoute)",
+                trailers=((shared.ROUTE_KEY, shared.STALE),),
             )
-        try:
-            run = self._prepare(method, raw)
-            keep_alive = run.session.keep_alive if run.HasField("session") else run.request.keep_alive
-            self.service.activity.begin(keep_alive, int(self.limits.max_queue_depth), self.name)
-        except errors.NndError as err:
-            errors.abort(context, err)
-            return
+        run = self._prepare(method, raw)
+        keep_alive = run.session.keep_alive if run.HasField("session") else run.request.keep_alive
+        self.service.activity.begin(keep_alive, int(self.limits.max_queue_depth), self.name)
         try:
             yield from self._run(run, context)
         finally:
