@@ -20,7 +20,7 @@ import grpc
 from nnd import __version__
 from nnd.v1 import graph_pb2, helper_pb2, nnd_pb2, worker_pb2
 from nnd_daemon import errors, requests, shared
-from nnd_daemon.control import forward, gpus, uploads
+from nnd_daemon.control import forward, gpus
 from nnd_daemon.control.inflight import InflightBudget
 from nnd_daemon.control.registry import Registry
 from nnd_daemon.control.settings import Settings
@@ -59,7 +59,7 @@ class NndServicer:
 
     # -- models -------------------------------------------------------------
     def LoadModel(self, request: nnd_pb2.LoadModelRequest, context: grpc.ServicerContext) -> nnd_pb2.ModelInfo:
-        uploads.before_load(self.settings, self.registry, request)  # LoadModel(upload=): allowed, named
+        self.registry.uploads.before_load(self.registry.upload_of, request)  # LoadModel(upload=): allowed, named
         entry = self.registry.load(request)
         # nnsight's rename=: extra module names for this handle only (checked before anything runs).
         table = entry.meta.renamed(request.rename) if request.rename else None
@@ -97,10 +97,10 @@ class NndServicer:
 
     # -- uploads (control/uploads.py) ---------------------------------------
     def Upload(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> nnd_pb2.UploadResponse:
-        return uploads.upload(self.settings, request_iterator, context)
+        return self.registry.uploads.upload(request_iterator, context)
 
     def HasUpload(self, request: nnd_pb2.HasUploadRequest, context: grpc.ServicerContext) -> Any:
-        return uploads.has_upload(self.settings, request)
+        return self.registry.uploads.has_upload(request)
 
     # -- tracing ------------------------------------------------------------
     def Scan(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
