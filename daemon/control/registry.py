@@ -33,7 +33,7 @@ from typing import Any
 import psutil
 
 from nnd.v1 import helper_pb2, nnd_pb2, worker_pb2
-from nnd_daemon import errors
+from nnd_daemon import errors, requests
 from nnd_daemon.control import gpus, metamodel, statefile, tplaunch, uploads
 from nnd_daemon.control.helper import Helper
 from nnd_daemon.control.settings import Settings, parse_duration
@@ -260,18 +260,12 @@ class Registry:
             self.private_dir,
             self.log_dir,
             self._worker_exited,
-            limits=self._engine_limits(),
+            limits=requests.pick(lim, requests.ENGINE_LIMIT_FIELDS),
             placement=placement,
             batch_window_ms=self.settings.batch_window_ms,
             epoch=next(self._epochs),
             public_dir=self.run_dir,
-            request_limits={
-                "max_request_bytes": lim.max_request_bytes,
-                "max_invokes": lim.max_invokes,
-                "max_new_tokens": lim.max_new_tokens,
-                "default_deadline_s": lim.default_deadline_s,
-                "max_queue_depth": lim.max_queue_depth,
-            },
+            request_limits=requests.pick(lim, requests.REQUEST_LIMIT_FIELDS),
             token=self._token,
         )
         try:
@@ -316,17 +310,6 @@ class Registry:
             worker.stop()
             _check_present(entry)
         self.save()
-
-    def _engine_limits(self) -> dict[str, int]:
-        """The limits a worker's engine enforces on every request."""
-        lim = self.settings.limits
-        return {
-            "max_saved_bytes": lim.max_saved_bytes,
-            "max_invokes": lim.max_invokes,
-            "max_sequence_length": lim.max_sequence_length,
-            "max_new_tokens": lim.max_new_tokens,
-            "max_constant_bytes": lim.max_constant_bytes,
-        }
 
     def _check_budget(self, entry: Entry, placement: nnd_pb2.Placement) -> None:
         need = entry.meta.estimate_bytes(placement.dtype)

@@ -24,8 +24,6 @@ from nnd_daemon import errors, requests, shared
 from nnd_daemon.engine import aliases
 
 _SERVICE = "nnd.v1.Nnd"
-# Request-limit fields of nnd.v1.Limits a worker enforces (the daemon passes them at start).
-LIMIT_FIELDS = ("max_request_bytes", "max_invokes", "max_new_tokens", "default_deadline_s", "max_queue_depth")
 
 
 class Gateway:
@@ -35,7 +33,8 @@ class Gateway:
         self.service = service
         self.name = name
         self.epoch = epoch
-        self.limits = SimpleNamespace(**{f: limits.get(f, 0) for f in LIMIT_FIELDS})
+        # The request limits the daemon passed at start (requests.REQUEST_LIMIT_FIELDS).
+        self.limits = SimpleNamespace(**{f: limits.get(f, 0) for f in requests.REQUEST_LIMIT_FIELDS})
         self._lock = threading.Lock()
         self._bindings: list[worker_pb2.AliasBinding] = []
         self._table: aliases.AliasTable | None = None

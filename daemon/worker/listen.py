@@ -32,7 +32,7 @@ RPC_THREADS = 320
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--public", default="", help="unix socket clients reach by the model's route")
     parser.add_argument("--epoch", type=int, default=0, help="the route's epoch (the daemon's count of workers)")
-    parser.add_argument("--request-limits", default="", help="request limits as JSON (gateway.LIMIT_FIELDS)")
+    parser.add_argument("--request-limits", default="", help="request limits as JSON (requests.REQUEST_LIMIT_FIELDS)")
 
 
 def start(service: Any, ns: argparse.Namespace, add_worker: Callable[[Any, grpc.Server], None]) -> list[grpc.Server]:
