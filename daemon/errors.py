@@ -45,6 +45,10 @@ class NotFound(NndError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class AlreadyExists(NndError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class FailedPrecondition(NndError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 

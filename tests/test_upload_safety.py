@@ -583,3 +583,17 @@ def test_common_modules_pass_the_walk_and_compute(tmp_path, make):
     module = exported._unflatten(exported.load_program(str(path)))
     x = torch.cat([example, example])
     assert torch.allclose(module(x), net(x), atol=1e-6)
+
+
+def test_an_upload_cannot_take_another_models_name(tmp_path):
+    store = uploads.UploadStore(_settings(tmp_path))
+    sha = "a" * 64
+    loaded = {"gpt2": "", "mine": sha}.get  # name -> the upload it was loaded from ("" for none)
+    with pytest.raises(errors.AlreadyExists, match="'gpt2' is taken by another model"):
+        store.before_load(loaded, nnd_pb2.LoadModelRequest(model="gpt2", upload=sha))
+    with pytest.raises(errors.AlreadyExists, match="'mine' is taken"):
+        store.before_load(loaded, nnd_pb2.LoadModelRequest(model="mine", upload="b" * 64))
+    store.before_load(loaded, nnd_pb2.LoadModelRequest(model="mine", upload=sha))  # the same upload: allowed
+    unnamed = nnd_pb2.LoadModelRequest(model="  ", upload=sha)
+    store.before_load(loaded, unnamed)
+    assert unnamed.model == "upload-aaaaaaaaaaaa"

@@ -441,7 +441,7 @@ class Registry:
         config = self.alias_config(entry)
         config.replace_edits = True
         for edit in entry.meta.edits.all():
-            config.edits[edit.id].graphs.extend(edit.graphs)
+            config.edits[edit.id].CopyFrom(edit.stack())
         return config
 
     def alias_config(self, entry: Entry) -> worker_pb2.WorkerConfig:

@@ -243,7 +243,7 @@ class NndServicer:
             max_bytes=self.settings.limits.max_request_bytes,
         )
         change = worker_pb2.WorkerConfig()
-        change.edits[edit.id].graphs.extend(edit.graphs)
+        change.edits[edit.id].CopyFrom(edit.stack())
         self.registry.configure(entry, change)  # before the client can name it in a request to the worker
         return edit.info(entry.name)
 

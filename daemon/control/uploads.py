@@ -65,10 +65,6 @@ _TRANSFORMERS_SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".jinja", "
 _EXPORTED_FILES = ("modules.json", "program.pt2")
 
 
-class AlreadyExists(errors.NndError):
-    code = grpc.StatusCode.ALREADY_EXISTS
-
-
 def hash_prefix(name: str, size: int) -> bytes:
     """What the content hash takes in before a file's bytes (see UploadHeader.sha256)."""
     return name.encode() + b"\0" + str(size).encode() + b"\0"
@@ -284,7 +280,7 @@ class UploadStore:
         request.model = request.model.strip() or f"upload-{request.upload[:12]}"
         upload = taken(request.model)
         if upload is not None and upload != request.upload:
-            raise AlreadyExists(
+            raise errors.AlreadyExists(
                 f"the name {request.model!r} is taken by another model; unload it first or choose another name"
             )
 
