@@ -1,12 +1,17 @@
-"""Errors every part of the daemon raises, each tied to one gRPC status code.
+"""Errors every part of the daemon raises, each tied to one gRPC status code,
+and the one place they become statuses: `ErrorInterceptor`, installed on every
+server (the daemon's, a worker's two, the helper's). Methods only raise.
 
-The servicer maps them to statuses in one place (control/servicer.py); the
-worker does the same on its side. `exc_type` names the Python exception a user
-would have seen had the code run in-process (RuntimeError for a shape error),
-so the client can raise that same type.
+`exc_type` names the Python exception a user would have seen had the code run
+in-process (RuntimeError for a shape error), so the client can raise that same
+type.
 """
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 
@@ -24,10 +29,12 @@ MAX_MESSAGE_BYTES = 4096
 class NndError(Exception):
     code = grpc.StatusCode.INTERNAL
 
-    def __init__(self, message: str, *, exc_type: str = "") -> None:
+    def __init__(self, message: str, *, exc_type: str = "", trailers: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(message)
         self.message = message
         self.exc_type = exc_type
+        # More trailing metadata for the client (e.g. a stale route's marker).
+        self.trailers = trailers
 
 
 class InvalidArgument(NndError):
@@ -36,6 +43,10 @@ class InvalidArgument(NndError):
 
 class NotFound(NndError):
     code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(NndError):
+    code = grpc.StatusCode.ALREADY_EXISTS
 
 
 class FailedPrecondition(NndError):
@@ -66,11 +77,110 @@ class PermissionDenied(NndError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class Malformed:
+    """What a server's deserializer returns for bytes that do not parse (gRPC answers
+    INTERNAL when a deserializer raises; a client's garbage is its own error). A method
+    never sees one in place of its request: `ErrorInterceptor` refuses it; a stream's
+    reader raises `error` when it meets one."""
+
+    def __init__(self, message_type: str, error: Exception) -> None:
+        self.error = InvalidArgument(
+            f"the request is not a valid nnd.v1.{message_type} message ({error}); nothing ran"
+        )
+
+
 def abort(context: grpc.ServicerContext, err: NndError) -> None:
     """End an RPC with `err`'s status, message and exception type."""
-    if err.exc_type:
-        context.set_trailing_metadata(((EXC_TYPE_KEY, err.exc_type[:100]),))
+    trailers = err.trailers + (((EXC_TYPE_KEY, err.exc_type[:100]),) if err.exc_type else ())
+    if trailers:
+        context.set_trailing_metadata(trailers)
     context.abort(err.code, fit(err.message))
+
+
+# gRPC's handler makers by (request streaming, response streaming).
+MAKERS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def same_shape(handler: grpc.RpcMethodHandler | None, behavior: Callable[..., Any]) -> grpc.RpcMethodHandler:
+    """A handler running `behavior`, of `handler`'s shape and with its (de)serializers."""
+    shape = (bool(handler and handler.request_streaming), bool(handler and handler.response_streaming))
+    return MAKERS[shape](
+        behavior,
+        request_deserializer=handler.request_deserializer if handler else None,
+        response_serializer=handler.response_serializer if handler else None,
+    )
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    """Every method's failure becomes its status here: an NndError its own code, message
+    and trailers; a request that did not parse INVALID_ARGUMENT; anything else INTERNAL,
+    logged with its traceback. Errors raised mid-stream map the same way.
+
+    `translate` may turn a failure that is no NndError into one (the helper: MemoryError
+    at its address-space limit). Behind a token interceptor, never in front of it: a
+    refused call's own abort would otherwise read as a failure. Methods must raise, not
+    call `context.abort` (its exception would read as a failure too)."""
+
+    def __init__(
+        self,
+        log: logging.Logger,
+        *,
+        internal: str = "internal error",
+        translate: Callable[[BaseException], NndError | None] = lambda exc: None,
+    ) -> None:
+        self._log = log
+        self._internal = internal
+        self._translate = translate
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED
+            return None
+        method = details.method or "?"
+        behavior: Callable[..., Any] = (
+            handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+        )
+
+        def unary(request: Any, context: grpc.ServicerContext) -> Any:
+            try:
+                _refuse_malformed(request)
+                return behavior(request, context)
+            except GeneratorExit:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
+                self._abort(context, method, exc)
+
+        def streaming(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            try:
+                _refuse_malformed(request)
+                yield from behavior(request, context)
+            except GeneratorExit:  # gRPC closed the stream (the client went away): nothing to answer
+                raise
+            except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
+                self._abort(context, method, exc)
+
+        return same_shape(handler, streaming if handler.response_streaming else unary)
+
+    def _abort(self, context: grpc.ServicerContext, method: str, exc: BaseException) -> None:
+        err = exc if isinstance(exc, NndError) else self._translate(exc)
+        if err is None:
+            self._log.error("%s failed", method, exc_info=exc)
+            err = NndError(f"{self._internal}: {type(exc).__name__}: {exc}")
+        abort(context, err)
+
+
+def _refuse_malformed(request: Any) -> None:
+    if isinstance(request, Malformed):
+        raise request.error
 
 
 def _encoded_size(text: str) -> int:

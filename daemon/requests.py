@@ -90,16 +90,22 @@ def check(request: nnd_pb2.TraceRequest, limits: Any, *, generate: bool) -> None
             )
 
 
+# The fields of nnd.v1.Limits (control/settings.py's Limits) a worker's gateway checks per request
+# (`check`, the queue depth, the default deadline)...
+REQUEST_LIMIT_FIELDS = ("max_request_bytes", "max_invokes", "max_new_tokens", "default_deadline_s", "max_queue_depth")
+# ...and those the engine enforces while a request runs (engine/limits.py's EngineLimits).
+ENGINE_LIMIT_FIELDS = ("max_saved_bytes", "max_invokes", "max_sequence_length", "max_new_tokens", "max_constant_bytes")
+
+
+def pick(limits: Any, fields: tuple[str, ...]) -> dict[str, Any]:
+    """`fields` of `limits` (anything with them as attributes) as a dict; absent ones 0."""
+    return {f: getattr(limits, f, 0) for f in fields}
+
+
 def engine_limits(limits: Any) -> Any:
     from nnd_daemon.engine import EngineLimits
 
-    return EngineLimits(
-        max_saved_bytes=limits.max_saved_bytes,
-        max_invokes=limits.max_invokes,
-        max_sequence_length=limits.max_sequence_length,
-        max_new_tokens=limits.max_new_tokens,
-        max_constant_bytes=limits.max_constant_bytes,
-    )
+    return EngineLimits(**pick(limits, ENGINE_LIMIT_FIELDS))
 
 
 def parse(message: Any, raw: bytes) -> Any:

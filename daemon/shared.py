@@ -1,6 +1,6 @@
-"""Definitions the control plane and the workers share: gRPC options, the
-metadata keys of the data path (routes), and the files a tensor-parallel
-group leaves beside its socket."""
+"""Definitions the control plane, the helper and the workers share: gRPC options,
+the metadata keys of the data path (routes), the files a tensor-parallel group
+leaves beside its socket, and how a child process dies with the daemon."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import contextlib
 import glob
 import os
 import re
+import threading
+import time
 from typing import Any
 
 from nnd.v1.shm import SHM_DIR, alive, reap_dead
@@ -20,6 +22,20 @@ GRPC_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.max_send_message_length", MAX_MESSAGE),
 ]
+
+def die_with_parent(parent: int) -> None:
+    """End this process (a worker, the helper) once `parent`, the daemon, has gone: neither may
+    outlive the daemon that supervises it. Polling rather than PR_SET_PDEATHSIG: that signal
+    fires when the *thread* that started us ends, and the daemon starts them from short-lived threads."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    if parent:
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
 
 # Metadata of the data path (protos/nnd/v1/nnd.proto, Route).
 EPOCH_KEY = "nnd-epoch"  # the route epoch a client followed

@@ -12,6 +12,8 @@ from typing import Any
 
 import grpc
 
+from nnd_daemon.errors import MAKERS
+
 log = logging.getLogger("nnd.auth")
 
 # Health checks pass without a token so that load balancers and `grpc_health_probe`
@@ -78,14 +80,6 @@ class RefusalLog:
 _REFUSALS = RefusalLog()
 
 
-_MAKERS = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
-
-
 def _deny(handler: grpc.RpcMethodHandler | None, method: str, reason: str) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that only aborts. It has no
     deserializer, so an unauthenticated caller's bytes are never parsed; an
@@ -96,4 +90,4 @@ def _deny(handler: grpc.RpcMethodHandler | None, method: str, reason: str) -> gr
         context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
     shape = (bool(handler and handler.request_streaming), bool(handler and handler.response_streaming))
-    return _MAKERS[shape](abort)
+    return MAKERS[shape](abort)

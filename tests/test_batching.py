@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+import wire_results
 from daemonproc import Daemon, start_daemon
 
 from nnd.v1 import graph_pb2, nnd_pb2, nnd_pb2_grpc
@@ -82,7 +83,7 @@ def _request(model: str, text: str, *, extra: Callable[[graph_pb2.Graph], None] 
 
 def _run(d: Daemon, request: Any) -> dict[int, Any] | grpc.RpcError:
     try:
-        return wire.collect(_stub(d).Trace(request, timeout=120))
+        return wire_results.collect(_stub(d).Trace(request, timeout=120))
     except grpc.RpcError as err:
         return err
 
@@ -97,7 +98,7 @@ def _concurrently(d: Daemon, requests: list[Any]) -> list[Any]:
         stub = nnd_pb2_grpc.NndStub(channel)
         barrier.wait()
         try:
-            out[i] = wire.collect(stub.Trace(requests[i], timeout=120))
+            out[i] = wire_results.collect(stub.Trace(requests[i], timeout=120))
         except grpc.RpcError as err:
             out[i] = err
 
@@ -140,7 +141,7 @@ def _queued(d: Daemon, requests: list[Any]) -> list[Any]:
     """`requests` sent together while a slow trace holds the model: they queue, and run merged after it."""
     slow = _started_slow(d, requests[0].model)
     out = _concurrently(d, requests)
-    assert wire.collect(slow)[53].shape == ()
+    assert wire_results.collect(slow)[53].shape == ()
     return out
 
 def _same(a: dict[int, Any], b: dict[int, Any]) -> None:
@@ -244,7 +245,7 @@ def test_a_request_that_leaves_the_queue_does_not_stall_the_others(batching_daem
     thread.start()
     time.sleep(0.05)
     cancelled.cancel()
-    assert wire.collect(slow)[53].shape == ()
+    assert wire_results.collect(slow)[53].shape == ()
     thread.join(60)
     assert not thread.is_alive(), "a request queued behind a cancelled one never ran"
     assert isinstance(waiting[0], dict), waiting[0]
@@ -269,7 +270,7 @@ def test_a_killed_worker_fails_the_whole_batch_and_says_it_was_running(tmp_path,
             target=lambda: outcomes.extend(_concurrently(d, [_request(model, p, extra=_slow) for p in PROMPTS]))
         )
         batch.start()
-        assert isinstance(wire.collect(slow)[53], torch.Tensor)  # the batch starts as this one ends
+        assert isinstance(wire_results.collect(slow)[53], torch.Tensor)  # the batch starts as this one ends
         time.sleep(0.2)
         os.kill(info.worker_pids[0], signal.SIGKILL)
         batch.join(60)

@@ -48,7 +48,7 @@ def program() -> tuple[torch.nn.Module, bytes]:
 
 
 def _store(settings: Settings, payload: _upload.Payload) -> nnd_pb2.UploadResponse:
-    return uploads.upload(settings, payload.messages([0]), _Context())
+    return uploads.UploadStore(settings).upload(payload.messages([0]), _Context())
 
 
 def _no_unpickling(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -78,7 +78,8 @@ def test_the_request_path_unpickles_nothing(tmp_path, program, monkeypatch):
         built["meta"] = helper_meta.build(ref)
         return metamodel.MetaModel(ref=ref, description=helper_meta.describe(built["meta"]))
 
-    meta = uploads.build_meta(settings, nnd_pb2.LoadModelRequest(model="net", upload=stored.sha256), describe)
+    store = uploads.UploadStore(settings)
+    meta = store.build_meta(nnd_pb2.LoadModelRequest(model="net", upload=stored.sha256), describe)
     assert meta.architecture == "Sequential" and {str(p.device) for p in built["meta"].module.parameters()} == {"meta"}
     assert [m.type for m in meta.modules()] == ["Sequential", "Linear", "ReLU", "Linear"]
     module, tokenizer, dtype = exported.load(  # the worker's Load
@@ -304,7 +305,7 @@ def test_store_checks_names_hashes_and_limits(tmp_path):
     header.sha256 = "0" * 64
     lying = iter([nnd_pb2.UploadRequest(header=header), *list(good.messages([0]))[1:]])
     with pytest.raises(errors.InvalidArgument, match="SHA-256"):
-        uploads.upload(settings, lying, _Context())
+        uploads.UploadStore(settings).upload(lying, _Context())
 
     pickled = _upload.Payload("transformers", [("config.json", b"{}"), ("pytorch_model.bin", b"x")])
     with pytest.raises(errors.InvalidArgument, match="pickled"):
@@ -318,13 +319,13 @@ def test_store_checks_names_hashes_and_limits(tmp_path):
     with pytest.raises(errors.ResourceExhausted, match="--max-upload-bytes"):
         _store(settings, big)
     with pytest.raises(errors.ResourceExhausted, match="--max-upload-bytes"):
-        uploads.has_upload(settings, nnd_pb2.HasUploadRequest(sha256=big.sha256, total_bytes=big.total))
+        uploads.UploadStore(settings).has_upload(nnd_pb2.HasUploadRequest(sha256=big.sha256, total_bytes=big.total))
 
     off = _settings(tmp_path, limit=-1)
     with pytest.raises(errors.PermissionDenied, match="--no-uploads"):
         _store(off, good)
     with pytest.raises(errors.PermissionDenied, match="--no-uploads"):
-        uploads.has_upload(off, nnd_pb2.HasUploadRequest(sha256=good.sha256))
+        uploads.UploadStore(off).has_upload(nnd_pb2.HasUploadRequest(sha256=good.sha256))
     assert not [n for n in os.listdir(tmp_path / "uploads") if not n.startswith(".")]
 
 
@@ -582,3 +583,17 @@ def test_common_modules_pass_the_walk_and_compute(tmp_path, make):
     module = exported._unflatten(exported.load_program(str(path)))
     x = torch.cat([example, example])
     assert torch.allclose(module(x), net(x), atol=1e-6)
+
+
+def test_an_upload_cannot_take_another_models_name(tmp_path):
+    store = uploads.UploadStore(_settings(tmp_path))
+    sha = "a" * 64
+    loaded = {"gpt2": "", "mine": sha}.get  # name -> the upload it was loaded from ("" for none)
+    with pytest.raises(errors.AlreadyExists, match="'gpt2' is taken by another model"):
+        store.before_load(loaded, nnd_pb2.LoadModelRequest(model="gpt2", upload=sha))
+    with pytest.raises(errors.AlreadyExists, match="'mine' is taken"):
+        store.before_load(loaded, nnd_pb2.LoadModelRequest(model="mine", upload="b" * 64))
+    store.before_load(loaded, nnd_pb2.LoadModelRequest(model="mine", upload=sha))  # the same upload: allowed
+    unnamed = nnd_pb2.LoadModelRequest(model="  ", upload=sha)
+    store.before_load(loaded, unnamed)
+    assert unnamed.model == "upload-aaaaaaaaaaaa"

@@ -99,10 +99,7 @@ class Admission:
             if not gated:
                 return fn(request, context)
             peer = context.peer()
-            try:
-                self._enter(method, peer)
-            except errors.NndError as err:
-                errors.abort(context, err)
+            self._enter(method, peer)
             guarded = self._idle_guarded(request, context) if method == UPLOAD else None
             try:
                 return fn(guarded if guarded is not None else request, context)
@@ -118,10 +115,7 @@ class Admission:
                 yield from fn(request, context)
                 return
             peer = context.peer()
-            try:
-                self._enter(method, peer)
-            except errors.NndError as err:
-                errors.abort(context, err)
+            self._enter(method, peer)
             try:
                 yield from fn(request, context)
             finally:
@@ -135,7 +129,7 @@ class Admission:
         deadline = time.monotonic() + READY_WAIT_S
         while not self.ready.wait(0.1):
             if not context.is_active():
-                errors.abort(context, errors.Cancelled("the call ended while the daemon was starting"))
+                raise errors.Cancelled("the call ended while the daemon was starting")
             if time.monotonic() > deadline:
                 return  # run anyway: a failed warm-up costs speed, not service
 

@@ -14,8 +14,6 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import grpc
-
 from nnd.v1 import graph_pb2, nnd_pb2, worker_pb2
 from nnd_daemon import errors
 
@@ -24,15 +22,15 @@ MAX_EDITS = 1024  # per model: anonymous edits a client never deletes must not g
 MAX_STACK = 64
 
 
-class AlreadyExists(errors.NndError):
-    code = grpc.StatusCode.ALREADY_EXISTS
-
-
 @dataclass(frozen=True)
 class Edit:
     id: str
     graphs: tuple[graph_pb2.Graph, ...]
     named: bool
+
+    def stack(self) -> worker_pb2.EditStack:
+        """The edit's graphs as a worker (and the helper) receives them."""
+        return worker_pb2.EditStack(graphs=self.graphs)
 
     def info(self, model: str) -> nnd_pb2.EditInfo:
         return nnd_pb2.EditInfo(
@@ -90,7 +88,7 @@ class EditStore:
                 )
             if name:
                 if name in self._edits and not replace:
-                    raise AlreadyExists(f"an edit named {name!r} exists; pass replace to overwrite it")
+                    raise errors.AlreadyExists(f"an edit named {name!r} exists; pass replace to overwrite it")
                 edit_id = name
             else:
                 edit_id = f"edit-{next(self._serial)}"
@@ -117,4 +115,4 @@ class EditStore:
             raise errors.ResourceExhausted(
                 f"the edits the request names are {size} bytes together, over the limit max_request_bytes={max_bytes}"
             )
-        return {i: worker_pb2.EditStack(graphs=e.graphs) for i, e in edits.items()}
+        return {i: e.stack() for i, e in edits.items()}

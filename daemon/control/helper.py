@@ -30,12 +30,11 @@ import grpc
 import psutil
 
 from nnd.v1 import helper_pb2, helper_pb2_grpc
-from nnd_daemon import errors
+from nnd_daemon import errors, shared
 from nnd_daemon.control import statedir
 
 log = logging.getLogger("nnd.helper")
 
-OPTIONS = [("grpc.max_receive_message_length", 512 * 2**20), ("grpc.max_send_message_length", 512 * 2**20)]
 # How often the watchdog reads the helper's CPU time during a call.
 POLL_S = 0.05
 
@@ -124,7 +123,7 @@ class Helper:
                 self._kill()
                 raise errors.Unavailable(f"the helper process did not start within {self.start_timeout_s:.0f} s")
             time.sleep(0.02)
-        self._channel = grpc.insecure_channel("unix://" + self.socket, options=OPTIONS)
+        self._channel = grpc.insecure_channel("unix://" + self.socket, options=shared.GRPC_OPTIONS)
         grpc.channel_ready_future(self._channel).result(timeout=max(1.0, deadline - time.monotonic()))
         self._stub = helper_pb2_grpc.HelperStub(self._channel)
         self._ps = psutil.Process(self._proc.pid)

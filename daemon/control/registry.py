@@ -13,7 +13,7 @@ re-dispatched at once, at most `restart_limit` times per `restart_window_s`.
 Each worker has an epoch (a new one per start) and a public socket: the
 model's route (`route`). Requests that go there directly are counted by the
 worker; its Status answers (watchdog pings, `nnd ps`, the keep-alive reaper)
-bring that activity here (`_sync`).
+bring that activity here (`activity`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 import psutil
 
 from nnd.v1 import helper_pb2, nnd_pb2, worker_pb2
-from nnd_daemon import errors
+from nnd_daemon import errors, requests
 from nnd_daemon.control import gpus, metamodel, statefile, tplaunch, uploads
 from nnd_daemon.control.helper import Helper
 from nnd_daemon.control.settings import Settings, parse_duration
@@ -42,6 +42,14 @@ from nnd_daemon.control.supervisor import Worker
 log = logging.getLogger("nnd.registry")
 
 META, DISPATCHING, DISPATCHED = nnd_pb2.META, nnd_pb2.DISPATCHING, nnd_pb2.DISPATCHED
+
+
+@dataclass
+class Redispatch:
+    """A model back in META because its worker died: the placement it had, and why."""
+
+    placement: nnd_pb2.Placement | None
+    reason: str
 
 
 @dataclass
@@ -60,7 +68,15 @@ class Entry:
     active: int = 0
     # Trace requests waiting for or running on the worker (the queue).
     queued: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    # The stored upload (its SHA-256) the model was loaded from; "" for a repo id or a path.
+    upload: str = ""
+    # Set when its worker died while dispatched: the next dispatch without a placement of its own uses it.
+    redispatch: Redispatch | None = None
+    # The last worker that died: its epoch and why, for a client whose route it was (`route`).
+    lost_epoch: int = 0
+    lost_reason: str = ""
+    # When the watchdog re-dispatched it after a hang (for --restart-limit).
+    restarts: list[float] = field(default_factory=list)
     # Unloaded: no dispatch may start a worker for it any more (one would be an orphan nobody lists or reaps).
     gone: bool = False
 
@@ -111,7 +127,8 @@ class Registry:
             start_timeout_s=settings.worker_start_timeout_s,
             call_timeout_s=settings.limits.default_deadline_s,
         )
-        uploads.use_checker(settings, self.helper.check_upload)
+        # Uploaded models' files (control/uploads.py), checked in the helper process.
+        self.uploads = uploads.UploadStore(settings, check=self.helper.check_upload)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="keep-alive", daemon=True)
         self._reaper.start()
@@ -156,7 +173,7 @@ class Registry:
             pending.wait()
         try:
             if req.upload:
-                meta = uploads.build_meta(self.settings, req, lambda ref: metamodel.describe(self.helper, ref))
+                meta = self.uploads.build_meta(req, lambda ref: metamodel.describe(self.helper, ref))
             else:
                 ref = helper_pb2.HelperModel(
                     key=name, source=name, revision=req.revision, task=req.task, trust_remote_code=req.trust_remote_code
@@ -168,9 +185,8 @@ class Registry:
                 placement=_merge(nnd_pb2.Placement(), req.placement),
                 trust_remote_code=req.trust_remote_code,
                 keep_alive=req.keep_alive,
+                upload=req.upload,  # the registry file records it (statefile.py)
             )
-            if req.upload:
-                entry.extra["upload"] = req.upload  # the registry file records it (statefile.py)
             with self._lock:
                 self._entries[name] = entry
             self.save()
@@ -198,7 +214,14 @@ class Registry:
             self._changed.notify_all()
         self.release_entry(entry)
         self.save()
-        uploads.forget(self.settings, entry, self.entries())  # its files, unless another model uses them
+        if entry.upload and not any(e.upload == entry.upload for e in self.entries()):
+            self.uploads.forget(entry.upload)  # its files, once no loaded model uses them
+
+    def upload_of(self, name: str) -> str | None:
+        """The upload the model loaded as `name` came from ("" for none); None if no model is."""
+        with self._lock:
+            entry = self._entries.get(name)
+        return None if entry is None else entry.upload
 
     # -- dispatch / release -------------------------------------------------
     def dispatch(self, name: str, override: nnd_pb2.Placement | None = None, keep_alive: str = "") -> Iterator[Any]:
@@ -209,9 +232,11 @@ class Registry:
             _keep_alive_seconds(keep_alive)
             entry.keep_alive = keep_alive
         # After a worker death: the placement it had, and why it is back.
-        again = entry.extra.pop("redispatch", None) if override is None else None
+        again = None
+        if override is None:
+            again, entry.redispatch = entry.redispatch, None
         if again is not None:
-            override = again[0]
+            override = again.placement
         placement = _merge(entry.placement, override)
         # Refuse a tensor-parallel degree this model or machine cannot run, before any process starts.
         tplaunch.check(entry.meta.config, placement, gpus.count())
@@ -228,25 +253,19 @@ class Registry:
             self._check_budget(entry, placement)
             self._make_room(entry)
             entry.state = DISPATCHING
-            entry.last_error = f"re-dispatched {time.strftime('%H:%M:%S')} after: {again[1]}" if again else ""
+            entry.last_error = f"re-dispatched {time.strftime('%H:%M:%S')} after: {again.reason}" if again else ""
         lim = self.settings.limits
         worker = Worker(
             entry.name,
             self.private_dir,
             self.log_dir,
             self._worker_exited,
-            limits=self._engine_limits(),
+            limits=requests.pick(lim, requests.ENGINE_LIMIT_FIELDS),
             placement=placement,
             batch_window_ms=self.settings.batch_window_ms,
             epoch=next(self._epochs),
             public_dir=self.run_dir,
-            request_limits={
-                "max_request_bytes": lim.max_request_bytes,
-                "max_invokes": lim.max_invokes,
-                "max_new_tokens": lim.max_new_tokens,
-                "default_deadline_s": lim.default_deadline_s,
-                "max_queue_depth": lim.max_queue_depth,
-            },
+            request_limits=requests.pick(lim, requests.REQUEST_LIMIT_FIELDS),
             token=self._token,
         )
         try:
@@ -292,17 +311,6 @@ class Registry:
             _check_present(entry)
         self.save()
 
-    def _engine_limits(self) -> dict[str, int]:
-        """The limits a worker's engine enforces on every request."""
-        lim = self.settings.limits
-        return {
-            "max_saved_bytes": lim.max_saved_bytes,
-            "max_invokes": lim.max_invokes,
-            "max_sequence_length": lim.max_sequence_length,
-            "max_new_tokens": lim.max_new_tokens,
-            "max_constant_bytes": lim.max_constant_bytes,
-        }
-
     def _check_budget(self, entry: Entry, placement: nnd_pb2.Placement) -> None:
         need = entry.meta.estimate_bytes(placement.dtype)
         device = _primary_device(placement)
@@ -340,9 +348,10 @@ class Registry:
         live = [e for e in self._entries.values() if e is not entry and e.state in (DISPATCHED, DISPATCHING)]
         if not cap or len(live) < cap:
             return
-        for e in live:
-            self._sync(e, e.worker.last_status if e.worker is not None else None)
-        idle = sorted((e for e in live if e.state == DISPATCHED and not self.busy(e)), key=lambda e: e.last_used)
+        idle = sorted(
+            (e for e in live if e.state == DISPATCHED and not self.busy(e, self.activity(e, ask=False))),
+            key=lambda e: e.last_used,
+        )
         if not idle:
             raise errors.ResourceExhausted(
                 f"{len(live)} models are dispatched (the cap is {cap}) and none is idle; try again later"
@@ -369,7 +378,7 @@ class Registry:
         entry.dtype = ""
         if reason:
             entry.last_error = reason
-        entry.extra.pop("redispatch", None)
+        entry.redispatch = None
         self._changed.notify_all()
         if worker is not None:
             worker.stop()
@@ -381,11 +390,11 @@ class Registry:
             for entry in self._entries.values():
                 if entry.worker is worker:
                     entry.worker = None
-                    entry.extra["lost"] = (worker.epoch, reason)  # for a client whose route it was (`route`)
+                    entry.lost_epoch, entry.lost_reason = worker.epoch, reason
                     entry.last_error = f"worker {reason}" if worker.fault else f"worker died: {reason}"
                     if entry.state == DISPATCHED:
                         entry.state = META
-                        entry.extra["redispatch"] = (entry.dispatched_placement, entry.last_error)
+                        entry.redispatch = Redispatch(entry.dispatched_placement, entry.last_error)
                         entry.dispatched_placement = None
                         entry.dtype = ""
                         if worker.fault and self._may_restart(entry):
@@ -399,7 +408,7 @@ class Registry:
         """Whether a hung model may be re-dispatched now (under --restart-limit); if not, say so."""
         now = time.time()
         window, limit = self.settings.restart_window_s, self.settings.restart_limit
-        recent = [t for t in entry.extra.get("restarts", []) if now - t < window]
+        recent = [t for t in entry.restarts if now - t < window]
         if len(recent) >= limit:
             entry.last_error += (
                 f"; not re-dispatched: {len(recent)} restart(s) in the last {window / 60:g} min"
@@ -407,7 +416,7 @@ class Registry:
                 else "; not re-dispatched (--restart-limit 0)"
             ) + "; a request or `nnd dispatch` brings it back"
             return False
-        entry.extra["restarts"] = [*recent, now]
+        entry.restarts = [*recent, now]
         return True
 
     def _replace(self, entry: Entry) -> None:
@@ -415,7 +424,7 @@ class Registry:
 
         def redispatch() -> None:
             with self._lock:
-                if entry.state != META or "redispatch" not in entry.extra:
+                if entry.state != META or entry.redispatch is None:
                     return  # released, or dispatched by a request meanwhile
             log.warning("re-dispatching %s (%s)", entry.name, entry.last_error)
             try:
@@ -432,7 +441,7 @@ class Registry:
         config = self.alias_config(entry)
         config.replace_edits = True
         for edit in entry.meta.edits.all():
-            config.edits[edit.id].graphs.extend(edit.graphs)
+            config.edits[edit.id].CopyFrom(edit.stack())
         return config
 
     def alias_config(self, entry: Entry) -> worker_pb2.WorkerConfig:
@@ -460,18 +469,23 @@ class Registry:
             if out.lost:
                 return out
         elif failed_epoch:
-            epoch, reason = entry.extra.get("lost", (0, ""))
-            out.lost = reason if epoch == failed_epoch else ""
+            out.lost = entry.lost_reason if entry.lost_epoch == failed_epoch else ""
         with self._lock:
             worker = entry.worker
             if entry.state == DISPATCHED and worker is not None and worker.public:
                 out.address, out.epoch = worker.address, worker.epoch
         return out
 
-    def _sync(self, entry: Entry, status: worker_pb2.WorkerStatus | None) -> None:
-        """Take in what the worker counted (requests sent to it directly): last use, keep-alive."""
+    def activity(self, entry: Entry, *, ask: bool) -> worker_pb2.WorkerStatus | None:
+        """The worker's Status (what it counted, requests sent to it directly included), asked now
+        or as its last answer (a watchdog ping) left it; taken into the entry (last use, keep-alive)
+        before it is returned. The one place the registry reads a worker's activity."""
+        worker = entry.worker
+        if worker is None:
+            return None
+        status = worker.status() if ask else worker.last_status
         if status is None or not (status.accepted or status.active):
-            return
+            return status
         now = time.time()
         with self._lock:
             used = now if status.active else status.idle_since
@@ -483,10 +497,11 @@ class Registry:
                     entry.keep_alive = status.keep_alive
                 except errors.NndError:
                     pass  # not a duration: the worker ran the request; keep the old keep-alive
+        return status
 
-    def busy(self, entry: Entry) -> bool:
-        """Requests in flight, through the daemon or (by the worker's last Status) directly."""
-        status = entry.worker.last_status if entry.worker is not None else None
+    @staticmethod
+    def busy(entry: Entry, status: worker_pb2.WorkerStatus | None) -> bool:
+        """Requests in flight, through the daemon or (by the worker's `status`) directly."""
         return entry.active > 0 or bool(status is not None and status.active)
 
     # -- requests -----------------------------------------------------------
@@ -538,11 +553,11 @@ class Registry:
             now = time.time()
             for entry in self.entries():
                 exp = self.expires_at(entry)
-                if exp and entry.active == 0 and now >= exp and entry.worker is not None:
-                    # Requests may have gone to the worker directly: ask it before ending it.
-                    self._sync(entry, entry.worker.status())
-                    exp = self.expires_at(entry)
-                if exp and not self.busy(entry) and now >= exp:
+                # Requests may have gone to the worker directly: ask it before ending it.
+                asked = exp and entry.active == 0 and now >= exp
+                status = self.activity(entry, ask=bool(asked))
+                exp = self.expires_at(entry)
+                if exp and not self.busy(entry, status) and now >= exp:
                     log.info("keep-alive of %s expired; releasing", entry.name)
                     try:
                         self.release(entry.name, reason="")
@@ -551,8 +566,7 @@ class Registry:
 
     # -- views --------------------------------------------------------------
     def info(self, entry: Entry, *, modules: bool = False) -> nnd_pb2.ModelInfo:
-        status = entry.worker.status() if entry.worker is not None and entry.state == DISPATCHED else None
-        self._sync(entry, status)
+        status = self.activity(entry, ask=True) if entry.state == DISPATCHED else None
         out = nnd_pb2.ModelInfo(
             name=entry.name,
             state=entry.state,
@@ -590,10 +604,11 @@ class Registry:
             statefile.write(self.settings.state_file, self._entries.values())
 
     def restore(self, on_error: Callable[[str, Exception], None]) -> None:
-        """Start the helper, then load (and re-dispatch in the background) what the
-        state file lists. Called once the socket is bound: a daemon that cannot
+        """Start the helper, clear what interrupted uploads left, then load (and re-dispatch
+        in the background) what the state file lists. Called once the socket is bound: a daemon that cannot
         bind exits without having started anything."""
         self.helper.start_soon()
+        self.uploads.clean_partial()
         for rec in statefile.read(self.settings.state_file):
             try:
                 self.load(rec.load_request())
@@ -623,11 +638,11 @@ class Registry:
 
 
 def _idle_s(entry: Entry, status: worker_pb2.WorkerStatus | None) -> float:
-    """Seconds since the model last had work: 0 while a request runs or waits (here or on the worker)."""
-    if entry.active or (status is not None and (status.requests or status.active)):
+    """Seconds since the model last had work: 0 while a request runs or waits (here or on the worker).
+    `status` has been taken in (`Registry.activity`): `last_used` counts the worker's requests too."""
+    if Registry.busy(entry, status) or (status is not None and status.requests):
         return 0.0
-    last = max(entry.last_used, status.idle_since if status is not None else 0.0)
-    return time.time() - last if last else 0.0
+    return time.time() - entry.last_used if entry.last_used else 0.0
 
 
 def _check_present(entry: Entry) -> None:

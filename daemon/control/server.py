@@ -77,7 +77,7 @@ def _handlers(servicer: NndServicer, admission: Admission) -> grpc.GenericRpcHan
             )
             continue
         handlers[method.name] = make(
-            admission.wrap(method.name, _refuse_malformed(fn), streaming=method.server_streaming),
+            admission.wrap(method.name, fn, streaming=method.server_streaming),
             request_deserializer=_parser(req),
             response_serializer=serialize,
         )
@@ -88,31 +88,15 @@ def _pass_bytes(message: Any) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
-class _Malformed:
-    """A request whose bytes do not parse; its handler answers INVALID_ARGUMENT."""
-
-    def __init__(self, message_type: str, error: Exception) -> None:
-        self.text = f"the request is not a valid nnd.v1.{message_type} message ({error}); nothing ran"
-
-
 def _parser(message: Any) -> Callable[[bytes], Any]:
-    # gRPC answers INTERNAL when a deserializer raises; a client's garbage is its own error.
+    # gRPC answers INTERNAL when a deserializer raises; the error interceptor refuses a Malformed.
     def parse(data: bytes) -> Any:
         try:
             return message.FromString(data)
         except (DecodeError, RecursionError, ValueError) as exc:
-            return _Malformed(message.__name__, exc)
+            return errors.Malformed(message.__name__, exc)
 
     return parse
-
-
-def _refuse_malformed(fn: Callable[..., Any]) -> Callable[..., Any]:
-    def handle(request: Any, context: grpc.ServicerContext) -> Any:
-        if isinstance(request, _Malformed):
-            errors.abort(context, errors.InvalidArgument(request.text))
-        return fn(request, context)
-
-    return handle
 
 
 def _prepare_socket(path: str, group: str | None) -> None:
@@ -165,7 +149,8 @@ class Daemon:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers),
             options=OPTIONS,
-            interceptors=self.access.interceptors(),
+            # The token check first: a refused call never reaches a method (errors.ErrorInterceptor).
+            interceptors=[*self.access.interceptors(), errors.ErrorInterceptor(logging.getLogger("nnd.servicer"))],
         )
         self.tcp_port = 0
         self.server.add_generic_rpc_handlers((_handlers(self.servicer, self.admission),))

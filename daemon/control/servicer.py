@@ -1,5 +1,5 @@
-"""The public Nnd service: validate, route to the registry or a worker, and map
-errors to statuses in one place (`_guard`).
+"""The public Nnd service: validate, and route to the registry, the helper or a
+worker. Methods raise NndError; the server's errors.ErrorInterceptor makes it a status.
 
 Trace, Generate and Session arrive here only from clients that do not follow
 routes: their bytes go to the model's worker unparsed (forward.py), and the
@@ -9,11 +9,9 @@ worker checks them. Local clients send them to the worker directly (GetRoute).
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -21,38 +19,12 @@ import grpc
 from nnd import __version__
 from nnd.v1 import graph_pb2, helper_pb2, nnd_pb2, worker_pb2
 from nnd_daemon import aliases, errors, requests, shared
-from nnd_daemon.control import forward, gpus, uploads
+from nnd_daemon.control import forward, gpus
 from nnd_daemon.control.inflight import InflightBudget
 from nnd_daemon.control.registry import Registry
 from nnd_daemon.control.settings import Settings
 
 log = logging.getLogger("nnd.servicer")
-
-
-def _guard(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn NndError into its status; anything else is INTERNAL, logged."""
-
-    @functools.wraps(method)
-    def unary(self: NndServicer, request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return method(self, request, context)
-        except errors.NndError as err:
-            errors.abort(context, err)
-        except Exception as exc:
-            log.exception("%s failed", method.__name__)
-            errors.abort(context, errors.NndError(f"internal error: {type(exc).__name__}: {exc}"))
-
-    @functools.wraps(method)
-    def streaming(self: NndServicer, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        try:
-            yield from method(self, request, context)
-        except errors.NndError as err:
-            errors.abort(context, err)
-        except Exception as exc:
-            log.exception("%s failed", method.__name__)
-            errors.abort(context, errors.NndError(f"internal error: {type(exc).__name__}: {exc}"))
-
-    return streaming if inspect.isgeneratorfunction(method) else unary
 
 
 class NndServicer:
@@ -65,7 +37,6 @@ class NndServicer:
         self.inflight = InflightBudget(settings.limits.max_inflight_bytes)
 
     # -- server -------------------------------------------------------------
-    @_guard
     def GetServerInfo(self, request: Any, context: grpc.ServicerContext) -> nnd_pb2.ServerInfo:
         # The engine's ops and the library versions come from the helper: this process never imports torch.
         caps = self.registry.helper.capabilities()
@@ -81,9 +52,8 @@ class NndServicer:
         return info
 
     # -- models -------------------------------------------------------------
-    @_guard
     def LoadModel(self, request: nnd_pb2.LoadModelRequest, context: grpc.ServicerContext) -> nnd_pb2.ModelInfo:
-        uploads.before_load(self.settings, self.registry, request)  # LoadModel(upload=): allowed, named
+        self.registry.uploads.before_load(self.registry.upload_of, request)  # LoadModel(upload=): allowed, named
         entry = self.registry.load(request)
         # nnsight's rename=: extra module names for this handle only (checked before anything runs).
         table = entry.meta.renamed(request.rename) if request.rename else None
@@ -97,45 +67,36 @@ class NndServicer:
                 module.aliases[:] = sorted(names.get(module.path, ()))
         return info
 
-    @_guard
     def GetModel(self, request: nnd_pb2.GetModelRequest, context: grpc.ServicerContext) -> nnd_pb2.ModelInfo:
         return self.registry.info(self.registry.get(request.model), modules=True)
 
-    @_guard
     def GetRoute(self, request: nnd_pb2.RouteRequest, context: grpc.ServicerContext) -> nnd_pb2.Route:
         return self.registry.route(request.model, request.failed_epoch)
 
-    @_guard
     def ListModels(self, request: Any, context: grpc.ServicerContext) -> nnd_pb2.ListModelsResponse:
         return nnd_pb2.ListModelsResponse(models=[self.registry.info(e) for e in self.registry.entries()])
 
-    @_guard
     def Dispatch(self, request: nnd_pb2.DispatchRequest, context: grpc.ServicerContext) -> Iterator[Any]:
         entry = self.registry.get(request.model)
         override = request.placement if request.HasField("placement") else None
         yield from self.registry.dispatch(entry.name, override, request.keep_alive)
         yield nnd_pb2.DispatchProgress(stage="ready", message="dispatched", model=self.registry.info(entry))
 
-    @_guard
     def Release(self, request: nnd_pb2.ReleaseRequest, context: grpc.ServicerContext) -> nnd_pb2.ModelInfo:
         return self.registry.info(self.registry.release(request.model))
 
-    @_guard
     def Unload(self, request: nnd_pb2.UnloadRequest, context: grpc.ServicerContext) -> nnd_pb2.UnloadResponse:
         self.registry.unload(request.model)
         return nnd_pb2.UnloadResponse()
 
     # -- uploads (control/uploads.py) ---------------------------------------
-    @_guard
     def Upload(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> nnd_pb2.UploadResponse:
-        return uploads.upload(self.settings, request_iterator, context)
+        return self.registry.uploads.upload(request_iterator, context)
 
-    @_guard
     def HasUpload(self, request: nnd_pb2.HasUploadRequest, context: grpc.ServicerContext) -> Any:
-        return uploads.has_upload(self.settings, request)
+        return self.registry.uploads.has_upload(request)
 
     # -- tracing ------------------------------------------------------------
-    @_guard
     def Scan(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         yield from self._scan(raw, context, session=False)
 
@@ -163,19 +124,17 @@ class NndServicer:
             yield message.SerializeToString()
 
     def _deadline(self, context: grpc.ServicerContext) -> float | None:
+        """The call's own deadline, else the daemon's default (None: none)."""
         remaining = context.time_remaining()
         timeout = remaining if remaining is not None and remaining < 1e8 else self.settings.limits.default_deadline_s
         return timeout or None
 
-    @_guard
     def Trace(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         yield from self._forward("Trace", raw, context)
 
-    @_guard
     def Generate(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         yield from self._forward("Generate", raw, context)
 
-    @_guard
     def Session(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
         """Several traces in one request: run in order in the model's worker, or as scans here."""
         steer = forward.peek(raw, session=True)
@@ -184,13 +143,13 @@ class NndServicer:
             return
         yield from self._forward("Session", raw, context, steer)
 
-    @_guard
     def Interact(self, messages: Iterator[Any], context: grpc.ServicerContext) -> Iterator[bytes]:
         """Check the first message, add the edits' graphs, then pass messages both ways unparsed by the worker."""
         first = next(messages, None)
-        if first is None or getattr(first, "WhichOneof", lambda _: None)("kind") != "start":
-            text = getattr(first, "text", "an Interact stream starts with an InteractStart")
-            raise errors.InvalidArgument(text)
+        if isinstance(first, errors.Malformed):
+            raise first.error
+        if first is None or first.WhichOneof("kind") != "start":
+            raise errors.InvalidArgument("an Interact stream starts with an InteractStart")
         start = first.start
         requests.check(start.request, self.settings.limits, generate=start.generate)
         meta = self.registry.get(start.request.model).meta
@@ -216,11 +175,7 @@ class NndServicer:
             worker = entry.worker
             if worker is None:
                 raise errors.Unavailable(f"model {entry.name} lost its worker: {entry.last_error}")
-            remaining = context.time_remaining()
-            timeout = (
-                remaining if remaining is not None and remaining < 1e8 else self.settings.limits.default_deadline_s
-            )
-            yield from worker.interact(upstream(), timeout=timeout or None, client=context)
+            yield from worker.interact(upstream(), timeout=self._deadline(context), client=context)
         finally:
             self.registry.done(entry)
 
@@ -235,10 +190,6 @@ class NndServicer:
             steer.model, auto_dispatch=not steer.no_auto_dispatch, keep_alive=steer.keep_alive
         )
         try:
-            remaining = context.time_remaining()
-            timeout = (
-                remaining if remaining is not None and remaining < 1e8 else self.settings.limits.default_deadline_s
-            )
             worker = entry.worker
             if worker is None:
                 raise errors.Unavailable(f"model {entry.name} lost its worker: {entry.last_error}")
@@ -252,7 +203,7 @@ class NndServicer:
             # A client that goes away cancels the worker's call at once (not at its next response).
             try:
                 with self.inflight.hold(len(raw), "the request"):
-                    call = worker.forward(method, raw, timeout=timeout or None, client=context, metadata=metadata)
+                    call = worker.forward(method, raw, timeout=self._deadline(context), client=context, metadata=metadata)
                     yield from self.inflight.passing(call, "a result")
             except errors.NndError:
                 if entry.gone:  # its worker was stopped under it: say why, not "Channel closed!"
@@ -264,7 +215,6 @@ class NndServicer:
                 log.info("%s on %s cancelled: its client (%s) cancelled or went away", method, entry.name, context.peer())
 
     # -- edits --------------------------------------------------------------
-    @_guard
     def CreateEdit(self, request: nnd_pb2.CreateEditRequest, context: grpc.ServicerContext) -> nnd_pb2.EditInfo:
         entry = self.registry.get(request.model)
         requests.check_nodes(request.graph, "the edit")
@@ -287,16 +237,14 @@ class NndServicer:
             max_bytes=self.settings.limits.max_request_bytes,
         )
         change = worker_pb2.WorkerConfig()
-        change.edits[edit.id].graphs.extend(edit.graphs)
+        change.edits[edit.id].CopyFrom(edit.stack())
         self.registry.configure(entry, change)  # before the client can name it in a request to the worker
         return edit.info(entry.name)
 
-    @_guard
     def ListEdits(self, request: nnd_pb2.ListEditsRequest, context: grpc.ServicerContext) -> Any:
         entry = self.registry.get(request.model)
         return nnd_pb2.ListEditsResponse(edits=[e.info(entry.name) for e in entry.meta.edits.all()])
 
-    @_guard
     def DeleteEdit(self, request: nnd_pb2.DeleteEditRequest, context: grpc.ServicerContext) -> Any:
         entry = self.registry.get(request.model)
         entry.meta.edits.delete(request.id)
@@ -310,7 +258,6 @@ class NndServicer:
             raise errors.FailedPrecondition(f"model {model} has no tokenizer; send token ids instead of text")
         return meta.ref
 
-    @_guard
     def Tokenize(self, request: nnd_pb2.TokenizeRequest, context: grpc.ServicerContext) -> nnd_pb2.TokenizeResponse:
         ref = self._tokens(request.model)
         size, limit = sum(len(t.encode("utf-8")) for t in request.texts), self.settings.limits.max_tokenize_bytes
@@ -322,13 +269,11 @@ class NndServicer:
         call = helper_pb2.HelperTokenizeRequest(model=ref, request=request)
         return self.registry.helper.call("Tokenize", call, what="this Tokenize", client=context)
 
-    @_guard
     def Decode(self, request: nnd_pb2.DecodeRequest, context: grpc.ServicerContext) -> nnd_pb2.DecodeResponse:
         _check_token_ids(request.ids)
         call = helper_pb2.HelperDecodeRequest(model=self._tokens(request.model), request=request)
         return self.registry.helper.call("Decode", call, what="this Decode", client=context)
 
-    @_guard
     def GetTokenizerFiles(self, request: nnd_pb2.GetModelRequest, context: grpc.ServicerContext) -> Any:
         ref = self._tokens(request.model)
         return self.registry.helper.call("GetTokenizerFiles", ref, what="GetTokenizerFiles", client=context)

@@ -57,7 +57,7 @@ def write(path: str, entries: Iterable[Any]) -> None:
                 "keep_alive": e.keep_alive,
                 "placement": json_format.MessageToDict(placement),
                 "dispatched": e.state in (nnd_pb2.DISPATCHED, nnd_pb2.DISPATCHING),
-                "upload": e.extra.get("upload", ""),
+                "upload": e.upload,
             }
         )
     os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -17,7 +17,7 @@ Faults, as a client sees them (docs/reliability.md has the whole story):
   (`watch`): a Status ping every interval; after N pings in a row without an
   answer it is killed, and the same happens as for a death, except that the
   registry re-dispatches the model at once.
-- a client that goes away cancels its request in the worker (`run`).
+- a client that goes away cancels its request in the worker (`forward`, `interact`).
 """
 
 from __future__ import annotations
@@ -133,10 +133,6 @@ class Worker:
         self._ended = threading.Event()
 
     @property
-    def pid(self) -> int:
-        return self.proc.pid if self.proc else 0
-
-    @property
     def pids(self) -> list[int]:
         """Every process of the worker: the ranks in rank order, then torchrun's agent; or the one worker."""
         if not self.proc:
@@ -185,13 +181,8 @@ class Worker:
         self.channel = grpc.insecure_channel("unix://" + self.socket, options=OPTIONS)
         grpc.channel_ready_future(self.channel).result(timeout=max(1.0, deadline - time.monotonic()))
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
-        # Results pass through the daemon as bytes, never decoded here.
-        self.run_raw = self.channel.unary_stream(
-            "/nnd.v1.Worker/Run",
-            request_serializer=worker_pb2.WorkerRunRequest.SerializeToString,
-            response_deserializer=None,
-        )
-        # Clients' data requests, forwarded as bytes (worker/gateway.py parses them).
+        # Clients' data requests, forwarded as bytes (worker/gateway.py parses them); results pass
+        # through the daemon as bytes too, never decoded here.
         self.forward_raw = {
             method: self.channel.unary_stream(f"/nnd.v1.Nnd/{method}") for method in shared.DATA_METHODS
         }
@@ -292,36 +283,6 @@ class Worker:
         except grpc.RpcError as err:
             raise self.translate(err) from None
 
-    def run(
-        self,
-        request: nnd_pb2.TraceRequest | worker_pb2.WorkerRunRequest,
-        *,
-        generate: bool = False,
-        timeout: float | None,
-        client: grpc.ServicerContext | None = None,
-    ) -> Iterator[bytes]:
-        """Run `request` on the worker, passing its serialized responses through.
-
-        With `client` (the caller's context), a client that goes away cancels
-        the worker's call at once, not only when the next response is due: a
-        Trace sends nothing until it is done, and the engine stops at its next
-        hook."""
-        if not isinstance(request, worker_pb2.WorkerRunRequest):
-            request = worker_pb2.WorkerRunRequest(request=request, generate=generate)
-        # Who asked, for the worker's `nnd ps` view: the client's own name for itself, else its peer address.
-        call = self.run_raw(request, timeout=timeout, metadata=_client_metadata(client) if client is not None else None)
-        if client is not None and not client.add_callback(call.cancel):
-            call.cancel()  # the client is already gone
-        ran = False  # a queued request's turn came (worker/service.py's RUNNING): it may have run
-        try:
-            for raw in call:
-                ran = ran or raw == _RUNNING
-                yield raw
-        except grpc.RpcError as err:
-            raise self.translate(err, started=ran or _started(call)) from None
-        finally:
-            call.cancel()
-
     def interact(
         self,
         messages: Iterator[worker_pb2.WorkerInteractRequest],
@@ -354,7 +315,11 @@ class Worker:
         client: grpc.ServicerContext,
         metadata: list[tuple[str, str]],
     ) -> Iterator[bytes]:
-        """Send a client's request bytes to the worker unparsed and pass its responses back (as `run`)."""
+        """Send a client's request bytes to the worker unparsed and pass its responses back.
+
+        A client that goes away cancels the worker's call at once, not only when the next
+        response is due: a Trace sends nothing until it is done, and the engine stops at
+        its next hook."""
         call = self.forward_raw[method](raw, timeout=timeout, metadata=[*metadata, *_client_metadata(client)])
         if not client.add_callback(call.cancel):
             call.cancel()
@@ -441,9 +406,6 @@ class Worker:
                     os.unlink(path)
                 except OSError:
                     pass
-
-    def info(self) -> dict[str, Any]:
-        return {"pid": self.pid, "socket": self.socket, "public": self.public, "epoch": self.epoch}
 
     def _end_group(self) -> None:
         """A group goes down as a whole: torchrun stops the other ranks when one dies; wait for it to

@@ -65,10 +65,6 @@ _TRANSFORMERS_SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".jinja", "
 _EXPORTED_FILES = ("modules.json", "program.pt2")
 
 
-class AlreadyExists(errors.NndError):
-    code = grpc.StatusCode.ALREADY_EXISTS
-
-
 def hash_prefix(name: str, size: int) -> bytes:
     """What the content hash takes in before a file's bytes (see UploadHeader.sha256)."""
     return name.encode() + b"\0" + str(size).encode() + b"\0"
@@ -147,11 +143,20 @@ class Stored:
     path: str
 
 
-class UploadStore:
-    """The uploads folder of one state directory."""
+Check = Callable[[str, str], None]
 
-    def __init__(self, state_dir: str) -> None:
-        self.root = os.path.join(state_dir, "uploads")
+
+class UploadStore:
+    """The uploads folder of one state directory and the RPCs on it; the registry owns one.
+
+    `check(kind, folder)` checks uploaded content: the daemon's helper process
+    (control/helper.py), so a crafted upload never loads in the daemon's own; without
+    one (the store used as a library, in tests), this process."""
+
+    def __init__(self, settings: Settings, check: Check | None = None) -> None:
+        self.settings = settings
+        self.root = os.path.join(settings.state_dir, "uploads")
+        self._check = check
         self._lock = threading.Lock()
         # Hashes being loaded right now: an Unload never deletes them under a LoadModel.
         self._pinned: dict[str, int] = {}
@@ -192,15 +197,17 @@ class UploadStore:
         log.info("deleted upload %s", sha)
 
     def clean_partial(self) -> None:
-        """Remove what interrupted uploads and deletions left (at start)."""
+        """Remove what interrupted uploads and deletions left (at start, once the daemon owns the socket)."""
         if not os.path.isdir(self.root):
             return
         for name in os.listdir(self.root):
             if name.startswith((".partial-", ".deleting-")):
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
-    # -- Upload -------------------------------------------------------------
-    def receive(self, settings: Settings, messages: Iterator[Any], context: grpc.ServicerContext) -> Any:
+    # -- RPCs (servicer.py calls these) -------------------------------------
+    def upload(self, messages: Iterator[Any], context: grpc.ServicerContext) -> nnd_pb2.UploadResponse:
+        settings = self.settings
+        _check_enabled(settings)
         messages = _well_formed(messages)
         first = next(messages, None)
         if first is None or first.WhichOneof("kind") != "header":
@@ -221,7 +228,7 @@ class UploadStore:
         tmp = tempfile.mkdtemp(prefix=".partial-", dir=self.root)
         try:
             received = _write(tmp, header, messages, context)
-            _checker(settings)(header.kind, tmp)
+            self._checker()(header.kind, tmp)
             with open(os.path.join(tmp, MANIFEST), "w") as f:
                 json.dump(
                     {
@@ -246,11 +253,71 @@ class UploadStore:
         log.info("stored %s upload %s (%s)", header.kind, header.sha256, _size(received))
         return nnd_pb2.UploadResponse(sha256=header.sha256, received_bytes=received)
 
+    def _checker(self) -> Check:
+        if self._check is None:
+            from nnd_daemon.helper.checks import check_upload
+
+            return check_upload
+        return self._check
+
+    def has_upload(self, request: nnd_pb2.HasUploadRequest) -> nnd_pb2.HasUploadResponse:
+        settings = self.settings
+        _check_enabled(settings)
+        _check_sha(request.sha256)
+        present = self.get(request.sha256) is not None
+        if not present and request.total_bytes:
+            _check_size(settings, request.total_bytes)
+        return nnd_pb2.HasUploadResponse(present=present, max_upload_bytes=max(settings.limits.max_upload_bytes, 0))
+
+    # -- the registry's side -------------------------------------------------
+    def before_load(self, taken: Callable[[str], str | None], request: nnd_pb2.LoadModelRequest) -> None:
+        """LoadModel(upload=) from a client: allowed, named, and not taking another model's name.
+        `taken(name)`: the upload of the model loaded as `name` ("" for none), None if no model is."""
+        if not request.upload:
+            return
+        _check_enabled(self.settings)
+        _check_sha(request.upload)
+        request.model = request.model.strip() or f"upload-{request.upload[:12]}"
+        upload = taken(request.model)
+        if upload is not None and upload != request.upload:
+            raise errors.AlreadyExists(
+                f"the name {request.model!r} is taken by another model; unload it first or choose another name"
+            )
+
+    def build_meta(
+        self,
+        request: nnd_pb2.LoadModelRequest,
+        describe: Callable[[helper_pb2.HelperModel], metamodel.MetaModel],
+    ) -> metamodel.MetaModel:
+        """The META model of a stored upload (registry.load, for LoadModel(upload=) and restores),
+        built by `describe` (in the helper process)."""
+        _check_sha(request.upload)
+        if request.trust_remote_code:
+            raise errors.PermissionDenied("an uploaded model runs no code: trust_remote_code is refused")
+        stored = self.get(request.upload)
+        if stored is None:
+            raise errors.NotFound(f"no upload {request.upload} on this daemon; send it with Upload first")
+        self.pin(stored.sha256)
+        try:
+            ref = helper_pb2.HelperModel(
+                key=request.model, source=stored.path, task=request.task, exported=stored.kind == "exported"
+            )
+            return describe(ref)
+        finally:
+            self.unpin(stored.sha256)
+
+    def forget(self, sha: str) -> None:
+        """After the Unload of the last model using upload `sha`: delete it."""
+        try:
+            self.delete(sha)
+        except OSError as exc:
+            log.warning("could not delete upload %s: %s", sha, exc)
+
 
 def _well_formed(messages: Iterator[Any]) -> Iterator[Any]:
     for message in messages:
-        if not isinstance(message, nnd_pb2.UploadRequest):  # server.py's parser could not read it
-            raise errors.InvalidArgument(getattr(message, "text", "a message of the Upload is not an UploadRequest"))
+        if isinstance(message, errors.Malformed):  # server.py's parser could not read it
+            raise message.error
         yield message
 
 
@@ -306,102 +373,3 @@ def _write(folder: str, header: Any, messages: Iterator[Any], context: grpc.Serv
             f"the content's SHA-256 is {digest.hexdigest()}, not the {header.sha256} the header gives; nothing stored"
         )
     return received
-
-
-_checkers: dict[str, Callable[[str, str], None]] = {}
-
-
-def use_checker(settings: Settings, check: Callable[[str, str], None]) -> None:
-    """Check uploaded content with `check(kind, folder)`: the daemon's helper process
-    (control/helper.py), so a crafted upload never loads in the daemon's own."""
-    _checkers[settings.state_dir] = check
-
-
-def _checker(settings: Settings) -> Callable[[str, str], None]:
-    check = _checkers.get(settings.state_dir)
-    if check is None:  # no daemon (the store used as a library, in tests): check in this process
-        from nnd_daemon.helper.checks import check_upload
-
-        return check_upload
-    return check
-
-
-_stores: dict[str, UploadStore] = {}
-_stores_lock = threading.Lock()
-
-
-def store(settings: Settings) -> UploadStore:
-    with _stores_lock:
-        if settings.state_dir not in _stores:
-            _stores[settings.state_dir] = UploadStore(settings.state_dir)
-            _stores[settings.state_dir].clean_partial()
-        return _stores[settings.state_dir]
-
-
-# ------------------------------------------------------------------ RPCs (servicer.py calls these)
-
-
-def upload(settings: Settings, messages: Iterator[Any], context: grpc.ServicerContext) -> nnd_pb2.UploadResponse:
-    _check_enabled(settings)
-    return store(settings).receive(settings, messages, context)
-
-
-def has_upload(settings: Settings, request: nnd_pb2.HasUploadRequest) -> nnd_pb2.HasUploadResponse:
-    _check_enabled(settings)
-    _check_sha(request.sha256)
-    present = store(settings).get(request.sha256) is not None
-    if not present and request.total_bytes:
-        _check_size(settings, request.total_bytes)
-    return nnd_pb2.HasUploadResponse(present=present, max_upload_bytes=max(settings.limits.max_upload_bytes, 0))
-
-
-def before_load(settings: Settings, registry: Any, request: nnd_pb2.LoadModelRequest) -> None:
-    """LoadModel(upload=) from a client: allowed, named, and not taking another model's name."""
-    if not request.upload:
-        return
-    _check_enabled(settings)
-    _check_sha(request.upload)
-    request.model = request.model.strip() or f"upload-{request.upload[:12]}"
-    for entry in registry.entries():
-        if entry.name == request.model and entry.extra.get("upload") != request.upload:
-            raise AlreadyExists(
-                f"the name {request.model!r} is taken by another model; unload it first or choose another name"
-            )
-
-
-# ------------------------------------------------------------------ the registry's side
-
-
-def build_meta(
-    settings: Settings,
-    request: nnd_pb2.LoadModelRequest,
-    describe: Callable[[helper_pb2.HelperModel], metamodel.MetaModel],
-) -> metamodel.MetaModel:
-    """The META model of a stored upload (registry.load, for LoadModel(upload=) and restores),
-    built by `describe` (in the helper process)."""
-    _check_sha(request.upload)
-    if request.trust_remote_code:
-        raise errors.PermissionDenied("an uploaded model runs no code: trust_remote_code is refused")
-    uploads = store(settings)
-    stored = uploads.get(request.upload)
-    if stored is None:
-        raise errors.NotFound(f"no upload {request.upload} on this daemon; send it with Upload first")
-    uploads.pin(stored.sha256)
-    try:
-        ref = helper_pb2.HelperModel(
-            key=request.model, source=stored.path, task=request.task, exported=stored.kind == "exported"
-        )
-        return describe(ref)
-    finally:
-        uploads.unpin(stored.sha256)
-
-
-def forget(settings: Settings, entry: Any, remaining: Iterable[Any]) -> None:
-    """After an Unload: delete the entry's upload unless another loaded model uses it."""
-    sha = entry.extra.get("upload")
-    if not sha or any(e.extra.get("upload") == sha for e in remaining):
-        return
-    try:
-        store(settings).delete(sha)
-    except OSError as exc:
-        log.warning("could not delete upload %s: %s", sha, exc)

@@ -26,7 +26,7 @@ import torch
 from nnd.v1 import graph_pb2
 
 from .. import errors
-from . import grads, modules, sharding, values
+from . import caches, grads, modules, sharding, values
 from .failures import where, wrap
 from .hooks import HookSet
 from .interact import Interaction
@@ -113,7 +113,7 @@ class Executor:
             if node.kind == "external":
                 self.root.values[node.id] = node.value
         self.grad_sources = set() if scan else plan.grad_sources
-        self.caches = grads.Caches(plan, list(self.modules), batch_rows, batch_size)
+        self.caches = caches.Caches(plan, list(self.modules), batch_rows, batch_size)
 
     # ------------------------------------------------------------ frames and steps
 

@@ -1,4 +1,4 @@
-"""Gradients and caches, run inside the executor's dataflow loop.
+"""Gradients, run inside the executor's dataflow loop.
 
 Gradients. A Backward node runs as soon as its loss exists. Before calling
 autograd it finds, for every value whose gradient the graph reads or
@@ -15,14 +15,11 @@ are served as copies, so editing one never touches another value's gradient.
 Module values whose gradient is needed are made to require grad at their hook
 (a copy of a fresh leaf: the model's weights never require grad, so nothing
 else would), and only in requests that run a backward pass.
-
-Caches record module values at the end of each hook, after the graph's
-writes there, one entry per call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,13 +27,12 @@ import torch
 from nnd.v1 import graph_pb2
 
 from .. import errors
-from . import values, wire
 from .failures import where, wrap
-from .order import POST, PRE
+from .order import POST
 
 if TYPE_CHECKING:
     from .executor import Executor, Frame
-    from .plan import Plan, PlanNode
+    from .plan import PlanNode
 
 # ------------------------------------------------------------------ requiring grad
 
@@ -259,87 +255,3 @@ def _copy_into(ex: Executor, node: PlanNode, target: torch.Tensor, value: Any) -
         target.copy_(value)
 
     ex.guard(node, copy)
-
-
-# ------------------------------------------------------------------ caches
-
-
-def _sanitize(value: Any) -> Any:
-    """What the wire can carry: tensors, plain values and containers of them; anything else is None."""
-    if isinstance(value, torch.Tensor) or value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (torch.Size, torch.dtype)):
-        return value
-    if isinstance(value, Mapping):
-        return {str(k): _sanitize(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        items = [_sanitize(v) for v in value]
-        return items if isinstance(value, list) else tuple(items)
-    return None
-
-
-class Caches:
-    """The Cache nodes of a plan and what they have recorded so far."""
-
-    def __init__(
-        self, plan: Plan, modules: list[str], rows: list[tuple[int, int]] | None = None, batch_size: int = 0
-    ) -> None:
-        self.rows = rows or []
-        self.batch_size = batch_size
-        self.by_path: dict[str, list[tuple[int, graph_pb2.Cache]]] = {}
-        # cache node -> path -> call -> {"output": ..., "inputs": ...}
-        self.entries: dict[int, dict[str, dict[int, dict[str, Any]]]] = {}
-        for node in plan.nodes.values():
-            if node.kind != "cache":
-                continue
-            spec = node.proto.cache
-            self.entries[node.id] = {}
-            for path in spec.modules or modules:
-                self.by_path.setdefault(path, []).append((node.id, spec))
-
-    def wants(self, path: str) -> bool:
-        return path in self.by_path
-
-    def record(self, path: str, hook: str, call: int, value: Any) -> None:
-        for cache_id, spec in self.by_path.get(path, ()):
-            if hook == PRE and spec.inputs:
-                args, kwargs = value
-                item, slot = (tuple(args), dict(kwargs)), "inputs"
-            elif hook == POST and spec.outputs:
-                item, slot = value, "output"
-            else:
-                continue
-            if spec.HasField("invoke") and spec.invoke < len(self.rows):
-                # A cache opened inside an invoke sees that invoke's rows, as its module values do.
-                start, stop = self.rows[spec.invoke]
-                item = values.rows(item, start, stop, self.batch_size)
-            entry = self.entries[cache_id].setdefault(path, {}).setdefault(call, {})
-            entry[slot] = _sanitize(_transform(item, spec))
-
-    def result(self, cache_id: int) -> dict[str, list[dict[str, Any]]]:
-        return {path: [calls[c] for c in sorted(calls)] for path, calls in self.entries.get(cache_id, {}).items()}
-
-
-def _transform(value: Any, spec: graph_pb2.Cache) -> Any:
-    dtype = wire.to_torch_dtype(spec.dtype) if spec.dtype else None
-    device = spec.device or None
-
-    def fix(t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        return t.to(device) if device is not None else t
-
-    return _map(value, fix)
-
-
-def _map(value: Any, fn: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, Mapping):
-        return {k: _map(v, fn) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_map(v, fn) for v in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_map(v, fn) for v in value)
-    return value

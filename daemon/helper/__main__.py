@@ -13,24 +13,11 @@ import logging
 import os
 import resource
 import signal
-import threading
-import time
 from concurrent import futures
 
 import grpc
 
-OPTIONS = [("grpc.max_receive_message_length", 512 * 2**20), ("grpc.max_send_message_length", 512 * 2**20)]
-
-
-def _die_with_parent(parent: int) -> None:
-    # Polling, not PR_SET_PDEATHSIG: that fires when the daemon *thread* that started us ends.
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    if parent:
-        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+from nnd_daemon import errors, shared
 
 
 def main() -> None:
@@ -40,7 +27,7 @@ def main() -> None:
     parser.add_argument("--memory-bytes", type=int, default=0, help="RLIMIT_AS in bytes (0: none)")
     parser.add_argument("--cache", type=int, default=8, help="META models kept (least recently used go first)")
     ns = parser.parse_args()
-    _die_with_parent(ns.parent)
+    shared.die_with_parent(ns.parent)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s helper %(levelname)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Imported before the limit goes up and before serving: no call pays for it, and it cannot fail on it.
@@ -48,12 +35,13 @@ def main() -> None:
     import transformers  # noqa: F401
 
     from nnd.v1 import helper_pb2_grpc
-    from nnd_daemon.helper.service import HelperService
+    from nnd_daemon.helper.service import HelperService, memory_error
 
     torch.set_num_threads(1)  # fake tensors compute nothing; one thread keeps the CPU bound per call honest
     if ns.memory_bytes > 0:
         resource.setrlimit(resource.RLIMIT_AS, (ns.memory_bytes, ns.memory_bytes))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=OPTIONS)
+    mapped = errors.ErrorInterceptor(logging.getLogger("nnd.helper"), translate=memory_error)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=shared.GRPC_OPTIONS, interceptors=[mapped])
     helper_pb2_grpc.add_HelperServicer_to_server(HelperService(ns.cache), server)
     server.add_insecure_port("unix://" + ns.socket)
     server.start()

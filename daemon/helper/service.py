@@ -3,14 +3,12 @@ request after a restart) and the work on them whose cost a client shapes."""
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
 import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,22 +25,9 @@ log = logging.getLogger("nnd.helper")
 MEMORY_EXC = "MemoryError"
 
 
-def _guard(method: Callable[..., Any]) -> Callable[..., Any]:
-    """NndError -> its status; MemoryError (RLIMIT_AS) -> RESOURCE_EXHAUSTED; the rest INTERNAL."""
-
-    @functools.wraps(method)
-    def call(self: HelperService, request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return method(self, request, context)
-        except errors.NndError as err:
-            errors.abort(context, err)
-        except MemoryError:
-            errors.abort(context, errors.ResourceExhausted("out of memory", exc_type=MEMORY_EXC))
-        except Exception as exc:
-            log.exception("%s failed", method.__name__)
-            errors.abort(context, errors.NndError(f"internal error: {type(exc).__name__}: {exc}"))
-
-    return call
+def memory_error(exc: BaseException) -> errors.NndError | None:
+    """A MemoryError (the helper's address-space limit) as RESOURCE_EXHAUSTED, for errors.ErrorInterceptor."""
+    return errors.ResourceExhausted("out of memory", exc_type=MEMORY_EXC) if isinstance(exc, MemoryError) else None
 
 
 class HelperService(helper_pb2_grpc.HelperServicer):
@@ -72,11 +57,9 @@ class HelperService(helper_pb2_grpc.HelperServicer):
             raise errors.FailedPrecondition(f"model {ref.key} has no tokenizer; send token ids instead of text")
         return tok
 
-    @_guard
     def Describe(self, request: helper_pb2.HelperModel, context: grpc.ServicerContext) -> Any:
         return meta.describe(self._model(request))
 
-    @_guard
     def Scan(self, request: helper_pb2.HelperScanRequest, context: grpc.ServicerContext) -> Any:
         from nnd_daemon import aliases, engine, requests
 
@@ -113,14 +96,12 @@ class HelperService(helper_pb2_grpc.HelperServicer):
                 engine.run(built.module, built.tokenizer, run.request, mode="scan", **common)
         return out
 
-    @_guard
     def CheckEdit(self, request: helper_pb2.HelperEditRequest, context: grpc.ServicerContext) -> Any:
         from nnd_daemon.engine import plan
 
         plan.check_edit(request.graph, self._model(request.model).module)
         return helper_pb2.HelperEmpty()
 
-    @_guard
     def Tokenize(self, request: helper_pb2.HelperTokenizeRequest, context: grpc.ServicerContext) -> Any:
         tok = self._tokenizer(request.model)
         out = nnd_pb2.TokenizeResponse()
@@ -128,7 +109,6 @@ class HelperService(helper_pb2_grpc.HelperServicer):
             out.ids.add(ids=tok(text, add_special_tokens=not request.request.no_special_tokens)["input_ids"])
         return out
 
-    @_guard
     def Decode(self, request: helper_pb2.HelperDecodeRequest, context: grpc.ServicerContext) -> Any:
         tok = self._tokenizer(request.model)
         skip = request.request.skip_special_tokens
@@ -136,7 +116,6 @@ class HelperService(helper_pb2_grpc.HelperServicer):
             texts=[tok.decode(list(i.ids), skip_special_tokens=skip) for i in request.request.ids]
         )
 
-    @_guard
     def GetTokenizerFiles(self, request: helper_pb2.HelperModel, context: grpc.ServicerContext) -> Any:
         tok = self._tokenizer(request)
         out = nnd_pb2.TokenizerFiles()
@@ -147,12 +126,10 @@ class HelperService(helper_pb2_grpc.HelperServicer):
                     out.files[name] = f.read()
         return out
 
-    @_guard
     def CheckUpload(self, request: helper_pb2.HelperUploadRequest, context: grpc.ServicerContext) -> Any:
         checks.check_upload(request.kind, request.folder)
         return helper_pb2.HelperEmpty()
 
-    @_guard
     def Capabilities(self, request: Any, context: grpc.ServicerContext) -> Any:
         import platform
 
@@ -167,7 +144,6 @@ class HelperService(helper_pb2_grpc.HelperServicer):
         )
         return caps
 
-    @_guard
     def Status(self, request: Any, context: grpc.ServicerContext) -> Any:
         with self._lock:
             models = [b.ref.key for b in self._cache.values()]

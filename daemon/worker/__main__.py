@@ -12,29 +12,11 @@ import json
 import logging
 import os
 import signal
-import threading
-import time
 
 from nnd.v1 import worker_pb2_grpc
 from nnd_daemon import shared
 from nnd_daemon.worker import listen
 from nnd_daemon.worker.service import WorkerService
-
-
-def _die_with_parent(parent: int) -> None:
-    """A worker must never outlive the daemon that supervises it.
-
-    Polling rather than PR_SET_PDEATHSIG: that signal fires when the *thread*
-    that started us ends, and the daemon starts workers from short-lived threads.
-    """
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    if parent:
-        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def main() -> None:
@@ -55,7 +37,7 @@ def main() -> None:
     # Under torchrun (tensor parallel) this process is one rank of a group; tp.py runs it.
     rank = os.environ.get("RANK", "") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     if not rank:
-        _die_with_parent(ns.parent)
+        shared.die_with_parent(ns.parent)
     who = f"{ns.name} rank {rank}" if rank else ns.name
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{who}] %(levelname)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

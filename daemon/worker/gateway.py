@@ -23,8 +23,6 @@ from nnd.v1 import worker_pb2
 from nnd_daemon import aliases, errors, requests, shared
 
 _SERVICE = "nnd.v1.Nnd"
-# Request-limit fields of nnd.v1.Limits a worker enforces (the daemon passes them at start).
-LIMIT_FIELDS = ("max_request_bytes", "max_invokes", "max_new_tokens", "default_deadline_s", "max_queue_depth")
 
 
 class Gateway:
@@ -34,7 +32,8 @@ class Gateway:
         self.service = service
         self.name = name
         self.epoch = epoch
-        self.limits = SimpleNamespace(**{f: limits.get(f, 0) for f in LIMIT_FIELDS})
+        # The request limits the daemon passed at start (requests.REQUEST_LIMIT_FIELDS).
+        self.limits = SimpleNamespace(**{f: limits.get(f, 0) for f in requests.REQUEST_LIMIT_FIELDS})
         self._lock = threading.Lock()
         self._bindings: list[worker_pb2.AliasBinding] = []
         self._table: aliases.AliasTable | None = None
@@ -92,19 +91,14 @@ class Gateway:
         sent = dict(context.invocation_metadata()).get(shared.EPOCH_KEY)
         if sent is not None and sent != str(self.epoch):
             # Nothing ran: the client fetches the route again and resends (nnd.proto, Route).
-            context.set_trailing_metadata(((shared.ROUTE_KEY, shared.STALE),))
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise errors.FailedPrecondition(
                 f"stale route: the worker of {self.name} is at epoch {self.epoch}, not {sent}; "
                 "fetch the route again (GetRoute)",
+                trailers=((shared.ROUTE_KEY, shared.STALE),),
             )
-        try:
-            run = self._prepare(method, raw)
-            keep_alive = run.session.keep_alive if run.HasField("session") else run.request.keep_alive
-            self.service.activity.begin(keep_alive, int(self.limits.max_queue_depth), self.name)
-        except errors.NndError as err:
-            errors.abort(context, err)
-            return
+        run = self._prepare(method, raw)
+        keep_alive = run.session.keep_alive if run.HasField("session") else run.request.keep_alive
+        self.service.activity.begin(keep_alive, int(self.limits.max_queue_depth), self.name)
         try:
             yield from self._run(run, context)
         finally:

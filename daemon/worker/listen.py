@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 from collections.abc import Callable
 from concurrent import futures
@@ -15,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from nnd_daemon import shared
+from nnd_daemon import errors, shared
 from nnd_daemon.tokens import TokenInterceptor
 from nnd_daemon.worker.gateway import Gateway
 
@@ -31,7 +32,7 @@ RPC_THREADS = 320
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--public", default="", help="unix socket clients reach by the model's route")
     parser.add_argument("--epoch", type=int, default=0, help="the route's epoch (the daemon's count of workers)")
-    parser.add_argument("--request-limits", default="", help="request limits as JSON (gateway.LIMIT_FIELDS)")
+    parser.add_argument("--request-limits", default="", help="request limits as JSON (requests.REQUEST_LIMIT_FIELDS)")
 
 
 def start(service: Any, ns: argparse.Namespace, add_worker: Callable[[Any, grpc.Server], None]) -> list[grpc.Server]:
@@ -40,8 +41,10 @@ def start(service: Any, ns: argparse.Namespace, add_worker: Callable[[Any, grpc.
     service.gateway = gateway
     servers = []
     token = os.environ.pop(TOKEN_ENV, "")
+    # Errors become statuses in one place (behind the token check, on the public socket).
+    mapped = errors.ErrorInterceptor(logging.getLogger("nnd.worker"), internal="internal error in worker")
     if ns.public:
-        interceptors = [TokenInterceptor(token)] if token else []
+        interceptors = [TokenInterceptor(token), mapped] if token else [mapped]
         public = grpc.server(
             futures.ThreadPoolExecutor(max_workers=RPC_THREADS), options=shared.GRPC_OPTIONS, interceptors=interceptors
         )
@@ -53,7 +56,9 @@ def start(service: Any, ns: argparse.Namespace, add_worker: Callable[[Any, grpc.
             os.umask(old)
         public.start()
         servers.append(public)
-    private = grpc.server(futures.ThreadPoolExecutor(max_workers=RPC_THREADS), options=shared.GRPC_OPTIONS)
+    private = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=RPC_THREADS), options=shared.GRPC_OPTIONS, interceptors=[mapped]
+    )
     add_worker(service, private)
     private.add_generic_rpc_handlers((gateway.handler(),))
     private.add_insecure_port("unix://" + ns.socket)

@@ -60,8 +60,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             if item is _END:
                 break
             if isinstance(item, BaseException):
-                err = item if isinstance(item, errors.NndError) else _load_error(item)
-                errors.abort(context, err)
+                raise item if isinstance(item, errors.NndError) else _load_error(item)
             yield item
         yield nnd_pb2.DispatchProgress(stage="ready", message="weights loaded")
 
@@ -82,7 +81,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """Run `request` for `context`; `stop` ends it early (the call's end always does);
         `on_error` may turn a failure into another one before it becomes the status."""
         if self.model is None:
-            errors.abort(context, errors.FailedPrecondition("worker has no model loaded"))
+            raise errors.FailedPrecondition("worker has no model loaded")
         stop = stop or threading.Event()
         context.add_callback(stop.set)
         kind = "session" if request.HasField("session") else "generate" if request.generate else "trace"
@@ -112,8 +111,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             out: list[Any] = []
             try:
                 self._work(request, out.append, stop, started)
-            except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
-                _abort(context, on_error(exc))
+            except BaseException as exc:  # noqa: BLE001 - every failure becomes a status (errors.ErrorInterceptor)
+                raise on_error(exc) from None
         yield from out
 
     def _run_streaming(
@@ -148,7 +147,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     yield RUNNING
                 continue
             if isinstance(item, BaseException):
-                _abort(context, on_error(item))
+                raise on_error(item)
             yield item
 
     def _work(
@@ -188,12 +187,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         from nnd_daemon.engine import interact
 
         if self.model is None:
-            errors.abort(context, errors.FailedPrecondition("worker has no model loaded"))
+            raise errors.FailedPrecondition("worker has no model loaded")
         first = next(requests, None)
         if first is None or not first.HasField("run") or first.client.WhichOneof("kind") != "start":
-            errors.abort(
-                context, errors.InvalidArgument("an Interact stream starts with the run and its InteractStart")
-            )
+            raise errors.InvalidArgument("an Interact stream starts with the run and its InteractStart")
         stop = threading.Event()
         inbox: queue.Queue[Any] = queue.Queue()
 
@@ -250,7 +247,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 context.send_initial_metadata(((errors.STARTED_KEY, "1"),))
                 continue
             if isinstance(item, BaseException):
-                _abort(context, item)
+                raise item
             yield item
 
     # -- Configure ----------------------------------------------------------
@@ -289,13 +286,6 @@ def _client(context: grpc.ServicerContext) -> str:
         if key == shared.CLIENT_KEY and isinstance(value, str):
             return value[:80]
     return context.peer() or "?"
-
-
-def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
-    if not isinstance(exc, errors.NndError):
-        log.exception("engine failure", exc_info=exc)
-        exc = errors.NndError(f"internal error in worker: {type(exc).__name__}: {exc}")
-    errors.abort(context, exc)
 
 
 def _load_error(exc: BaseException) -> errors.NndError:

@@ -3,21 +3,34 @@
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from nnd._usage import OutsideTrace
 
 if TYPE_CHECKING:
     from nnd._tracer import Tracer
 
-_local = threading.local()
+T = TypeVar("T")
+
+
+class ThreadStack(Generic[T]):
+    """What is open on the calling thread, innermost last (traces here, sessions in _session.py)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def items(self) -> list[T]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+
+_tracers: ThreadStack[Tracer] = ThreadStack()
 
 
 def _stack() -> list[Tracer]:
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    return stack
+    return _tracers.items()
 
 
 def push(tracer: Tracer) -> None:

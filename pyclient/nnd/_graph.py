@@ -38,7 +38,6 @@ class GraphBuilder:
         self.writes: list[Hashable] = []
         self._scopes: list[int] = [0]
         self._counter = counter if counter is not None else [1]  # ids start at 1: 0 reads as "unset"
-        self.first_id = self._counter[0]
 
     @property
     def next_id(self) -> int:

@@ -139,7 +139,6 @@ class Results:
     """Everything a response stream carried, decoded."""
 
     saved: dict[int, Any] = field(default_factory=dict)
-    steps: list[StepToken] = field(default_factory=list)
     compute_s: float = 0.0
 
 
@@ -186,10 +185,8 @@ def collect(
             elif kind == "chunk":
                 blobs.add(msg.chunk.blob, msg.chunk.data)
             elif kind == "step":
-                step = StepToken(msg.step.step, tuple(msg.step.ids), tuple(msg.step.text), msg.step.trace)
-                out.steps.append(step)
                 if on_step is not None:
-                    on_step(step)
+                    on_step(StepToken(msg.step.step, tuple(msg.step.ids), tuple(msg.step.text), msg.step.trace))
             elif kind == "done":
                 out.compute_s = msg.done.compute_s
             elif kind == "queued" and not msg.queued.running:

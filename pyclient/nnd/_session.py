@@ -8,7 +8,6 @@ on one worker, and only saved values come back.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Hashable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -21,14 +20,11 @@ if TYPE_CHECKING:
     from nnd._model import TransformersModel
     from nnd._tracer import Tracer
 
-_local = threading.local()
+_sessions: _context.ThreadStack[Session] = _context.ThreadStack()
 
 
 def _open() -> list[Session]:
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    return stack
+    return _sessions.items()
 
 
 def join(tracer: Tracer) -> None:

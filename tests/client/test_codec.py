@@ -70,9 +70,10 @@ def test_chunks_are_concatenated_per_blob_in_order():
         nnd_pb2.TraceResponse(step=nnd_pb2.StepTokens(step=0, ids=[4, 5])),
         nnd_pb2.TraceResponse(done=nnd_pb2.TraceDone(compute_s=0.5)),
     ]
-    res = _results.collect(stream)
+    steps: list[_results.StepToken] = []
+    res = _results.collect(stream, on_step=steps.append)
     assert torch.equal(res.saved[3], a) and torch.equal(res.saved[5][0], b.reshape(2, 3))
-    assert res.steps[0].ids == (4, 5) and res.compute_s == 0.5
+    assert [s.ids for s in steps] == [(4, 5)] and res.compute_s == 0.5
 
 
 def test_short_tensor_data_is_an_error():

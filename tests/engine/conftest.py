@@ -15,10 +15,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import tinymodels  # noqa: E402
 import torch  # noqa: E402
+import wire_results  # noqa: E402
 
 from nnd.v1 import nnd_pb2  # noqa: E402
 from nnd_daemon import engine  # noqa: E402
-from nnd_daemon.engine import wire  # noqa: E402
 
 torch.set_num_threads(2)
 
@@ -39,7 +39,7 @@ class Loaded:
     def run(self, request: nnd_pb2.TraceRequest, mode: str = "trace", **kw: Any) -> dict[int, Any]:
         out = self.stream(request, mode, **kw)
         assert out[-1].WhichOneof("kind") == "done"
-        return wire.collect(out)
+        return wire_results.collect(out)
 
     def stream(self, request: nnd_pb2.TraceRequest, mode: str = "trace", **kw: Any) -> list[nnd_pb2.TraceResponse]:
         out: list[nnd_pb2.TraceResponse] = []

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import wire_results
 
 from nnd.v1 import graph_pb2, nnd_pb2, values_pb2
 from nnd_daemon.engine import wire
@@ -23,7 +24,7 @@ class N:
 def value(x: Any) -> values_pb2.Value:
     """A constant Value (tensors always inline, as a client sends them)."""
     if isinstance(x, torch.Tensor):
-        t = values_pb2.Tensor(dtype=wire.from_torch_dtype(x.dtype), shape=list(x.shape), data=wire.tensor_bytes(x))
+        t = values_pb2.Tensor(dtype=wire.from_torch_dtype(x.dtype), shape=list(x.shape), data=wire_results.tensor_bytes(x))
         return values_pb2.Value(tensor=t)
     if isinstance(x, (list, tuple)) and not isinstance(x, torch.Size):
         items = values_pb2.ValueList(items=[value(v) for v in x])

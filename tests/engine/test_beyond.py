@@ -6,13 +6,13 @@ from typing import Any
 
 import pytest
 import torch
+import wire_results
 from graphs import Graph, S, idx
 from reference import forward, inputs
 from torch.testing import assert_close
 
 from nnd.v1 import nnd_pb2
 from nnd_daemon import aliases, engine, errors
-from nnd_daemon.engine import wire
 
 PROMPT = "The Eiffel Tower is in the city of"
 OTHER = "Hello world"
@@ -135,7 +135,7 @@ def _session(m: Any, *traces: nnd_pb2.TraceRequest, scan: bool = False) -> dict[
     out: list[nnd_pb2.TraceResponse] = []
     engine.run_session(m.meta if scan else m.model, m.tokenizer, session, emit=out.append)
     assert out[-1].WhichOneof("kind") == "done"
-    return wire.collect(out)
+    return wire_results.collect(out)
 
 
 def test_session_equals_its_traces_and_values_flow(gpt2):

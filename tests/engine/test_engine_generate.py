@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import wire_results
 from graphs import Graph, S, idx
 from reference import inputs
 from torch.testing import assert_close
@@ -55,9 +56,8 @@ def test_edit_at_step_1_matches_hooks(gpt2, style):
         g.op("setitem", h, idx(S, -1, S), 0.0, scope=scope)
     result = g.save(g.module("", "result"))
     msgs = gpt2.stream(g.request(PROMPT, OTHER, generate=_opts()), mode="generate")
-    from nnd_daemon.engine import wire
 
-    got = wire.collect(msgs)[result.id]
+    got = wire_results.collect(msgs)[result.id]
     expected = _hf_generate(gpt2, [PROMPT, OTHER], step_edit=1)
     plain = _hf_generate(gpt2, [PROMPT, OTHER])
     assert torch.equal(got, expected)

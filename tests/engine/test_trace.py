@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import wire_results
 from graphs import Graph, S, idx
 from reference import capture, forward
 from torch.testing import assert_close
@@ -224,7 +225,6 @@ def test_ops_and_values(gpt2):
 
 def test_tensor_args_plain_module():
     from nnd_daemon import engine
-    from nnd_daemon.engine import wire
 
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     a, b = torch.randn(2, 4), torch.randn(3, 4)
@@ -233,7 +233,7 @@ def test_tensor_args_plain_module():
     out = g.save(g.module("", invoke=0))
     msgs: list = []
     engine.run(net, None, g.request(a, b), mode="trace", emit=msgs.append)
-    got = wire.collect(msgs)
+    got = wire_results.collect(msgs)
     with torch.no_grad():
         assert_close(got[first.id], net[0](b))
         assert_close(got[out.id], net(a))

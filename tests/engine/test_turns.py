@@ -10,11 +10,11 @@ from __future__ import annotations
 import threading
 import time
 
+import wire_results
 from graphs import Graph
 from torch.testing import assert_close
 
 from nnd.v1 import nnd_pb2, worker_pb2
-from nnd_daemon.engine import wire
 from nnd_daemon.worker.service import WorkerService
 from nnd_daemon.worker.turns import Turns
 
@@ -144,11 +144,11 @@ def test_a_trace_runs_between_two_steps_of_a_generation(gpt2):
     assert events[-1] == f"step {STEPS - 1}" and svc._run_lock.lent >= 1
     # Each computed what it computes alone: same sampled tokens, same per-step values, same logits.
     assert _steps(gen_out) == _steps(gen_alone)
-    got, want = wire.collect(gen_out), wire.collect(gen_alone)
+    got, want = wire_results.collect(gen_out), wire_results.collect(gen_alone)
     assert got.keys() == want.keys()
     for key in want:
         assert_close(got[key], want[key], atol=0, rtol=0)
-    got, want = wire.collect(trace_out), wire.collect(trace_alone)
+    got, want = wire_results.collect(trace_out), wire_results.collect(trace_alone)
     for key in want:
         assert_close(got[key], want[key], atol=0, rtol=0)
     assert not svc._run_lock.locked()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import wire_results
 from graphs import Graph, value
 
 from nnd_daemon import errors
@@ -19,7 +20,7 @@ def test_tensor_round_trip(dtype):
 def test_bfloat16_is_upper_half_of_float32():
     t = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
     f32 = torch.tensor([1.5, -2.0]).numpy().tobytes()
-    raw = wire.tensor_bytes(t)
+    raw = wire_results.tensor_bytes(t)
     assert raw == f32[2:4] + f32[6:8]
 
 
@@ -37,7 +38,7 @@ def test_big_tensor_is_chunked(gpt2):
     assert kinds == ["saved", "chunk", "chunk", "saved", "done"]
     assert msgs[0].saved.value.tensor.blob == msgs[1].chunk.blob == msgs[2].chunk.blob
     assert len(msgs[1].chunk.data) == wire.CHUNK_SIZE
-    got = wire.collect(msgs)
+    got = wire_results.collect(msgs)
     assert torch.equal(got[big.id], torch.zeros(1_300_000)) and torch.equal(got[small.id], torch.ones(3))
 
 
