@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nnd.v1 import helper_pb2, nnd_pb2
-from nnd_daemon import errors
+from nnd_daemon import errors, loadoptions
 from nnd_daemon.shared import (
     BYTES_PER_PARAM,
     DIVIDED_FIELDS,
@@ -77,6 +77,7 @@ def build(ref: helper_pb2.HelperModel) -> Built:
         raise errors.NotFound(f"cannot load model {source!r}: no config found for this {where} ({exc})") from None
     except ValueError as exc:
         raise errors.InvalidArgument(f"cannot load model {source!r}: {exc}") from None
+    config = loadoptions.apply(config, ref.options)
     task = ref.task or infer_task(getattr(config, "architectures", None))
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
