@@ -101,3 +101,34 @@ def test_options_no_model_can_take_are_refused(daemon: Any, paths: dict[str, str
         nnd.LanguageModel(paths["other"], address=daemon.address, config=pathlib.Path(paths["other"]))
     model = nnd.LanguageModel(paths["other"], address=daemon.address)  # nothing of the refused loads stayed
     model.unload()
+
+
+def test_the_registry_file_keeps_the_options(tmp_path: pathlib.Path) -> None:
+    """A restarted daemon loads the model again with its options (older files have none)."""
+    import json
+    from types import SimpleNamespace
+
+    from nnd.v1 import helper_pb2, nnd_pb2
+    from nnd_daemon.control import statefile
+
+    options = nnd_pb2.LoadOptions(attn_implementation="eager", config_json='{"model_type": "gpt2", "n_layer": 1}')
+    meta = SimpleNamespace(revision="", task="text-generation", ref=helper_pb2.HelperModel(options=options))
+    entry = SimpleNamespace(
+        name="/m",
+        meta=meta,
+        trust_remote_code=False,
+        keep_alive="",
+        placement=nnd_pb2.Placement(),
+        dispatched_placement=None,
+        state=nnd_pb2.META,
+        extra={},
+    )
+    path = str(tmp_path / "registry.json")
+    statefile.write(path, [entry])
+    (record,) = statefile.read(path)
+    assert record.load_request().options == options
+    data = json.loads(pathlib.Path(path).read_text())
+    del data["models"][0]["options"]
+    pathlib.Path(path).write_text(json.dumps(data))
+    (old,) = statefile.read(path)
+    assert not old.load_request().HasField("options")
