@@ -118,7 +118,9 @@ class TransformersModel(_envoy.Envoy):
         if keep_alive is not None:
             request.keep_alive = _placement.keep_alive_string(keep_alive)
         request.rename.extend(_renames(rename))
-        request.options.CopyFrom(_load_options(attn_implementation, config))
+        options = _load_options(attn_implementation, config)
+        if options.ListFields():  # a plain load sends what it always sent
+            request.options.CopyFrom(options)
         self._info: nnd_pb2.ModelInfo = self._load(request)
         self._name = self._info.name or name_or_path
         _envoy.build_tree(self, self._info.modules, self)
