@@ -8,7 +8,11 @@ then an alias of the module reached so far, so aliases compose:
 
 The standard set gives GPT-2, Llama and BERT-like models the same names
 (layers, attention, mlp, final_norm, lm_head, embed), so one graph runs on
-all three. User renames follow nnsight's rules (a dotted key matched from
+all three. On an encoder-decoder (T5, BART, Whisper) `layers`, `final_norm`
+and `embed` name the decoder's, the stack whose output the lm_head reads and
+that generation steps through; `encoder_layers` and `decoder_layers` name
+both stacks, and each block of either has `attention`, `mlp` and (decoder)
+`cross_attention`. User renames follow nnsight's rules (a dotted key matched from
 every module, `*` components, class keys, dotted aliases); an alias that would
 hide a child or another alias is refused.
 """
@@ -27,15 +31,24 @@ if TYPE_CHECKING:  # the control plane imports this module and never torch
 
 # alias -> candidate paths relative to the root, first match wins.
 _ROOT_STANDARD: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("layers", ("*.h", "*.layers", "*.encoder.layer", "*.decoder.layers", "*.blocks", "*.layer")),
+    ("layers", ("*.h", "*.layers", "*.encoder.layer", "*.decoder.layers", "*.blocks", "*.layer", "*.block")),
     ("final_norm", ("*.ln_f", "*.norm", "*.final_layer_norm", "*.final_layernorm")),
     ("lm_head", ("lm_head", "cls", "embed_out")),
     ("embed", ("*.wte", "*.embed_tokens", "*.embeddings.word_embeddings", "*.word_embeddings", "*.embed_in")),
 )
-# alias -> candidate child names of every layer (the entries of the `layers` container).
+# alias -> candidate paths relative to every layer (the entries of a layer stack), first match
+# wins. T5's blocks hold their parts in `layer.<i>`, each wrapped with its norm and residual: the
+# aliases name the inner modules, which (like GPT-2's attn and mlp) leave the residual out.
 _LAYER_STANDARD: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("attention", ("attn", "self_attn", "attention", "self_attention")),
-    ("mlp", ("mlp", "feed_forward", "intermediate", "ffn")),
+    ("attention", ("attn", "self_attn", "attention", "self_attention", "layer.*.SelfAttention")),
+    ("mlp", ("mlp", "feed_forward", "intermediate", "ffn", "layer.*.DenseReluDense")),
+    ("cross_attention", ("encoder_attn", "crossattention", "cross_attn", "layer.*.EncDecAttention")),
+)
+# Encoder-decoders: what the layer stack of an encoder or decoder and the decoder's parts are called.
+_STACK_NAMES = ("block", "layers", "layer")
+_DECODER_PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("final_norm", ("final_layer_norm", "layer_norm", "norm", "layernorm")),
+    ("embed", ("embed_tokens",)),
 )
 
 
@@ -195,22 +208,57 @@ class AliasTable:
     def add_rules(self, rules: Iterable[Rule]) -> int:
         return sum(self.add_rule(rule) for rule in rules)
 
+    def _one(self, host: str, key: str) -> str | None:
+        """The one module `key` names from `host` (None if it names none or several)."""
+        targets = [t for t in self.matches(host, key) if t]
+        return targets[0] if len(targets) == 1 else None
+
+    def _stack(self, host: str) -> str | None:
+        for name in _STACK_NAMES:
+            if name in self.children.get(host, ()):
+                return _join(host, name)
+        return None
+
+    def _add_seq2seq(self) -> list[str]:
+        """Aliases of an encoder-decoder's two stacks; returns the stacks it named ([] if none)."""
+        # The stacks hang from the root (T5) or from its one child that holds both (BART's `model`).
+        for host in ["", *self.children.get("", ())]:
+            names = self.children.get(host, ())
+            if "encoder" not in names or "decoder" not in names:
+                continue
+            encoder, decoder = _join(host, "encoder"), _join(host, "decoder")
+            enc_stack, dec_stack = self._stack(encoder), self._stack(decoder)
+            if enc_stack is None or dec_stack is None:
+                continue
+            self.bind("", "encoder_layers", enc_stack, strict=False)
+            self.bind("", "decoder_layers", dec_stack, strict=False)
+            self.bind("", "layers", dec_stack, strict=False)
+            for alias, candidates in _DECODER_PARTS:
+                part = next((c for c in candidates if c in self.children.get(decoder, ())), None)
+                if part is not None:
+                    self.bind("", alias, _join(decoder, part), strict=False)
+            return [enc_stack, dec_stack]
+        return []
+
     def add_standard(self) -> None:
+        stacks = self._add_seq2seq()
         for alias, candidates in _ROOT_STANDARD:
+            if self.step("", alias) is not None:
+                continue  # named above (an encoder-decoder's) or a real child
             for key in candidates:
-                targets = [t for t in self.matches("", key) if t]
-                if len(targets) == 1 and self.bind("", alias, targets[0], strict=False):
+                target = self._one("", key)
+                if target is not None and self.bind("", alias, target, strict=False):
                     break
         layers = self.step("", "layers")
-        if layers is None:
-            return
-        for index in self.children.get(layers, ()):
-            block = _join(layers, index)
-            for alias, names in _LAYER_STANDARD:
-                for name in names:
-                    if name in self.children.get(block, ()):
-                        self.bind(block, alias, _join(block, name), strict=False)
-                        break
+        for stack in stacks or ([layers] if layers is not None else []):
+            for index in self.children.get(stack, ()):
+                block = _join(stack, index)
+                for alias, keys in _LAYER_STANDARD:
+                    for key in keys:
+                        target = self._one(block, key)
+                        if target is not None:
+                            self.bind(block, alias, target, strict=False)
+                            break
 
 
 def rules(renames: Sequence[object]) -> list[Rule]:

@@ -3,8 +3,11 @@ through one real daemon, each checked against the same weights in-process.
 
 One load and one dispatch per architecture (a module-scoped fixture,
 released after its tests): print, scan, trace, an edit, generate with
-per-step saves, and the standard `layers` alias. Known gaps are strict
-xfails naming their cause, so the matrix stays green and the gap visible.
+per-step saves, and the standard `layers` alias. An encoder-decoder (t5)
+gets decoder inputs as a keyword (generation starts its decoder itself), and
+its `layers` is the decoder's stack.
+Known gaps are strict xfails naming their cause, so the matrix stays green
+and the gap visible.
 """
 
 from __future__ import annotations
@@ -23,16 +26,7 @@ import nnd
 PROMPT = "The Eiffel Tower is in the city of"
 
 # (check, arch) -> why it fails today.
-_MOE = "on the meta device transformers picks the grouped_mm experts implementation, whose meta kernel accepts only bf16 ('Expected inputs of BF16 type but got mat_a.dtype=torch.float32')"
-_T5_INPUTS = "encoder-decoder: the forward needs decoder_input_ids, which this branch's client cannot send ('You must specify exactly one of input_ids or inputs_embeds')"
-_T5_ALIAS = "the standard aliases have no entry for T5's encoder.block/decoder.block stacks"
-KNOWN: dict[tuple[str, str], str] = {
-    **{("scan", kind): _MOE for kind in ("mixtral", "qwen2_moe", "olmoe")},
-    ("scan", "t5"): _T5_INPUTS,
-    ("alias", "t5"): _T5_ALIAS,
-    ("trace", "t5"): _T5_ALIAS,
-    ("edit", "t5"): _T5_ALIAS,
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def cases(check: str, *, only: tuple[str, ...] = ()) -> list[Any]:
@@ -55,6 +49,7 @@ class Pair:
     ref: torch.nn.Module  # the same weights, in-process
     enc: dict[str, torch.Tensor]  # the prompt, tokenized, as the forward takes it
     layers: str  # the real path of the decoder layer stack
+    extra: dict[str, torch.Tensor]  # keyword inputs the remote calls send besides the prompt
 
     def layer(self, i: int) -> str:
         return f"{self.layers}.{i}"
@@ -76,10 +71,11 @@ def arch(request: pytest.FixtureRequest, daemon: Any, arch_root: pathlib.Path) -
     ref = auto[spec.task].from_pretrained(path).eval()
     remote = nnd.TransformersModel(str(path), address=daemon.address, device="cpu")
     enc = dict(remote.tokenizer(PROMPT, return_tensors="pt"))
-    if spec.task == "seq2seq":
-        enc["decoder_input_ids"] = torch.tensor([[ref.config.decoder_start_token_id]])
+    extra: dict[str, torch.Tensor] = {}
+    if spec.task == "seq2seq":  # the decoder's start token and two more: positions to read and edit
+        extra["decoder_input_ids"] = torch.tensor([[ref.config.decoder_start_token_id, 9, 10]])
     try:
-        yield Pair(kind, remote, ref, enc, spec.layers)
+        yield Pair(kind, remote, ref, {**enc, **extra}, spec.layers, extra)
     finally:
         remote.release()
         remote.unload() if hasattr(remote, "unload") else None
@@ -137,10 +133,14 @@ def test_print_shows_the_in_process_tree(arch: Pair) -> None:
 
 @pytest.mark.parametrize("arch", cases("scan"), indirect=True)
 def test_scan_gives_the_in_process_shapes(arch: Pair) -> None:
-    _, logits = _ref_forward(arch)
-    with arch.remote.scan(PROMPT):
+    path = arch.layer(0)
+    tupled = _is_tuple(arch, path)
+    seen, logits = _ref_forward(arch, {path: None})
+    with arch.remote.scan(PROMPT, **arch.extra):
+        hidden = nnd.save(_value(arch.remote.layers[0], tupled).shape)
         shape = nnd.save(arch.remote.lm_head.output.shape)
     assert tuple(shape) == tuple(logits.shape)
+    assert tuple(hidden) == tuple(seen[path].shape)
 
 
 @pytest.mark.parametrize("arch", cases("alias"), indirect=True)
@@ -154,7 +154,7 @@ def test_trace_reads_what_in_process_hooks_read(arch: Pair) -> None:
     path = arch.layer(0)
     tupled = _is_tuple(arch, path)
     seen, logits = _ref_forward(arch, {path: None})
-    with arch.remote.trace(PROMPT):
+    with arch.remote.trace(PROMPT, **arch.extra):
         hidden = _value(arch.remote.layers[0], tupled).save()
         out = arch.remote.lm_head.output.save()
     torch.testing.assert_close(hidden, seen[path], rtol=1e-4, atol=1e-4)
@@ -171,15 +171,17 @@ def test_zeroing_the_last_position_equals_the_in_process_hook(arch: Pair) -> Non
 
     _, expected = _ref_forward(arch, {path: zero})
     _, plain = _ref_forward(arch)
-    with arch.remote.trace(PROMPT):
+    with arch.remote.trace(PROMPT, **arch.extra):
         _value(arch.remote.layers[0], tupled)[:, -1, :] = 0
         out = arch.remote.lm_head.output.save()
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(out[:, -1], plain[:, -1])  # the edit mattered
 
 
-@pytest.mark.parametrize("arch", cases("generate", only=CAUSAL), indirect=True)
+@pytest.mark.parametrize("arch", cases("generate", only=(*CAUSAL, "t5")), indirect=True)
 def test_greedy_generate_with_per_step_saves_equals_hf(arch: Pair) -> None:
+    """An encoder-decoder generates from the decoder's start token: its steps read the decoder's
+    layers, one position each, and the result is the decoder's sequence (as transformers gives it)."""
     path = arch.layer(1)
     tupled = _is_tuple(arch, path)
     with arch.remote.generate(PROMPT, max_new_tokens=3, min_new_tokens=3, do_sample=False) as tracer:
@@ -187,8 +189,49 @@ def test_greedy_generate_with_per_step_saves_equals_hf(arch: Pair) -> None:
         for _ in tracer.iter[0:3]:  # the body runs once per step (nnsight's idiom)
             steps.append(_value(arch.remote.layers[1], tupled))
         ids = tracer.result.save()
+    prompt = {k: v for k, v in arch.enc.items() if k not in arch.extra}  # generation starts the decoder itself
     with torch.no_grad():
-        expected = arch.ref.generate(**arch.enc, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        expected = arch.ref.generate(**prompt, max_new_tokens=3, min_new_tokens=3, do_sample=False)
     assert ids.tolist() == expected.tolist()
-    n = arch.enc["input_ids"].shape[1]
+    n = 1 if arch.extra else prompt["input_ids"].shape[1]
     assert isinstance(steps, list) and [s.shape[1] for s in steps] == [n, 1, 1]
+
+
+MOE = ("mixtral", "qwen2_moe", "olmoe")
+
+
+@pytest.mark.parametrize("arch", cases("moe_scan", only=MOE), indirect=True)
+def test_moe_scan_gives_every_expert_module_its_in_process_shape(arch: Pair) -> None:
+    """The META model runs its experts with another implementation than the real forward
+    (daemon/helper/meta.py): every module of a mixture-of-experts block keeps its shape."""
+    block = f"{arch.layer(0)}.mlp"
+    paths = [p for p, _ in arch.ref.named_modules() if p == block or p.startswith(block + ".")]
+    tupled = {p: _is_tuple(arch, p) for p in paths}
+    seen, _ = _ref_forward(arch, dict.fromkeys(paths))
+    assert any(".experts" in p for p in seen)  # the experts module ran and is compared
+    envoys = dict(arch.remote.named_modules())
+    with arch.remote.scan(PROMPT):
+        shapes = {p: nnd.save(_value(envoys[p], tupled[p]).shape) for p in seen}
+    assert {p: tuple(s) for p, s in shapes.items()} == {p: tuple(t.shape) for p, t in seen.items()}
+
+
+@pytest.mark.parametrize("arch", cases("seq2seq_alias", only=("t5",)), indirect=True)
+def test_encoder_decoder_aliases_name_both_stacks(arch: Pair) -> None:
+    """`layers` is the decoder's stack; `encoder_layers`/`decoder_layers` name both, and a block's
+    parts are named inside T5's `layer.<i>` wrappers. A trace through the aliases reads what
+    in-process hooks on the real paths read."""
+    remote = arch.remote
+    assert remote.encoder_layers.path == "encoder.block"
+    assert remote.decoder_layers[1].path == "decoder.block.1"
+    assert remote.layers[0].attention.path == "decoder.block.0.layer.0.SelfAttention"
+    assert remote.layers[0].cross_attention.path == "decoder.block.0.layer.1.EncDecAttention"
+    assert remote.layers[0].mlp.path == "decoder.block.0.layer.2.DenseReluDense"
+    assert remote.encoder_layers[1].mlp.path == "encoder.block.1.layer.1.DenseReluDense"
+    assert remote.final_norm.path == "decoder.final_layer_norm"
+    reads = {p: _is_tuple(arch, p) for p in ("encoder.block.1", "decoder.block.0.layer.1.EncDecAttention")}
+    seen, _ = _ref_forward(arch, dict.fromkeys(reads))
+    with remote.trace(PROMPT, **arch.extra):
+        encoded = _value(remote.encoder_layers[1], reads["encoder.block.1"]).save()
+        cross = _value(remote.layers[0].cross_attention, reads["decoder.block.0.layer.1.EncDecAttention"]).save()
+    torch.testing.assert_close(encoded, seen["encoder.block.1"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cross, seen["decoder.block.0.layer.1.EncDecAttention"], rtol=1e-4, atol=1e-4)

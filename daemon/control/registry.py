@@ -33,7 +33,7 @@ from typing import Any
 import psutil
 
 from nnd.v1 import helper_pb2, nnd_pb2, worker_pb2
-from nnd_daemon import errors, requests
+from nnd_daemon import errors, loadoptions, requests
 from nnd_daemon.control import gpus, metamodel, statefile, tplaunch, uploads
 from nnd_daemon.control.helper import Helper
 from nnd_daemon.control.settings import Settings, parse_duration
@@ -79,6 +79,17 @@ class Entry:
     restarts: list[float] = field(default_factory=list)
     # Unloaded: no dispatch may start a worker for it any more (one would be an orphan nobody lists or reaps).
     gone: bool = False
+
+
+def _same_options(entry: Entry, options: nnd_pb2.LoadOptions) -> Entry:
+    """The loaded entry, if it was loaded with these options: they change the model, so one name
+    cannot serve two sets of them."""
+    if entry.meta.ref.options != options:
+        raise errors.FailedPrecondition(
+            f"model {entry.name!r} is loaded with {loadoptions.describe(entry.meta.ref.options)}, not "
+            f"{loadoptions.describe(options)}: unload it first to load it with other options"
+        )
+    return entry
 
 
 def _merge(base: nnd_pb2.Placement, override: nnd_pb2.Placement | None) -> nnd_pb2.Placement:
@@ -162,10 +173,11 @@ class Registry:
             self._check_allowed(name, req.trust_remote_code)
         if req.keep_alive:
             _keep_alive_seconds(req.keep_alive)
+        loadoptions.check(req.options)
         while True:
             with self._lock:
                 if name in self._entries:
-                    return self._entries[name]
+                    return _same_options(self._entries[name], req.options)
                 pending = self._loading.get(name)
                 if pending is None:
                     self._loading[name] = threading.Event()
@@ -176,7 +188,12 @@ class Registry:
                 meta = self.uploads.build_meta(req, lambda ref: metamodel.describe(self.helper, ref))
             else:
                 ref = helper_pb2.HelperModel(
-                    key=name, source=name, revision=req.revision, task=req.task, trust_remote_code=req.trust_remote_code
+                    key=name,
+                    source=name,
+                    revision=req.revision,
+                    task=req.task,
+                    trust_remote_code=req.trust_remote_code,
+                    options=req.options,
                 )
                 meta = metamodel.describe(self.helper, ref)
             entry = Entry(
@@ -280,6 +297,7 @@ class Registry:
                 placement=placement,
                 trust_remote_code=entry.trust_remote_code,
                 task=entry.meta.task,
+                options=entry.meta.ref.options,
             )
             for progress in worker.load(load):
                 if progress.stage != "ready":

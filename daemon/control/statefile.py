@@ -8,7 +8,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf import json_format
@@ -30,6 +30,8 @@ class Record:
     dispatched: bool
     # The content hash of an uploaded model (its files are in <state_dir>/uploads/<hash>/).
     upload: str = ""
+    # LoadModelRequest.options, as JSON (absent in files written before they existed).
+    options: dict[str, Any] = field(default_factory=dict)
 
     def load_request(self) -> nnd_pb2.LoadModelRequest:
         req = nnd_pb2.LoadModelRequest(
@@ -41,6 +43,7 @@ class Record:
             upload=self.upload,
         )
         json_format.ParseDict(self.placement, req.placement)
+        json_format.ParseDict(self.options, req.options)
         return req
 
 
@@ -58,6 +61,7 @@ def write(path: str, entries: Iterable[Any]) -> None:
                 "placement": json_format.MessageToDict(placement),
                 "dispatched": e.state in (nnd_pb2.DISPATCHED, nnd_pb2.DISPATCHING),
                 "upload": e.upload,
+                "options": json_format.MessageToDict(e.meta.ref.options),
             }
         )
     os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -299,8 +299,13 @@ class UploadStore:
             raise errors.NotFound(f"no upload {request.upload} on this daemon; send it with Upload first")
         self.pin(stored.sha256)
         try:
+            exported = stored.kind == "exported"
+            if exported and request.options.ListFields():
+                raise errors.InvalidArgument(
+                    "an uploaded torch.export program is built as exported: load options do not apply"
+                )
             ref = helper_pb2.HelperModel(
-                key=request.model, source=stored.path, task=request.task, exported=stored.kind == "exported"
+                key=request.model, source=stored.path, task=request.task, exported=exported, options=request.options
             )
             return describe(ref)
         finally:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nnd.v1 import helper_pb2, nnd_pb2
-from nnd_daemon import errors
+from nnd_daemon import errors, loadoptions
 from nnd_daemon.shared import (
     BYTES_PER_PARAM,
     DIVIDED_FIELDS,
@@ -77,16 +77,33 @@ def build(ref: helper_pb2.HelperModel) -> Built:
         raise errors.NotFound(f"cannot load model {source!r}: no config found for this {where} ({exc})") from None
     except ValueError as exc:
         raise errors.InvalidArgument(f"cannot load model {source!r}: {exc}") from None
+    config = loadoptions.apply(config, ref.options)
     task = ref.task or infer_task(getattr(config, "architectures", None))
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     except Exception:  # noqa: BLE001 - a model without a tokenizer still traces with token ids
         tokenizer = None
     cls = model_class(config, task)
+    meta_safe_experts(config)
     module = build_on_meta(cls, config, ref.trust_remote_code)
     module.eval()
     module.requires_grad_(False)
     return Built(ref=ref, task=task, config=config, tokenizer=tokenizer, module=module)
+
+
+# The experts implementation every META model runs its mixture-of-experts layers with. The META
+# model only computes shapes, and of transformers' implementations only batched_mm has shape-only
+# kernels for all its ops: grouped_mm's meta kernel accepts only bf16 ("Expected inputs of BF16
+# type"), eager loops over `nonzero()` of the routing mask (data-dependent, refused by fake
+# tensors), deepgemm/sonicmoe need their GPU kernels. Outputs of every module keep their shapes,
+# as tests/test_architectures.py checks against the real forward.
+META_EXPERTS = "batched_mm"
+
+
+def meta_safe_experts(config: Any) -> None:
+    """Make `config` (and its sub-configs) build experts that run on the meta device."""
+    if hasattr(type(config), "_experts_implementation"):  # transformers >= 5's experts interface
+        config._experts_implementation = META_EXPERTS
 
 
 def build_on_meta(cls: Any, config: Any, trust_remote_code: bool) -> Any:

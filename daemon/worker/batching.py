@@ -28,7 +28,7 @@ Compatibility rule (anything else runs alone, exactly as before)
       client sets invoke=0 for a single-input trace), a module path other
       than "" and a point other than RESULT: each value is a view of the
       request's own rows, never of the whole batch;
-    - invokes are text or token ids (no tensor args), and every invoke of
+    - invokes are text or token ids (no tensor args, no keyword inputs), and every invoke of
       every merged request has the same tokenized length, so no request sees
       padding (or other position ids) it would not have had alone; requests
       are grouped by that length;
@@ -94,7 +94,7 @@ def token_length(request: worker_pb2.WorkerRunRequest, tokenizer: Any) -> tuple[
             return None
     seqs: list[list[int]] = []
     for inv in trace.invokes:
-        if inv.args:
+        if inv.args or inv.kwargs:  # keyword inputs (T5's decoder_input_ids) are not merged across requests
             return None
         which = inv.WhichOneof("input")
         if which == "tokens":

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from nnd.v1 import nnd_pb2, worker_pb2
-from nnd_daemon import errors
+from nnd_daemon import errors, loadoptions
 from nnd_daemon.shared import QUANTIZED, infer_task, model_class
 
 Report = Callable[[int, int, str], None]
@@ -115,9 +115,11 @@ def load(req: worker_pb2.WorkerLoadRequest, report: Report) -> tuple[torch.nn.Mo
     common: dict[str, Any] = {"trust_remote_code": req.trust_remote_code}
     if req.revision:
         common["revision"] = req.revision
-    config = AutoConfig.from_pretrained(req.model, **common)
+    config = loadoptions.apply(AutoConfig.from_pretrained(req.model, **common), req.options)
     cls = model_class(config, req.task or infer_task(getattr(config, "architectures", None)))
     kwargs = from_pretrained_kwargs(req.placement)
+    if req.options.attn_implementation:  # the config carries it too; from_pretrained checks it here
+        kwargs["attn_implementation"] = req.options.attn_implementation
 
     def hook(factory: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
         kw = {**kw, "disable": True}

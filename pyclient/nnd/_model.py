@@ -48,6 +48,12 @@ class TransformersModel(_envoy.Envoy):
     models also get a standard set (layers, attention, mlp, final_norm,
     lm_head, embed) that every client and language shares. `edits` opens a named edited
     variant that some client stored with `model.edit(name=...)`.
+
+    `attn_implementation` ("eager", "sdpa", ...) and `config` (a transformers
+    config, or its `to_dict()`, used instead of the checkpoint's) reach the
+    daemon's META model and every dispatch, as nnsight passes them to
+    `from_pretrained`. A loaded model has one set of them: loading it again
+    with others is refused until it is unloaded.
     """
 
     def __init__(
@@ -67,13 +73,19 @@ class TransformersModel(_envoy.Envoy):
         tp_size: int | None = None,
         rename: Mapping[Any, str | list[str] | tuple[str, ...]] | None = None,
         edits: str | list[str] | None = None,
+        attn_implementation: str | None = None,
+        config: Any = None,
         **kwargs: Any,
     ) -> None:
         if "torch_dtype" in kwargs:  # transformers' older spelling
             dtype = kwargs.pop("torch_dtype") if dtype is None else dtype
         distributed = kwargs.pop("distributed_config", None)
         if distributed is not None:  # transformers' DistributedConfig(tp_size=N), as nnsight's page spells it
-            size = distributed.get("tp_size") if isinstance(distributed, Mapping) else getattr(distributed, "tp_size", None)
+            size = (
+                distributed.get("tp_size")
+                if isinstance(distributed, Mapping)
+                else getattr(distributed, "tp_size", None)
+            )
             if not isinstance(size, int) or size < 1:
                 raise TypeError("distributed_config needs a tp_size (transformers' DistributedConfig(tp_size=N))")
             if tp_size is not None and tp_size != size:
@@ -106,6 +118,9 @@ class TransformersModel(_envoy.Envoy):
         if keep_alive is not None:
             request.keep_alive = _placement.keep_alive_string(keep_alive)
         request.rename.extend(_renames(rename))
+        options = _load_options(attn_implementation, config)
+        if options.ListFields():  # a plain load sends what it always sent
+            request.options.CopyFrom(options)
         self._info: nnd_pb2.ModelInfo = self._load(request)
         self._name = self._info.name or name_or_path
         _envoy.build_tree(self, self._info.modules, self)
@@ -332,6 +347,25 @@ def _renames(rename: Mapping[Any, Any] | None) -> list[nnd_pb2.Rename]:
             out.append(nnd_pb2.Rename(path=key, aliases=names))
         else:
             raise TypeError(f"rename keys are module paths or classes, not {key!r}")
+    return out
+
+
+def _load_options(attn_implementation: str | None, config: Any) -> nnd_pb2.LoadOptions:
+    """`attn_implementation=`/`config=` as data: a config travels as its JSON (to_dict()), never pickled."""
+    import json
+
+    out = nnd_pb2.LoadOptions()
+    if attn_implementation is not None:
+        if not isinstance(attn_implementation, str):
+            raise TypeError("attn_implementation must be a name such as 'eager' or 'sdpa'")
+        out.attn_implementation = attn_implementation
+    if config is not None:
+        if hasattr(config, "to_json_string"):  # a transformers PretrainedConfig
+            out.config_json = config.to_json_string(use_diff=False)
+        elif isinstance(config, Mapping):
+            out.config_json = json.dumps(dict(config), sort_keys=True)
+        else:
+            raise TypeError("config must be a transformers config or a dict of one (its to_dict())")
     return out
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from fakedaemon import FakeNnd, module_infos
@@ -71,8 +73,15 @@ def test_placement_and_load_request(fake):
     assert req.keep_alive == "300s" and req.task == "text-generation"
     assert _placement.placement(device=0).device == "0"
     assert _placement.keep_alive_string(-1) == "-1"
-    with pytest.raises(TypeError, match="attn_implementation"):
-        nnd.TransformersModel("tiny", address=address, attn_implementation="eager")
+    assert not req.HasField("options")  # a plain load sends no load options
+    # nnsight's load options travel as data: a config as its JSON, never pickled.
+    from transformers import GPT2Config
+
+    nnd.TransformersModel("tiny", address=address, attn_implementation="eager", config=GPT2Config(n_layer=1))
+    options = service.loads[-1].options
+    assert options.attn_implementation == "eager" and json.loads(options.config_json)["n_layer"] == 1
+    with pytest.raises(TypeError, match="low_cpu_mem_usage"):
+        nnd.TransformersModel("tiny", address=address, low_cpu_mem_usage=True)
 
 
 def test_dispatch_release_dispatched(model, fake):

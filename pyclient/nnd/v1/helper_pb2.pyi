@@ -10,20 +10,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HelperModel(_message.Message):
-    __slots__ = ("key", "source", "revision", "task", "trust_remote_code", "exported")
+    __slots__ = ("key", "source", "revision", "task", "trust_remote_code", "exported", "options")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     TRUST_REMOTE_CODE_FIELD_NUMBER: _ClassVar[int]
     EXPORTED_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
     key: str
     source: str
     revision: str
     task: str
     trust_remote_code: bool
     exported: bool
-    def __init__(self, key: _Optional[str] = ..., source: _Optional[str] = ..., revision: _Optional[str] = ..., task: _Optional[str] = ..., trust_remote_code: _Optional[bool] = ..., exported: _Optional[bool] = ...) -> None: ...
+    options: _nnd_pb2.LoadOptions
+    def __init__(self, key: _Optional[str] = ..., source: _Optional[str] = ..., revision: _Optional[str] = ..., task: _Optional[str] = ..., trust_remote_code: _Optional[bool] = ..., exported: _Optional[bool] = ..., options: _Optional[_Union[_nnd_pb2.LoadOptions, _Mapping]] = ...) -> None: ...
 
 class MetaDescription(_message.Message):
     __slots__ = ("architecture", "task", "summary", "num_parameters", "modules", "estimated_bytes", "default_dtype", "has_tokenizer", "tp_config_json")

@@ -105,7 +105,7 @@ class Placement(_message.Message):
     def __init__(self, device: _Optional[str] = ..., device_map: _Optional[str] = ..., dtype: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., max_memory: _Optional[_Mapping[str, str]] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("model", "revision", "task", "trust_remote_code", "placement", "dispatch", "keep_alive", "rename", "upload")
+    __slots__ = ("model", "revision", "task", "trust_remote_code", "placement", "dispatch", "keep_alive", "rename", "upload", "options")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class LoadModelRequest(_message.Message):
     KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
     RENAME_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     revision: str
     task: str
@@ -124,7 +125,16 @@ class LoadModelRequest(_message.Message):
     keep_alive: str
     rename: _containers.RepeatedCompositeFieldContainer[Rename]
     upload: str
-    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., task: _Optional[str] = ..., trust_remote_code: _Optional[bool] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., dispatch: _Optional[bool] = ..., keep_alive: _Optional[str] = ..., rename: _Optional[_Iterable[_Union[Rename, _Mapping]]] = ..., upload: _Optional[str] = ...) -> None: ...
+    options: LoadOptions
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., task: _Optional[str] = ..., trust_remote_code: _Optional[bool] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., dispatch: _Optional[bool] = ..., keep_alive: _Optional[str] = ..., rename: _Optional[_Iterable[_Union[Rename, _Mapping]]] = ..., upload: _Optional[str] = ..., options: _Optional[_Union[LoadOptions, _Mapping]] = ...) -> None: ...
+
+class LoadOptions(_message.Message):
+    __slots__ = ("attn_implementation", "config_json")
+    ATTN_IMPLEMENTATION_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    attn_implementation: str
+    config_json: str
+    def __init__(self, attn_implementation: _Optional[str] = ..., config_json: _Optional[str] = ...) -> None: ...
 
 class Rename(_message.Message):
     __slots__ = ("path", "type", "aliases")

@@ -44,18 +44,20 @@ class WorkerConfigured(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoadRequest(_message.Message):
-    __slots__ = ("model", "revision", "placement", "trust_remote_code", "task")
+    __slots__ = ("model", "revision", "placement", "trust_remote_code", "task", "options")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     TRUST_REMOTE_CODE_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     revision: str
     placement: _nnd_pb2.Placement
     trust_remote_code: bool
     task: str
-    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., placement: _Optional[_Union[_nnd_pb2.Placement, _Mapping]] = ..., trust_remote_code: _Optional[bool] = ..., task: _Optional[str] = ...) -> None: ...
+    options: _nnd_pb2.LoadOptions
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., placement: _Optional[_Union[_nnd_pb2.Placement, _Mapping]] = ..., trust_remote_code: _Optional[bool] = ..., task: _Optional[str] = ..., options: _Optional[_Union[_nnd_pb2.LoadOptions, _Mapping]] = ...) -> None: ...
 
 class WorkerRunRequest(_message.Message):
     __slots__ = ("request", "generate", "edits", "session")
