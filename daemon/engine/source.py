@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from nnd.v1 import nnd_pb2
+
 from .. import errors
 
 OP = "__nnd_op__"
@@ -87,7 +89,9 @@ class _Instrument(ast.NodeTransformer):
         label = f"{name}_{n}"
         self.names.append(label)
         self.lines[label] = at.lineno  # type: ignore[attr-defined]
-        call = ast.Call(func=ast.Name(id=OP, ctx=ast.Load()), args=[ast.Constant(value=label), fn, *args], keywords=keywords)
+        call = ast.Call(
+            func=ast.Name(id=OP, ctx=ast.Load()), args=[ast.Constant(value=label), fn, *args], keywords=keywords
+        )
         return ast.copy_location(call, at)
 
     def visit_Call(self, node: ast.Call) -> ast.AST:
@@ -283,3 +287,12 @@ def check(module: torch.nn.Module, path: str, op: str, where: str) -> None:
         f"(print `{path or 'model'}.source` for every name)",
         exc_type="AttributeError",
     )
+
+
+def listing(module: torch.nn.Module, path: str) -> nnd_pb2.SourceInfo:
+    """What a client prints as `module.source`: the forward's text and its operations."""
+    found = compiled(module, repr(path))
+    info = nnd_pb2.SourceInfo(path=path, type=type(module).__name__, source=found.source)
+    for name in found.names:
+        info.ops.add(name=name, line=found.lines[name])
+    return info
