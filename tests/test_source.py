@@ -1,0 +1,123 @@
+"""`.source`: operations inside a module's forward, through a real daemon, against nnsight 0.8.1's
+`.source` on the same weights (run in a subprocess: tests/nnsight_source_reference.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from nnsight_source_reference import PROMPT, SITES, envoy
+
+import nnd
+from nnd.v1 import graph_pb2
+
+if importlib.util.find_spec("nnsight") is None:
+    pytest.skip("nnsight 0.8.1 is not installed", allow_module_level=True)
+
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def pair(request, daemon, tiny_models, tmp_path_factory):
+    kind = request.param
+    path = tiny_models[kind]
+    out = tmp_path_factory.mktemp("nnsight_source") / f"{kind}.pt"
+    script = os.path.join(os.path.dirname(__file__), "nnsight_source_reference.py")
+    subprocess.run([sys.executable, script, kind, path, str(out)], check=True, capture_output=True, timeout=600)
+    ref = torch.load(out)
+    ours = nnd.TransformersModel(path, address=daemon.address, device="cpu", dispatch=True)
+    yield kind, ours, ref
+    ours.release()
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+
+
+def test_listing_and_printing_match_nnsight(pair):
+    kind, ours, ref = pair
+    attn_path, mlp_path, _, _ = SITES[kind]
+    attn = envoy(ours, attn_path)
+    assert list(attn.source.names) == ref["attn_names"]
+    assert list(envoy(ours, mlp_path).source.names) == ref["mlp_names"]
+    assert repr(attn.source) == ref["attn_repr"]
+    assert repr(attn.source.attention_interface_1) == ref["op_repr"]
+    assert [op.name for op in attn.source] == ref["attn_names"]
+
+
+def test_reading_operations_matches_nnsight(pair):
+    kind, ours, ref = pair
+    attn_path, _, _, proj = SITES[kind]
+    attn = envoy(ours, attn_path)
+    with ours.trace(PROMPT):
+        out_attn = attn.source.attention_interface_1.output[0].save()
+        proj_in = getattr(attn.source, proj).input.save()
+        logits = ours.lm_head.output.save()
+    _close(out_attn, ref["attention"])
+    _close(proj_in, ref["proj_input"])
+    _close(logits, ref["logits"])  # reading changes nothing
+
+
+def test_zeroing_an_operation_in_place_matches_nnsight(pair):
+    kind, ours, ref = pair
+    _, mlp_path, act, _ = SITES[kind]
+    with ours.trace(PROMPT):
+        getattr(envoy(ours, mlp_path).source, act).output[:] = 0
+        zeroed = ours.lm_head.output.save()
+    assert not torch.allclose(zeroed, ref["logits"], atol=1e-3)
+    _close(zeroed, ref["zeroed"])
+
+
+def test_replacing_an_operations_output_and_input_matches_nnsight(pair):
+    kind, ours, ref = pair
+    attn_path, _, _, proj = SITES[kind]
+    attn = envoy(ours, attn_path)
+    with ours.trace(PROMPT):
+        op = getattr(attn.source, proj)
+        op.output = op.output * 0.5
+        replaced = ours.lm_head.output.save()
+    _close(replaced, ref["replaced"])
+    with ours.trace(PROMPT):
+        op = getattr(attn.source, proj)
+        op.input = op.input * 2
+        reinput = ours.lm_head.output.save()
+    _close(reinput, ref["reinput"])
+    with ours.trace(PROMPT):  # no residue: the instrumented forward left with its request
+        plain = ours.lm_head.output.save()
+    _close(plain, ref["logits"])
+
+
+def test_skip_inputs_and_scan(pair):
+    kind, ours, ref = pair
+    attn_path, mlp_path, act, proj = SITES[kind]
+    attn, mlp = envoy(ours, attn_path), envoy(ours, mlp_path)
+    with ours.trace(PROMPT):
+        args, kwargs = getattr(attn.source, proj).inputs
+        first = args[0].save()
+        # Skipping the activation with zeros is the in-place zeroing above, done without the call.
+        activation = getattr(mlp.source, act)
+        activation.skip(activation.input * 0)
+        act_out = activation.output.save()
+        skipped = ours.lm_head.output.save()
+    _close(first, ref["proj_input"])
+    assert act_out.abs().sum() == 0 and act_out.ndim == 3
+    _close(skipped, ref["zeroed"])
+    with ours.scan(PROMPT):
+        shape = attn.source.attention_interface_1.output[0].shape.save()
+    assert tuple(shape) == tuple(ref["attention"].shape)
+
+
+def test_unknown_operation_names_close_ones(pair):
+    kind, ours, _ = pair
+    attn = envoy(ours, SITES[kind][0])
+    with pytest.raises(AttributeError, match=r"attention_interface_9.*did you mean attention_interface_1"):
+        attn.source.attention_interface_9  # noqa: B018
+    # The daemon checks names too, for any client: a graph naming an operation the forward lacks.
+    with pytest.raises(Exception, match=r"no operation 'attention_interfce_1'.*attention_interface_1") as err:
+        with ours.trace(PROMPT) as tracer:
+            tracer._module(attn.path, graph_pb2.OUTPUT, op="attention_interfce_1").save()
+    assert "NOT_FOUND" in repr(err.value) or isinstance(err.value, AttributeError)
