@@ -2,7 +2,8 @@
 for tests/test_source.py to compare with: operation names, printing, and the values of reads
 and edits of operations.
 
-Usage: python nnsight_source_reference.py KIND MODEL_PATH OUT.pt
+Usage: python nnsight_source_reference.py OUT.pt KIND=MODEL_PATH...  (one process for every model:
+importing torch and nnsight is most of its cost)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def envoy(model, path: str):
     return model
 
 
-def main(kind: str, path: str, out: str) -> None:
+def reference(kind: str, path: str) -> dict[str, object]:
     import nnsight
     from transformers import AutoTokenizer
 
@@ -61,8 +62,9 @@ def main(kind: str, path: str, out: str) -> None:
         op.input = op.input * 2
         reinput = model.lm_head.output.save()
     results["reinput"] = reinput
-    torch.save(results, out)
+    return results
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    out, *models = sys.argv[1:]
+    torch.save({kind: reference(kind, path) for kind, path in (m.split("=", 1) for m in models)}, out)

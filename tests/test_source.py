@@ -21,16 +21,20 @@ if importlib.util.find_spec("nnsight") is None:
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
-def pair(request, daemon, tiny_models, tmp_path_factory):
-    kind = request.param
-    path = tiny_models[kind]
-    out = tmp_path_factory.mktemp("nnsight_source") / f"{kind}.pt"
+@pytest.fixture(scope="module")
+def references(tiny_models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("nnsight_source") / "ref.pt"
     script = os.path.join(os.path.dirname(__file__), "nnsight_source_reference.py")
-    subprocess.run([sys.executable, script, kind, path, str(out)], check=True, capture_output=True, timeout=600)
-    ref = torch.load(out)
-    ours = nnd.TransformersModel(path, address=daemon.address, device="cpu", dispatch=True)
-    yield kind, ours, ref
+    models = [f"{kind}={tiny_models[kind]}" for kind in SITES]
+    subprocess.run([sys.executable, script, str(out), *models], check=True, capture_output=True, timeout=600)
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module", params=list(SITES))
+def pair(request, daemon, tiny_models, references):
+    kind = request.param
+    ours = nnd.TransformersModel(tiny_models[kind], address=daemon.address, device="cpu", dispatch=True)
+    yield kind, ours, references[kind]
     ours.release()
 
 
