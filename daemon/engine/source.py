@@ -192,7 +192,18 @@ def _cell(cell: CellType) -> Any:
         return None
 
 
+_peeled: dict[FunctionType, tuple[FunctionType, list[tuple[FunctionType, int]]]] = {}
+
+
 def _peel(func: FunctionType) -> tuple[FunctionType, list[tuple[FunctionType, int]]]:
+    """The function a (decorated) forward wraps, and the chain of wrappers; parsed once per forward."""
+    found = _peeled.get(func)
+    if found is None:
+        found = _peeled[func] = _unwrap(func)
+    return found
+
+
+def _unwrap(func: FunctionType) -> tuple[FunctionType, list[tuple[FunctionType, int]]]:
     chain: list[tuple[FunctionType, int]] = []
     seen = {func}
     while (index := _peel_index(func)) is not None:
