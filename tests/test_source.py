@@ -125,3 +125,37 @@ def test_unknown_operation_names_close_ones(pair):
         with ours.trace(PROMPT) as tracer:
             tracer._module(attn.path, graph_pb2.OUTPUT, op="attention_interfce_1").save()
     assert "NOT_FOUND" in repr(err.value) or isinstance(err.value, AttributeError)
+
+
+def test_sync_point_then_operations_and_out_of_order(pair):
+    kind, ours, ref = pair
+    attn_path, mlp_path, act, _ = SITES[kind]
+    layers = attn_path.split(".")[:-2]  # "transformer.h" / "model.layers"
+    second = envoy(ours, ".".join([*layers, "1", attn_path.split(".")[-1]]))
+    with ours.trace(PROMPT):
+        float(envoy(ours, ".".join([*layers, "0"])).output[0].sum())  # a sync point: the run pauses
+        # Named only now, in a module the forward has not reached: instrumented mid-run.
+        late = second.source.attention_interface_1.output[0].save()
+    assert late.shape == ref["attention"].shape
+    with pytest.raises(Exception, match="already ran past") as err:
+        with ours.trace(PROMPT):
+            float(envoy(ours, ".".join([*layers, "1"])).output[0].sum())
+            getattr(envoy(ours, mlp_path).source, act).output.save()  # layer 0's MLP is long done
+    assert type(err.value).__name__ == "OutOfOrderError"
+
+
+def test_stored_edit_and_generation_steps(pair):
+    kind, ours, ref = pair
+    attn_path, mlp_path, act, _ = SITES[kind]
+    with ours.edit() as (_, edited):
+        getattr(envoy(edited, mlp_path).source, act).output[:] = 0
+    with edited.trace(PROMPT):
+        zeroed = edited.lm_head.output.save()
+    _close(zeroed, ref["zeroed"])
+    with ours.generate(PROMPT, max_new_tokens=3) as tracer:
+        outs = list().save()
+        for _ in tracer.iter[:]:
+            outs.append(envoy(ours, attn_path).source.attention_interface_1.output[0])
+    prompt_len = ref["attention"].shape[1]
+    assert [o.shape[1] for o in outs] == [prompt_len, 1, 1]  # the prompt, then one token per step (KV cache)
+    _close(outs[0], ref["attention"])

@@ -44,6 +44,8 @@ class HookSet:
         self.ops = dict(ops or {})
         self.modules = {p: modules[p] for p in paths if p not in self.ops}
         self._sites: dict[str, dict[str, str]] = {}  # module path -> {operation name: site}
+        # Operation site -> how many calls its module had made when its forward was instrumented.
+        self.since: dict[str, int] = {}
         self.skip_paths = skip_paths
         self.on_pre = on_pre
         self.on_post = on_post
@@ -118,8 +120,10 @@ class HookSet:
         names = self._sites.get(path)
         if names is not None:
             names[name] = site
+            self.since[site] = self.since[next(iter(names.values()))]
             return
         names = self._sites[path] = {name: site}
+        self.since[site] = self.calls.get(path, 0)
         module = self.table[path]
 
         def on_op(op: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
