@@ -22,7 +22,7 @@ SITES = {
 
 
 def envoy(model, path: str):
-    for part in path.split("."):
+    for part in path.split(".") if path else ():
         model = model[int(part)] if part.isdigit() else getattr(model, part)
     return model
 
@@ -39,6 +39,8 @@ def reference(kind: str, path: str) -> dict[str, object]:
         "mlp_names": list(mlp.source.names),
         "attn_repr": repr(attn.source),
         "op_repr": repr(attn.source.attention_interface_1),
+        # Every module's operations (the root, containers and torch.nn leaves included).
+        "every": {name: list(envoy(model, name).source.names) for name, _ in model._module.named_modules()},
     }
     with model.trace(PROMPT):
         out_attn = attn.source.attention_interface_1.output[0].save()

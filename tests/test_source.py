@@ -51,6 +51,8 @@ def test_listing_and_printing_match_nnsight(pair):
     assert repr(attn.source) == ref["attn_repr"]
     assert repr(attn.source.attention_interface_1) == ref["op_repr"]
     assert [op.name for op in attn.source] == ref["attn_names"]
+    every = {path: list(env.source.names) for path, env in ours.named_modules()}
+    assert every == ref["every"]
 
 
 def test_reading_operations_matches_nnsight(pair):

@@ -57,7 +57,7 @@ class Source:
         return _address(self._envoy) + ".source"
 
     def __getattr__(self, name: str) -> SourceOp:
-        if name.startswith("__") or name.startswith("_"):
+        if name.startswith("__") or name in ("_envoy", "_info", "_lines"):  # a private op (`_foo_0`) is a name
             raise AttributeError(name)
         if name not in self._lines:
             close = difflib.get_close_matches(name, self.names, n=5, cutoff=0.5)
