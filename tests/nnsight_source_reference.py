@@ -64,6 +64,14 @@ def reference(kind: str, path: str) -> dict[str, object]:
         op.input = op.input * 2
         reinput = model.lm_head.output.save()
     results["reinput"] = reinput
+
+    # Nested: the attention function's own operations (sdpa here: its kernel call, then the output scaled).
+    with model.trace(PROMPT):
+        inner = attn.source.attention_interface_1.source
+        kernel = inner.torch_nn_functional_scaled_dot_product_attention_0.output.save()
+        inner.torch_nn_functional_scaled_dot_product_attention_0.output[:] *= 0.5
+        nested = model.lm_head.output.save()
+    results["kernel"], results["nested"] = kernel, nested
     return results
 
 

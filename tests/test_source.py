@@ -161,3 +161,19 @@ def test_stored_edit_and_generation_steps(pair):
     prompt_len = ref["attention"].shape[1]
     assert [o.shape[1] for o in outs] == [prompt_len, 1, 1]  # the prompt, then one token per step (KV cache)
     _close(outs[0], ref["attention"])
+
+
+def test_operations_inside_a_called_function(pair):
+    kind, ours, ref = pair
+    attn = envoy(ours, SITES[kind][0])
+    with ours.trace(PROMPT):
+        inner = attn.source.attention_interface_1.source
+        kernel = inner.torch_nn_functional_scaled_dot_product_attention_0.output.save()
+        inner.torch_nn_functional_scaled_dot_product_attention_0.output[:] *= 0.5
+        nested = ours.lm_head.output.save()
+    _close(kernel, ref["kernel"])
+    _close(nested, ref["nested"])
+    assert not torch.allclose(nested, ref["logits"], atol=1e-3)
+    with pytest.raises(Exception, match=r"no operation 'torch_nn_functional_sdpa_0'.*did you mean"):
+        with ours.trace(PROMPT):
+            attn.source.attention_interface_1.source.torch_nn_functional_sdpa_0.output.save()

@@ -112,31 +112,43 @@ class HookSet:
 
     def add_op(self, site: str, where: tuple[str, str]) -> None:
         """Hook operation `where` = (module path, name) under `site`; the first of a module
-        installs its instrumented forward (also while running, for nodes added at a sync point)."""
+        installs its instrumented forward (also while running, for nodes added at a sync point).
+        A nested name "a.b" hooks operation b inside the function operation a calls."""
         path, name = where
         self.ops[site] = where
         self.calls.setdefault(site, 0)
         self.active.setdefault(site, [])
-        names = self._sites.get(path)
-        if names is not None:
-            names[name] = site
-            self.since[site] = self.since[next(iter(names.values()))]
+        tree = self._sites.get(path)
+        fresh = tree is None
+        if tree is None:
+            tree = self._sites[path] = _OpTree()
+            self.since[site] = self.calls.get(path, 0)
+        else:
+            self.since[site] = self.since[tree.first]
+        tree.add(name.split("."), site)
+        if not fresh:
             return
-        names = self._sites[path] = {name: site}
-        self.since[site] = self.calls.get(path, 0)
         module = self.table[path]
-
-        def on_op(op: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            hooked = names.get(op)
-            if hooked is None or self.suppress:
-                return fn(*args, **kwargs)
-            return self._run_op(hooked, fn, args, kwargs)
-
-        forward = source.instrumented(module, on_op, repr(path))
+        forward = source.instrumented(module, self._on_op(tree, repr(path)), repr(path))
         # accelerate keeps the real forward in `_old_forward` and calls it between its device moves.
         attr = "_old_forward" if "_hf_hook" in module.__dict__ and "_old_forward" in module.__dict__ else "forward"
         self._patched.append((module, attr, module.__dict__.get(attr)))
         setattr(module, attr, forward)
+
+    def _on_op(self, tree: _OpTree, where: str) -> source.OpCall:
+        def on_op(op: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if self.suppress:
+                return fn(*args, **kwargs)
+            inner = tree.children.get(op)
+            if inner is not None:  # operations inside the function this one calls
+                at = f"{where}.source.{op}"
+                fn = source.instrumented_call(fn, self._on_op(inner, at), inner.names(), at)
+            hooked = tree.sites.get(op)
+            if hooked is None:
+                return fn(*args, **kwargs)
+            return self._run_op(hooked, fn, args, kwargs)
+
+        return on_op
 
     def _run_op(self, site: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         call = self.calls[site]
@@ -165,3 +177,23 @@ class HookSet:
 
         module.forward = forward
         self._patched.append((module, "forward", previous))
+
+
+class _OpTree:
+    """The operations hooked in one forward: sites by name, and per name the operations hooked inside
+    the function that operation calls."""
+
+    def __init__(self) -> None:
+        self.sites: dict[str, str] = {}
+        self.children: dict[str, _OpTree] = {}
+        self.first = ""
+
+    def add(self, chain: list[str], site: str) -> None:
+        self.first = self.first or site
+        if len(chain) == 1:
+            self.sites[chain[0]] = site
+        else:
+            self.children.setdefault(chain[0], _OpTree()).add(chain[1:], site)
+
+    def names(self) -> list[str]:
+        return [*self.sites, *self.children]

@@ -25,7 +25,7 @@ import difflib
 import inspect
 import textwrap
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import CellType, CodeType, FunctionType, MethodType
 from typing import Any
@@ -254,6 +254,13 @@ def _forward(module: torch.nn.Module, where: str) -> FunctionType:
 def compiled(module: torch.nn.Module, where: str = "this module") -> Compiled:
     """The module's instrumented forward (cached per forward's code object)."""
     inner, _ = _peel(_forward(module, where))
+    return _compiled_function(inner, where)
+
+
+OpCall = Callable[[str, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
+
+
+def _compiled_function(inner: FunctionType, where: str) -> Compiled:
     with _lock:
         found = _cache.get(inner.__code__)
     if found is None:
@@ -263,14 +270,9 @@ def compiled(module: torch.nn.Module, where: str = "this module") -> Compiled:
     return found
 
 
-OpCall = Callable[[str, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
-
-
-def instrumented(module: torch.nn.Module, on_op: OpCall, where: str = "this module") -> Callable[..., Any]:
-    """The module's forward, bound to it, calling `on_op(name, fn, args, kwargs)` at every operation."""
-    outer = _forward(module, where)
+def _build(outer: FunctionType, on_op: OpCall, where: str) -> FunctionType:
     inner, chain = _peel(outer)
-    result = compiled(module, where)
+    result = _compiled_function(inner, where)
 
     def op(name: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         return on_op(name, fn, args, kwargs)
@@ -278,17 +280,66 @@ def instrumented(module: torch.nn.Module, on_op: OpCall, where: str = "this modu
     cells = dict(zip(inner.__code__.co_freevars, inner.__closure__ or (), strict=True))
     closure = tuple(cells[name] for name in result.code.co_freevars) or None
     glob = {**inner.__globals__, OP: op, BIND: bind}
-    return MethodType(_rewrap(chain, _like(inner, result.code, closure, glob)), module)
+    return _rewrap(chain, _like(inner, result.code, closure, glob))
+
+
+def instrumented(module: torch.nn.Module, on_op: OpCall, where: str = "this module") -> Callable[..., Any]:
+    """The module's forward, bound to it, calling `on_op(name, fn, args, kwargs)` at every operation."""
+    return MethodType(_build(_forward(module, where), on_op, where), module)
+
+
+def _callee(fn: Any, where: str) -> tuple[FunctionType, Any]:
+    """The library function an operation calls (and the object a method is bound to), for a nested
+    `.source`: only plain Python functions of transformers or torch, never a module (it has its own)."""
+    receiver = None
+    if isinstance(fn, MethodType):
+        fn, receiver = fn.__func__, fn.__self__
+    if isinstance(fn, torch.nn.Module) or not isinstance(fn, FunctionType):
+        raise errors.InvalidArgument(
+            f"{where} calls {type(fn).__name__}, which has no Python source to instrument (a builtin, or a module: "
+            "address a module's operations through its own path)",
+            exc_type="NotImplementedError",
+        )
+    if not (getattr(fn, "__module__", None) or "").startswith(("transformers.", "torch.")):
+        raise errors.InvalidArgument(
+            f"{where} calls {fn.__module__}.{fn.__qualname__}; nested operations are available only inside "
+            "functions of transformers and torch",
+            exc_type="NotImplementedError",
+        )
+    return fn, receiver
+
+
+def instrumented_call(fn: Any, on_op: OpCall, names: Iterable[str], where: str) -> Callable[..., Any]:
+    """`fn` (the callee of an operation) instrumented like a forward (nnsight's `op.source`), after checking
+    that it has the operations `names`."""
+    func, receiver = _callee(fn, where)
+    inner, _ = _peel(func)
+    result = _compiled_function(inner, where)
+    for name in names:
+        if name not in result.names:
+            close = difflib.get_close_matches(name, result.names, n=5, cutoff=0.5)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise errors.NotFound(
+                f"{where} calls {func.__qualname__}, which has no operation {name!r}{hint} "
+                f"(its operations: {', '.join(result.names)})",
+                exc_type="AttributeError",
+            )
+    built = _build(func, on_op, where)
+    return MethodType(built, receiver) if receiver is not None else built
 
 
 def site(path: str, op: str) -> str:
-    """The internal path of an operation, as nnsight spells its address."""
-    return f"{path}{INFIX}{op}" if path else f"source.{op}"
+    """The internal path of an operation, as nnsight spells its address ("a.b", an operation b inside the
+    function operation a calls, is "<path>.source.a.source.b")."""
+    chain = INFIX.join(op.split("."))
+    return f"{path}{INFIX}{chain}" if path else f"source.{chain}"
 
 
 def check(module: torch.nn.Module, path: str, op: str, where: str) -> None:
-    """Refuse an operation the module's forward does not have, naming the close ones."""
+    """Refuse an operation the module's forward does not have, naming the close ones. Of a nested
+    operation ("a.b") only the first name is known before the call runs (the callee is a value)."""
     names = compiled(module, where).names
+    op = op.split(".")[0]
     if op in names:
         return
     close = difflib.get_close_matches(op, names, n=5, cutoff=0.5)

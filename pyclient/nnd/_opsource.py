@@ -103,55 +103,57 @@ class SourceOp:
     `.input` (its first argument), `.inputs` ((args, kwargs)), each readable and assignable inside
     a block, and `.skip(value)` (do not make the call)."""
 
-    def __init__(self, envoy: Envoy, name: str, text: str, line: int) -> None:
+    def __init__(self, envoy: Envoy, op: str, text: str, line: int) -> None:
         self._envoy = envoy
-        self.name = name
+        self._op = op  # "a", or "a.b" for operation b inside the function operation a calls
+        self.name = op.rpartition(".")[2]
         self._text = text
         self._line = line
 
     @property
     def path(self) -> str:
-        return f"{_address(self._envoy)}.source.{self.name}"
+        return f"{_address(self._envoy)}.source." + ".source.".join(self._op.split("."))
 
     def _tracer(self, what: str) -> Tracer:
-        return self._envoy._tracer(f"source.{self.name}.{what}")
+        return self._envoy._tracer(f"{self.path}.{what}")
 
     @property
     def output(self) -> Proxy:
-        return self._tracer("output")._module(self._envoy._path, graph_pb2.OUTPUT, op=self.name)
+        return self._tracer("output")._module(self._envoy._path, graph_pb2.OUTPUT, op=self._op)
 
     @output.setter
     def output(self, value: Any) -> None:
-        self._tracer("output")._set(self._envoy._path, graph_pb2.OUTPUT, value, op=self.name)
+        self._tracer("output")._set(self._envoy._path, graph_pb2.OUTPUT, value, op=self._op)
 
     @property
     def input(self) -> Proxy:
-        return self._tracer("input")._module(self._envoy._path, graph_pb2.INPUT, op=self.name)
+        return self._tracer("input")._module(self._envoy._path, graph_pb2.INPUT, op=self._op)
 
     @input.setter
     def input(self, value: Any) -> None:
-        self._tracer("input")._set(self._envoy._path, graph_pb2.INPUT, value, op=self.name)
+        self._tracer("input")._set(self._envoy._path, graph_pb2.INPUT, value, op=self._op)
 
     @property
     def inputs(self) -> Proxy:
-        return self._tracer("inputs")._module(self._envoy._path, graph_pb2.INPUTS, op=self.name)
+        return self._tracer("inputs")._module(self._envoy._path, graph_pb2.INPUTS, op=self._op)
 
     @inputs.setter
     def inputs(self, value: Any) -> None:
-        self._tracer("inputs")._set(self._envoy._path, graph_pb2.INPUTS, value, op=self.name)
+        self._tracer("inputs")._set(self._envoy._path, graph_pb2.INPUTS, value, op=self._op)
 
     def skip(self, value: Any) -> None:
         """Do not make this call; use `value` as its output."""
-        self._tracer("skip()")._skip(self._envoy._path, value, op=self.name)
+        self._tracer("skip()")._skip(self._envoy._path, value, op=self._op)
 
     @property
-    def source(self) -> Source:
-        raise NotImplementedError(
-            f"{self.path}: `.source` of a called function (nnsight's nested source) is not supported by nnd yet; "
-            "address the operations of the module's own forward"
-        )
+    def source(self) -> CalledSource:
+        """The operations inside the function this operation calls (nnsight's nested `.source`):
+        `attn.source.attention_interface_1.source.nn_functional_softmax_0.output`."""
+        return CalledSource(self)
 
     def __repr__(self) -> str:
+        if not self._text:  # inside a called function: its text is known only when it runs
+            return self.path
         # nnsight 0.8.1's window: a few lines around the operation, marked --> <--.
         lines = self._text.split("\n")
         at = self._line - 2
@@ -164,3 +166,24 @@ class SourceOp:
         if end != len(lines) - 1:
             out.append("    ....")
         return "\n".join(out)
+
+
+class CalledSource:
+    """The operations of the function an operation calls. The callee is a value of the running
+    forward (an attention implementation chosen by the config, say), so the daemon learns it only
+    when the call runs: names are checked then (NOT_FOUND naming the close ones), and there is
+    nothing to print beforehand."""
+
+    def __init__(self, op: SourceOp) -> None:
+        self._of = op
+
+    def __getattr__(self, name: str) -> SourceOp:
+        if name.startswith("__") or name == "_of":
+            raise AttributeError(name)
+        return SourceOp(self._of._envoy, f"{self._of._op}.{name}", "", 0)
+
+    def __repr__(self) -> str:
+        return (
+            f"{self._of.path}.source: the operations of the function this operation calls, known when it runs; "
+            "name one (`.source.<name>.output`) inside a trace"
+        )
