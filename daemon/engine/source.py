@@ -16,6 +16,10 @@ that code with its own `__nnd_op__` (a closure over the request's hooks) and
 installs it as the module's instance `forward` for that request only (hooks.py);
 unused operations call straight through. A module no request instruments runs
 its class forward, untouched.
+
+A nested name "a.b" (nnsight's `op.source`) is operation b inside the
+function operation a calls: the callee is a value of the running forward, so
+it is instrumented when the call runs (transformers and torch functions only).
 """
 
 from __future__ import annotations
