@@ -129,7 +129,7 @@ class HookSet:
         if not fresh:
             return
         module = self.table[path]
-        forward = source.instrumented(module, self._on_op(tree, repr(path)), repr(path))
+        forward = source.instrumented(module, self._on_op(tree, path or "model"), repr(path))
         # accelerate keeps the real forward in `_old_forward` and calls it between its device moves.
         attr = "_old_forward" if "_hf_hook" in module.__dict__ and "_old_forward" in module.__dict__ else "forward"
         self._patched.append((module, attr, module.__dict__.get(attr)))
