@@ -278,6 +278,15 @@ class NndServicer:
         ref = self._tokens(request.model)
         return self.registry.helper.call("GetTokenizerFiles", ref, what="GetTokenizerFiles", client=context)
 
+    # -- operations inside a forward (engine/source.py) ---------------------
+    def GetSource(self, request: nnd_pb2.GetSourceRequest, context: grpc.ServicerContext) -> Any:
+        meta = self.registry.get(request.model).meta
+        path = request.path
+        if path and meta.aliases is not None:
+            path = meta.aliases.resolve(path) or path
+        call = helper_pb2.HelperSourceRequest(model=meta.ref, path=path)
+        return self.registry.helper.call("GetSource", call, what="this GetSource", client=context)
+
 
 def _resolve_aliases(meta: Any, graphs: list[Any]) -> None:
     """Rewrite alias paths ("layers.0.attention") to real ones, so any client can use aliases."""

@@ -105,10 +105,16 @@ class Executor:
         self.forward_done = False
         self.step = -1  # the generation step running (its root call)
         # Interactive: nodes added later may name any module, so every module is hooked.
-        paths = set(self.modules) if interaction is not None else plan.paths
-        self.hooks = HookSet(model, paths, skip_paths, self.at_pre, self.at_post, self.take_skip)
+        paths = set(self.modules) | plan.paths if interaction is not None else plan.paths
+        self.hooks = HookSet(model, paths, skip_paths, self.at_pre, self.at_post, self.take_skip, plan.ops)
         # Tensor parallel: values the graph touches are gathered whole at the hook and split back after.
         self.shard = sharding.of(model)
+        if plan.ops and self.shard is not sharding.NONE:
+            raise errors.InvalidArgument(
+                "operations inside a forward (`.source`) are not available on a tensor-parallel model: each rank "
+                "sees only its shard of them",
+                exc_type="NotImplementedError",
+            )
         for node in plan.nodes.values():  # values of earlier traces of a session
             if node.kind == "external":
                 self.root.values[node.id] = node.value
@@ -321,6 +327,9 @@ class Executor:
         """Make nodes added while paused part of the run; return those that belong at hook `key`."""
         late: list[tuple[Frame, PlanNode]] = []
         for node in added:
+            site = self.plan.ops.get(node.target.path) if node.target is not None else None
+            if site is not None and node.target is not None and node.target.path not in self.hooks.ops:
+                self.hooks.add_op(node.target.path, site)  # an operation first named after a sync point
             if node.kind == "cache":
                 raise errors.InvalidArgument(f"{where(node.proto)}\nopen a cache before the first sync point")
             if node.kind in ("backward", "grad", "set_grad"):
@@ -371,6 +380,11 @@ class Executor:
         path, kind, call = hook
         if kind == RESULT or self.forward_done:
             return self.forward_done
+        where = self.plan.ops.get(path)
+        # An operation's call k runs inside its module's call k: gone once that call has ended, or
+        # when that call began before the module's forward was instrumented.
+        if where is not None and (call < self.hooks.since.get(path, 0) or self.passed((where[0], POST, call))):
+            return True
         made = self.hooks.calls.get(path, 0)
         if kind == PRE:
             return made > call

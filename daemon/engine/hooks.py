@@ -4,16 +4,22 @@ Calls are counted per module from 0. A module whose output a graph may skip
 gets a wrapped `forward` (an instance attribute) for the request; removing it
 restores the class's forward. While `suppressed()` (call_module), hooks do
 nothing and calls are not counted.
+
+Operations inside a forward (source.py) are hooked like modules, under their
+internal path ("h.0.attn.source.split_0"): the module gets an instrumented
+`forward` for the request, whose named operations run the same pre/skip/post
+handlers and are counted the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
+from . import source
 from .modules import table as module_table
 
 PreHandler = Callable[[str, int, tuple[Any, ...], dict[str, Any]], "tuple[tuple[Any, ...], dict[str, Any]] | None"]
@@ -30,9 +36,16 @@ class HookSet:
         on_pre: PreHandler,
         on_post: PostHandler,
         take_skip: SkipLookup,
+        ops: Mapping[str, tuple[str, str]] | None = None,
     ) -> None:
         modules = module_table(model)
-        self.modules = {p: modules[p] for p in paths}
+        self.table = modules
+        # Operation sites -> (module path, operation name); every other path is a module.
+        self.ops = dict(ops or {})
+        self.modules = {p: modules[p] for p in paths if p not in self.ops}
+        self._sites: dict[str, dict[str, str]] = {}  # module path -> {operation name: site}
+        # Operation site -> how many calls its module had made when its forward was instrumented.
+        self.since: dict[str, int] = {}
         self.skip_paths = skip_paths
         self.on_pre = on_pre
         self.on_post = on_post
@@ -41,11 +54,13 @@ class HookSet:
         self.active: dict[str, list[int]] = {p: [] for p in paths}
         self.suppress = 0
         self._handles: list[Any] = []
-        self._patched: list[tuple[torch.nn.Module, Any]] = []
+        self._patched: list[tuple[torch.nn.Module, str, Any]] = []
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[HookSet]:
         try:
+            for site in self.ops:  # before skips: a skip wraps the instrumented forward
+                self.add_op(site, self.ops[site])
             for path, module in self.modules.items():
                 self._handles.append(module.register_forward_pre_hook(self._pre(path), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._post(path)))
@@ -59,12 +74,13 @@ class HookSet:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for module, previous in reversed(self._patched):
+        for module, attr, previous in reversed(self._patched):
             if previous is None:
-                del module.forward
+                delattr(module, attr)
             else:
-                module.forward = previous
+                setattr(module, attr, previous)
         self._patched.clear()
+        self._sites.clear()
 
     @contextlib.contextmanager
     def suppressed(self) -> Iterator[None]:
@@ -94,6 +110,60 @@ class HookSet:
 
         return hook
 
+    def add_op(self, site: str, where: tuple[str, str]) -> None:
+        """Hook operation `where` = (module path, name) under `site`; the first of a module
+        installs its instrumented forward (also while running, for nodes added at a sync point).
+        A nested name "a.b" hooks operation b inside the function operation a calls."""
+        path, name = where
+        self.ops[site] = where
+        self.calls.setdefault(site, 0)
+        self.active.setdefault(site, [])
+        tree = self._sites.get(path)
+        fresh = tree is None
+        if tree is None:
+            tree = self._sites[path] = _OpTree()
+            self.since[site] = self.calls.get(path, 0)
+        else:
+            self.since[site] = self.since[tree.first]
+        tree.add(name.split("."), site)
+        if not fresh:
+            return
+        module = self.table[path]
+        forward = source.instrumented(module, self._on_op(tree, path or "model"), repr(path))
+        # accelerate keeps the real forward in `_old_forward` and calls it between its device moves.
+        attr = "_old_forward" if "_hf_hook" in module.__dict__ and "_old_forward" in module.__dict__ else "forward"
+        self._patched.append((module, attr, module.__dict__.get(attr)))
+        setattr(module, attr, forward)
+
+    def _on_op(self, tree: _OpTree, where: str) -> source.OpCall:
+        def on_op(op: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if self.suppress:
+                return fn(*args, **kwargs)
+            inner = tree.children.get(op)
+            if inner is not None:  # operations inside the function this one calls
+                at = f"{where}.source.{op}"
+                fn = source.instrumented_call(fn, self._on_op(inner, at), inner.names(), at)
+            hooked = tree.sites.get(op)
+            if hooked is None:
+                return fn(*args, **kwargs)
+            return self._run_op(hooked, fn, args, kwargs)
+
+        return on_op
+
+    def _run_op(self, site: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        call = self.calls[site]
+        self.calls[site] = call + 1
+        self.active[site].append(call)
+        changed = self.on_pre(site, call, args, kwargs)
+        if changed is not None:
+            args, kwargs = changed
+        skipped, output = self.take_skip(site) if site in self.skip_paths else (False, None)
+        if not skipped:
+            output = fn(*args, **kwargs)
+        self.active[site].pop()
+        replaced = self.on_post(site, call, output)
+        return output if replaced is None else replaced
+
     def _patch(self, path: str, module: torch.nn.Module) -> None:
         previous = module.__dict__.get("forward")
         original = module.forward
@@ -106,4 +176,24 @@ class HookSet:
             return original(*args, **kwargs)
 
         module.forward = forward
-        self._patched.append((module, previous))
+        self._patched.append((module, "forward", previous))
+
+
+class _OpTree:
+    """The operations hooked in one forward: sites by name, and per name the operations hooked inside
+    the function that operation calls."""
+
+    def __init__(self) -> None:
+        self.sites: dict[str, str] = {}
+        self.children: dict[str, _OpTree] = {}
+        self.first = ""
+
+    def add(self, chain: list[str], site: str) -> None:
+        self.first = self.first or site
+        if len(chain) == 1:
+            self.sites[chain[0]] = site
+        else:
+            self.children.setdefault(chain[0], _OpTree()).add(chain[1:], site)
+
+    def names(self) -> list[str]:
+        return [*self.sites, *self.children]

@@ -30,7 +30,7 @@ import torch
 from nnd.v1 import graph_pb2
 
 from .. import errors
-from . import modules, ops, order, wire
+from . import modules, ops, order, source, wire
 from .failures import where
 from .order import POST, PRE, RESULT, HookKey
 
@@ -98,6 +98,8 @@ class Plan:
     grad_sources: set[int] = field(default_factory=set)
     # What planned it: a running interactive request adds nodes through it (`extend`).
     builder: Any = None
+    # Operations inside a forward the graph names: internal path -> (module path, operation name).
+    ops: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def extend(self, graph: graph_pb2.Graph, max_constant_bytes: int = 0) -> list[PlanNode]:
         """Validate and plan nodes added to a running request (after a sync point)."""
@@ -187,6 +189,7 @@ class _Builder:
         self.n_invokes = n_invokes
         self.nodes: dict[int, PlanNode] = {}
         self.paths: set[str] = {""}
+        self.ops: dict[str, tuple[str, str]] = {}
         # Every part's loop scopes, edits' first; a part's scope k is scopes[offset + k - 1].
         self.scopes: list[graph_pb2.StepSelector] = []
         self.grads: dict[int, dict[int, list[int]]] = {}
@@ -212,7 +215,7 @@ class _Builder:
         for node in self.nodes.values():
             self.check_causality(node)
         has_stop = any(n.kind == "stop" for n in self.nodes.values())
-        return Plan(self.nodes, self.scopes, self.paths, has_stop, self.grads, self.grad_sources, self)
+        return Plan(self.nodes, self.scopes, self.paths, has_stop, self.grads, self.grad_sources, self, self.ops)
 
     def extend(self, graph: graph_pb2.Graph) -> list[PlanNode]:
         """Nodes (and loop scopes, numbered after the request's earlier ones) added to a running request."""
@@ -406,6 +409,8 @@ class _Builder:
             raise errors.InvalidArgument(f"{where(proto)}\ncall index {mv.call} is negative")
         if node.kind == "skip" and mv.point != graph_pb2.OUTPUT:
             raise errors.InvalidArgument(f"{where(proto)}\nskip needs a module OUTPUT as its target")
+        if mv.op:
+            mv = self.op_value(node, mv)
         node.target = mv
         if mv.point == graph_pb2.RESULT:
             node.hook = RESULT
@@ -415,6 +420,24 @@ class _Builder:
         else:
             node.hook = POST if mv.point == graph_pb2.OUTPUT else PRE
         self.paths.add(mv.path)
+
+    def op_value(self, node: PlanNode, mv: graph_pb2.ModuleValue) -> graph_pb2.ModuleValue:
+        """An operation inside a forward becomes a value at its own hook, under its internal path
+        (inside the module's, for the ordering rules)."""
+        if mv.point == graph_pb2.RESULT:
+            raise errors.InvalidArgument(f"{where(node.proto)}\nan operation has no RESULT; use OUTPUT")
+        site = source.site(mv.path, mv.op)
+        if site in self.modules:
+            raise errors.InvalidArgument(
+                f"{where(node.proto)}\n{site!r} is both a module and an operation of {mv.path!r}: the address is ambiguous"
+            )
+        source.check(self.modules[mv.path], mv.path, mv.op, where(node.proto))
+        self.ops[site] = (mv.path, mv.op)
+        out = graph_pb2.ModuleValue()
+        out.CopyFrom(mv)
+        out.path = site
+        out.ClearField("op")
+        return out
 
     def check_call_module(self, node: PlanNode) -> None:
         first = node.args[0] if node.args else None

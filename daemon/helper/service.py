@@ -116,6 +116,14 @@ class HelperService(helper_pb2_grpc.HelperServicer):
             texts=[tok.decode(list(i.ids), skip_special_tokens=skip) for i in request.request.ids]
         )
 
+    def GetSource(self, request: helper_pb2.HelperSourceRequest, context: grpc.ServicerContext) -> Any:
+        from nnd_daemon.engine import modules, source
+
+        module = modules.table(self._model(request.model).module).get(request.path)
+        if module is None:
+            raise errors.NotFound(f"the model has no module {request.path!r}")
+        return source.listing(module, request.path)
+
     def GetTokenizerFiles(self, request: helper_pb2.HelperModel, context: grpc.ServicerContext) -> Any:
         tok = self._tokenizer(request)
         out = nnd_pb2.TokenizerFiles()

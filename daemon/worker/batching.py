@@ -26,7 +26,8 @@ Compatibility rule (anything else runs alone, exactly as before)
       whole batch or the whole request);
     - every module value (read or written) names an `invoke` (the Python
       client sets invoke=0 for a single-input trace), a module path other
-      than "" and a point other than RESULT: each value is a view of the
+      than "" and a point other than RESULT, and no operation inside a forward
+      (`op`, whose value need not hold the batch in dim 0): each value is a view of the
       request's own rows, never of the whole batch;
     - invokes are text or token ids (no tensor args, no keyword inputs), and every invoke of
       every merged request has the same tokenized length, so no request sees
@@ -90,7 +91,8 @@ def token_length(request: worker_pb2.WorkerRunRequest, tokenizer: Any) -> tuple[
         if kind not in _ALLOWED_KINDS:
             return None
         mv = node.module if kind == "module" else node.set.target if kind == "set" else None
-        if mv is not None and (not mv.HasField("invoke") or not mv.path or mv.point == graph_pb2.RESULT):
+        # An operation's value need not have the batch as dim 0 (a flattened token matrix): it runs alone.
+        if mv is not None and (not mv.HasField("invoke") or not mv.path or mv.point == graph_pb2.RESULT or mv.op):
             return None
     seqs: list[list[int]] = []
     for inv in trace.invokes:

@@ -164,6 +164,14 @@ class Envoy:
         """Do not run this module; use `value` as its output."""
         self._tracer("skip()")._skip(self._path, value)
 
+    @property
+    def source(self) -> Any:
+        """The operations inside this module's forward (nnsight's `.source`): print it for their
+        names; `source.<name>.output` / `.input` / `.inputs` inside a block (_opsource.py)."""
+        from nnd import _opsource
+
+        return _opsource.fetch(self)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Proxy:
         """Run this module out of place on traced values (a logit lens:
         `model.lm_head(h)`), recorded as a "call_module" op."""

@@ -89,9 +89,9 @@ class GraphBuilder:
             self.keys.pop(i, None)
         return sorted(gone)
 
-    def module(self, path: str, point: int, invoke: int | None, call: int = 0) -> int:
-        node = self._node(("module", path, point, invoke, call))
-        _fill_module(node.module, path, point, invoke, call)
+    def module(self, path: str, point: int, invoke: int | None, call: int = 0, op: str = "") -> int:
+        node = self._node(("module", path, point, invoke, call, op))
+        _fill_module(node.module, path, point, invoke, call, op)
         return node.id
 
     def op(self, name: str, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> int:
@@ -113,18 +113,18 @@ class GraphBuilder:
         node.save.value.CopyFrom(msg)
         return node.id
 
-    def set(self, path: str, point: int, invoke: int | None, call: int, value: Any) -> int:
+    def set(self, path: str, point: int, invoke: int | None, call: int, value: Any, op: str = "") -> int:
         msg, key = self.arg(value)
-        node = self._node(("set", path, point, invoke, call, key))
-        _fill_module(node.set.target, path, point, invoke, call)
+        node = self._node(("set", path, point, invoke, call, key, op))
+        _fill_module(node.set.target, path, point, invoke, call, op)
         node.set.value.CopyFrom(msg)
         self.writes.append(self.keys[node.id])
         return node.id
 
-    def skip(self, path: str, invoke: int | None, call: int, value: Any) -> int:
+    def skip(self, path: str, invoke: int | None, call: int, value: Any, op: str = "") -> int:
         msg, key = self.arg(value)
-        node = self._node(("skip", path, invoke, call, key))
-        _fill_module(node.skip.target, path, graph_pb2.OUTPUT, invoke, call)
+        node = self._node(("skip", path, invoke, call, key, op))
+        _fill_module(node.skip.target, path, graph_pb2.OUTPUT, invoke, call, op)
         node.skip.value.CopyFrom(msg)
         self.writes.append(self.keys[node.id])
         return node.id
@@ -209,8 +209,11 @@ def _refs(msg: Any) -> set[int]:
     return out
 
 
-def _fill_module(msg: graph_pb2.ModuleValue, path: str, point: int, invoke: int | None, call: int) -> None:
+def _fill_module(
+    msg: graph_pb2.ModuleValue, path: str, point: int, invoke: int | None, call: int, op: str = ""
+) -> None:
     msg.path = path
+    msg.op = op
     msg.point = point  # type: ignore[assignment]
     if invoke is not None:
         msg.invoke = invoke

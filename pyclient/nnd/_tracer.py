@@ -251,15 +251,15 @@ class Tracer:
         return every_step(self)
 
     # -- used by envoys and proxies
-    def _module(self, path: str, point: int, *, invoke: Any = _NO_INPUT) -> Proxy:
+    def _module(self, path: str, point: int, *, invoke: Any = _NO_INPUT, op: str = "") -> Proxy:
         which = self._invoke if invoke is _NO_INPUT else invoke
-        return Proxy(self, self._builder.module(path, point, which, 0))
+        return Proxy(self, self._builder.module(path, point, which, 0, op))
 
-    def _set(self, path: str, point: int, value: Any) -> None:
-        self._builder.set(path, point, self._invoke, 0, value)
+    def _set(self, path: str, point: int, value: Any, *, op: str = "") -> None:
+        self._builder.set(path, point, self._invoke, 0, value, op)
 
-    def _skip(self, path: str, value: Any) -> None:
-        self._builder.skip(path, self._invoke, 0, value)
+    def _skip(self, path: str, value: Any, *, op: str = "") -> None:
+        self._builder.skip(path, self._invoke, 0, value, op)
 
     def _record(self, name: str, args: list[Any], kwargs: dict[str, Any], func: Any = None) -> Proxy:
         return Proxy(self, self._builder.op(name, args, kwargs))

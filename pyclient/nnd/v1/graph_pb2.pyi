@@ -32,16 +32,18 @@ class SourceLocation(_message.Message):
     def __init__(self, file: _Optional[str] = ..., line: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
 
 class ModuleValue(_message.Message):
-    __slots__ = ("path", "point", "invoke", "call")
+    __slots__ = ("path", "point", "invoke", "call", "op")
     PATH_FIELD_NUMBER: _ClassVar[int]
     POINT_FIELD_NUMBER: _ClassVar[int]
     INVOKE_FIELD_NUMBER: _ClassVar[int]
     CALL_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
     path: str
     point: Point
     invoke: int
     call: int
-    def __init__(self, path: _Optional[str] = ..., point: _Optional[_Union[Point, str]] = ..., invoke: _Optional[int] = ..., call: _Optional[int] = ...) -> None: ...
+    op: str
+    def __init__(self, path: _Optional[str] = ..., point: _Optional[_Union[Point, str]] = ..., invoke: _Optional[int] = ..., call: _Optional[int] = ..., op: _Optional[str] = ...) -> None: ...
 
 class Arg(_message.Message):
     __slots__ = ("ref", "value", "tuple", "list")

@@ -116,6 +116,14 @@ class HelperDecodeRequest(_message.Message):
     request: _nnd_pb2.DecodeRequest
     def __init__(self, model: _Optional[_Union[HelperModel, _Mapping]] = ..., request: _Optional[_Union[_nnd_pb2.DecodeRequest, _Mapping]] = ...) -> None: ...
 
+class HelperSourceRequest(_message.Message):
+    __slots__ = ("model", "path")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    model: HelperModel
+    path: str
+    def __init__(self, model: _Optional[_Union[HelperModel, _Mapping]] = ..., path: _Optional[str] = ...) -> None: ...
+
 class HelperUploadRequest(_message.Message):
     __slots__ = ("kind", "folder")
     KIND_FIELD_NUMBER: _ClassVar[int]

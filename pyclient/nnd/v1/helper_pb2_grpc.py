@@ -65,6 +65,11 @@ class HelperStub:
                 request_serializer=nnd_dot_v1_dot_helper__pb2.HelperModel.SerializeToString,
                 response_deserializer=nnd_dot_v1_dot_nnd__pb2.TokenizerFiles.FromString,
                 _registered_method=True)
+        self.GetSource = channel.unary_unary(
+                '/nnd.v1.Helper/GetSource',
+                request_serializer=nnd_dot_v1_dot_helper__pb2.HelperSourceRequest.SerializeToString,
+                response_deserializer=nnd_dot_v1_dot_nnd__pb2.SourceInfo.FromString,
+                _registered_method=True)
         self.CheckUpload = channel.unary_unary(
                 '/nnd.v1.Helper/CheckUpload',
                 request_serializer=nnd_dot_v1_dot_helper__pb2.HelperUploadRequest.SerializeToString,
@@ -124,6 +129,13 @@ class HelperServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetSource(self, request, context):
+        """The operations of one module's forward, on the META model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CheckUpload(self, request, context):
         """Whether an uploaded folder's content can be loaded (before it is stored).
         """
@@ -177,6 +189,11 @@ def add_HelperServicer_to_server(servicer, server):
                     servicer.GetTokenizerFiles,
                     request_deserializer=nnd_dot_v1_dot_helper__pb2.HelperModel.FromString,
                     response_serializer=nnd_dot_v1_dot_nnd__pb2.TokenizerFiles.SerializeToString,
+            ),
+            'GetSource': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSource,
+                    request_deserializer=nnd_dot_v1_dot_helper__pb2.HelperSourceRequest.FromString,
+                    response_serializer=nnd_dot_v1_dot_nnd__pb2.SourceInfo.SerializeToString,
             ),
             'CheckUpload': grpc.unary_unary_rpc_method_handler(
                     servicer.CheckUpload,
@@ -356,6 +373,33 @@ class Helper:
             '/nnd.v1.Helper/GetTokenizerFiles',
             nnd_dot_v1_dot_helper__pb2.HelperModel.SerializeToString,
             nnd_dot_v1_dot_nnd__pb2.TokenizerFiles.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSource(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nnd.v1.Helper/GetSource',
+            nnd_dot_v1_dot_helper__pb2.HelperSourceRequest.SerializeToString,
+            nnd_dot_v1_dot_nnd__pb2.SourceInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -632,6 +632,34 @@ class DecodeResponse(_message.Message):
     texts: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, texts: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class GetSourceRequest(_message.Message):
+    __slots__ = ("model", "path")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    path: str
+    def __init__(self, model: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class SourceInfo(_message.Message):
+    __slots__ = ("path", "type", "source", "ops")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    type: str
+    source: str
+    ops: _containers.RepeatedCompositeFieldContainer[SourceOp]
+    def __init__(self, path: _Optional[str] = ..., type: _Optional[str] = ..., source: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[SourceOp, _Mapping]]] = ...) -> None: ...
+
+class SourceOp(_message.Message):
+    __slots__ = ("name", "line")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    line: int
+    def __init__(self, name: _Optional[str] = ..., line: _Optional[int] = ...) -> None: ...
+
 class TokenizerFiles(_message.Message):
     __slots__ = ("files",)
     class FilesEntry(_message.Message):

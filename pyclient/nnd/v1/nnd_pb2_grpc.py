@@ -139,6 +139,11 @@ class NndStub:
                 request_serializer=nnd_dot_v1_dot_nnd__pb2.GetModelRequest.SerializeToString,
                 response_deserializer=nnd_dot_v1_dot_nnd__pb2.TokenizerFiles.FromString,
                 _registered_method=True)
+        self.GetSource = channel.unary_unary(
+                '/nnd.v1.Nnd/GetSource',
+                request_serializer=nnd_dot_v1_dot_nnd__pb2.GetSourceRequest.SerializeToString,
+                response_deserializer=nnd_dot_v1_dot_nnd__pb2.SourceInfo.FromString,
+                _registered_method=True)
 
 
 class NndServicer:
@@ -325,6 +330,15 @@ class NndServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetSource(self, request, context):
+        """The operations inside a module's forward (nnsight's `print(module.source)`):
+        their names, which a graph puts in `ModuleValue.op`, and the forward's
+        source text to show them in. Works on a META model (no dispatch).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NndServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -432,6 +446,11 @@ def add_NndServicer_to_server(servicer, server):
                     servicer.GetTokenizerFiles,
                     request_deserializer=nnd_dot_v1_dot_nnd__pb2.GetModelRequest.FromString,
                     response_serializer=nnd_dot_v1_dot_nnd__pb2.TokenizerFiles.SerializeToString,
+            ),
+            'GetSource': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSource,
+                    request_deserializer=nnd_dot_v1_dot_nnd__pb2.GetSourceRequest.FromString,
+                    response_serializer=nnd_dot_v1_dot_nnd__pb2.SourceInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1001,6 +1020,33 @@ class Nnd:
             '/nnd.v1.Nnd/GetTokenizerFiles',
             nnd_dot_v1_dot_nnd__pb2.GetModelRequest.SerializeToString,
             nnd_dot_v1_dot_nnd__pb2.TokenizerFiles.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSource(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nnd.v1.Nnd/GetSource',
+            nnd_dot_v1_dot_nnd__pb2.GetSourceRequest.SerializeToString,
+            nnd_dot_v1_dot_nnd__pb2.SourceInfo.FromString,
             options,
             channel_credentials,
             insecure,
