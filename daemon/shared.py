@@ -176,3 +176,18 @@ def remove_segments(pid: int = 0) -> int:
                 os.unlink(path)
                 n += 1
     return n + reap_dead()
+
+
+# The experts implementation every META model runs its mixture-of-experts layers with. The META
+# model only computes shapes, and of transformers' implementations only batched_mm has shape-only
+# kernels for all its ops: grouped_mm's meta kernel accepts only bf16 ("Expected inputs of BF16
+# type"), eager loops over `nonzero()` of the routing mask (data-dependent, refused by fake
+# tensors), deepgemm/sonicmoe need their GPU kernels. Outputs of every module keep their shapes,
+# as tests/test_architectures.py checks against the real forward.
+META_EXPERTS = "batched_mm"
+
+
+def meta_safe_experts(config: Any) -> None:
+    """Make `config` (and its sub-configs) build experts that run on the meta device."""
+    if hasattr(type(config), "_experts_implementation"):  # transformers >= 5's experts interface
+        config._experts_implementation = META_EXPERTS

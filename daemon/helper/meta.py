@@ -19,6 +19,7 @@ from nnd_daemon.shared import (
     QUANTIZED,
     default_dtype,
     infer_task,
+    meta_safe_experts,
     model_class,
 )
 
@@ -89,21 +90,6 @@ def build(ref: helper_pb2.HelperModel) -> Built:
     module.eval()
     module.requires_grad_(False)
     return Built(ref=ref, task=task, config=config, tokenizer=tokenizer, module=module)
-
-
-# The experts implementation every META model runs its mixture-of-experts layers with. The META
-# model only computes shapes, and of transformers' implementations only batched_mm has shape-only
-# kernels for all its ops: grouped_mm's meta kernel accepts only bf16 ("Expected inputs of BF16
-# type"), eager loops over `nonzero()` of the routing mask (data-dependent, refused by fake
-# tensors), deepgemm/sonicmoe need their GPU kernels. Outputs of every module keep their shapes,
-# as tests/test_architectures.py checks against the real forward.
-META_EXPERTS = "batched_mm"
-
-
-def meta_safe_experts(config: Any) -> None:
-    """Make `config` (and its sub-configs) build experts that run on the meta device."""
-    if hasattr(type(config), "_experts_implementation"):  # transformers >= 5's experts interface
-        config._experts_implementation = META_EXPERTS
 
 
 def build_on_meta(cls: Any, config: Any, trust_remote_code: bool) -> Any:
