@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from nnd_daemon.engine import sharding
-from nnd_daemon.shared import meta_safe_experts
 from nnd_daemon.engine.sharding import Layout, Opaque, Shard, TensorParallel
+from nnd_daemon.shared import meta_safe_experts
 
 log = logging.getLogger("nnd.worker.tp")
 
