@@ -119,6 +119,30 @@ def test_worker_socket_is_guarded_like_the_daemons(routed, tiny_models):
     assert all(not mode & 0o022 for mode in dirs.values()), dirs  # empty working directories: no one else writes
 
 
+def test_a_route_out_of_reach_falls_back_to_the_daemon(routed, tiny_models):
+    """A worker socket this client cannot reach (moved out of its sight; the worker still serves
+    it): the route is fetched again, fails again, and the request goes through the daemon, which
+    forwards it; later calls of that epoch go there at once. Same bytes; run once each."""
+    model = tiny_models["gpt2"]
+    conn = Connection(routed.address)
+    try:
+        want = _saved(conn.stream("Trace", _trace(model), timeout=60))  # direct, opens the route
+        before = _info(conn, model).worker_requests
+        sock = _path(_info(conn, model).route.address)
+        conn.router.close()  # an open connection would survive the move
+        os.rename(sock, sock + ".away")
+        try:
+            got = [_saved(conn.stream("Trace", _trace(model), timeout=60)) for _ in range(2)]
+        finally:
+            os.rename(sock + ".away", sock)
+        assert got == [want, want]
+        assert conn.router.fallbacks == 1 and conn.router.direct_calls == 3  # 1 direct, 2 failed tries, then none
+        assert f"forwarding Trace of {model}" in routed.log()
+        assert _info(conn, model).worker_requests == before + 2
+    finally:
+        conn.close()
+
+
 def test_stale_epoch_is_refused_before_anything_runs(routed, tiny_models):
     model = tiny_models["gpt2"]
     conn = Connection(routed.address)

@@ -7,7 +7,8 @@ or the daemon restarted) the call fails before anything ran: the client asks
 the daemon again and resends, once. A call the worker had accepted is never
 resent; it fails with UNAVAILABLE saying whether it had started, as the
 daemon says it. With no route (the model is not dispatched) the request goes
-to the daemon, which dispatches the model first. (protos/nnd/v1/nnd.proto, Route.)
+to the daemon, which dispatches the model first; so does one whose fresh route
+cannot be reached (the daemon then forwards its bytes). (protos/nnd/v1/nnd.proto, Route.)
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class Router:
         self._lock = threading.Lock()
         self._routes: dict[str, Route] = {}
         self.direct_calls = 0  # calls that went to a worker (tests and benchmarks read it)
+        self.fallbacks = 0  # routes found unreachable, whose calls went through the daemon
+        self._unreachable: set[tuple[str, int]] = set()  # (model, epoch): follow the daemon, not the route
 
     def stream(
         self,
@@ -64,7 +67,7 @@ class Router:
         for attempt in (0, 1):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             route = self._route(model, translate)
-            if route is None:  # no worker: the daemon dispatches the model and runs the request
+            if route is None:  # no worker (or none this client can reach): the daemon runs the request
                 yield from via_daemon(left)
                 return
             meta = [*self._metadata(), (EPOCH_KEY, str(route.epoch))]
@@ -81,6 +84,15 @@ class Router:
                     self._forget(model, route)
                     if attempt == 0:
                         continue
+                    if _not_connected(err):
+                        # The fresh route cannot be reached either (a socket out of this client's
+                        # sight: another mount namespace, a container): this epoch goes through the
+                        # daemon, which forwards the bytes. Nothing ran, so nothing runs twice.
+                        with self._lock:
+                            self._unreachable.add((model, route.epoch))
+                        self.fallbacks += 1
+                        break
+                    raise translate(err) from None
                 if err.code() == grpc.StatusCode.UNAVAILABLE:
                     lost = self._lost(model, route, call if not answered else None, err, translate)
                     self._forget(model, route)  # after reading the call's metadata: closing ends it
@@ -88,6 +100,8 @@ class Router:
                 raise translate(err) from None
             finally:
                 call.cancel()
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        yield from via_daemon(left)
 
     def _route(self, model: str, translate: Callable[[grpc.RpcError], Exception]) -> Route | None:
         with self._lock:
@@ -102,6 +116,9 @@ class Router:
             raise translate(err) from None
         if not answer.address:
             return None
+        with self._lock:
+            if (model, answer.epoch) in self._unreachable:
+                return None
         channel = grpc.insecure_channel(answer.address, options=self._options)
         route = Route(answer.address, answer.epoch, channel, nnd_pb2_grpc.NndStub(channel))
         with self._lock:
@@ -157,10 +174,11 @@ class Router:
 
 def _never_ran(err: grpc.RpcError) -> bool:
     """The worker refused the call for its epoch, or no connection was made: nothing ran."""
-    code = err.code()
-    if code == grpc.StatusCode.FAILED_PRECONDITION:
+    if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
         return any(k == ROUTE_KEY and v == STALE for k, v in err.trailing_metadata() or ())
-    if code == grpc.StatusCode.UNAVAILABLE:
-        details = err.details() or ""
-        return any(text in details for text in _NOT_CONNECTED)
-    return False
+    return _not_connected(err)
+
+
+def _not_connected(err: grpc.RpcError) -> bool:
+    details = err.details() or ""
+    return err.code() == grpc.StatusCode.UNAVAILABLE and any(text in details for text in _NOT_CONNECTED)
