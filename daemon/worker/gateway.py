@@ -1,4 +1,4 @@
-"""A worker's data path: nnd.v1.Nnd's Trace, Generate and Session, served to
+"""A worker's data path: nnd.v1.Nnd's Trace, Generate, Session and Interact, served to
 clients on the worker's public socket (they follow the model's route) and to
 the daemon on the private one (bytes it forwards, unparsed, for clients that
 do not follow routes).
@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from nnd.v1 import worker_pb2
+from nnd.v1 import nnd_pb2, worker_pb2
 from nnd_daemon import errors, requests, shared
 from nnd_daemon.engine import aliases
 
@@ -81,6 +81,9 @@ class Gateway:
             )
             for method in shared.DATA_METHODS
         }
+        handlers["Interact"] = grpc.stream_stream_rpc_method_handler(
+            self.interact, request_deserializer=None, response_serializer=_serialize
+        )
         return grpc.method_handlers_generic_handler(_SERVICE, handlers)
 
     def _method(self, method: str) -> Callable[[bytes, grpc.ServicerContext], Iterator[Any]]:
@@ -89,7 +92,7 @@ class Gateway:
 
         return serve
 
-    def serve(self, method: str, raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
+    def _check_epoch(self, context: grpc.ServicerContext) -> None:
         sent = dict(context.invocation_metadata()).get(shared.EPOCH_KEY)
         if sent is not None and sent != str(self.epoch):
             # Nothing ran: the client fetches the route again and resends (nnd.proto, Route).
@@ -99,6 +102,9 @@ class Gateway:
                 f"stale route: the worker of {self.name} is at epoch {self.epoch}, not {sent}; "
                 "fetch the route again (GetRoute)",
             )
+
+    def serve(self, method: str, raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
+        self._check_epoch(context)
         try:
             run = self._prepare(method, raw)
             keep_alive = run.session.keep_alive if run.HasField("session") else run.request.keep_alive
@@ -107,11 +113,55 @@ class Gateway:
             errors.abort(context, err)
             return
         try:
-            yield from self._run(run, context)
+            yield from self._run(run, context, lambda stop, on_error: self.service.run(run, context, stop, on_error))
         finally:
             self.service.activity.end()
 
-    def _run(self, run: worker_pb2.WorkerRunRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+    def interact(self, raws: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
+        """Interact (sync points): the first message starts the run, checked and completed as a
+        Trace is; later ones add nodes (their alias paths rewritten here). A malformed later
+        message ends the stream, as the client going away does."""
+        self._check_epoch(context)
+        try:
+            first = requests.parse(nnd_pb2.InteractRequest, next(raws, b""))
+            if first.WhichOneof("kind") != "start":
+                raise errors.InvalidArgument("an Interact stream starts with an InteractStart")
+            start = first.start
+            request = start.request
+            requests.check(request, self.limits, generate=start.generate)
+            aliases.rewrite_graphs([request.graph], self._aliases())
+            run = worker_pb2.WorkerRunRequest(
+                request=request, generate=start.generate, edits=self._stacks(list(request.edits))
+            )
+            self.service.activity.begin(request.keep_alive, int(self.limits.max_queue_depth), self.name)
+        except errors.NndError as err:
+            errors.abort(context, err)
+            return
+
+        def messages() -> Iterator[nnd_pb2.InteractContinue]:
+            for raw in raws:
+                try:
+                    msg = nnd_pb2.InteractRequest.FromString(raw)
+                except Exception:  # noqa: BLE001 - malformed: end the run
+                    return
+                if msg.WhichOneof("kind") != "more":
+                    return
+                aliases.rewrite_graphs([msg.more.graph], self._aliases())
+                yield msg.more
+
+        try:
+            yield from self._run(
+                run, context, lambda stop, on_error: self.service.interact(run, start, messages(), context, stop, on_error)
+            )
+        finally:
+            self.service.activity.end()
+
+    def _run(
+        self,
+        run: worker_pb2.WorkerRunRequest,
+        context: grpc.ServicerContext,
+        call: Callable[[threading.Event, Callable[[BaseException], BaseException]], Iterator[Any]],
+    ) -> Iterator[Any]:
         stop = threading.Event()
         expired = threading.Event()
         remaining = context.time_remaining()
@@ -131,7 +181,7 @@ class Gateway:
             return exc
 
         try:
-            yield from self.service.run(run, context, stop, on_error)
+            yield from call(stop, on_error)
         finally:
             if timer is not None:
                 timer.cancel()

@@ -5,7 +5,8 @@ The first time Python needs a real value (`if h.sum() > 0:`, `print(h)`,
 `.item()`, numpy), the block's request starts as an Interact stream with the
 graph so far; the worker runs until that value exists, pauses, and sends it.
 Every later sync sends only the nodes recorded since; the block's end sends
-the rest with `finish` and reads the saved values as a Trace would.
+the rest with `finish` and reads the saved values as a Trace would. The stream
+follows the model's route to its worker, as a Trace does (connection.py).
 """
 
 from __future__ import annotations
@@ -29,14 +30,25 @@ class Interaction:
     def __init__(self, tracer: Tracer) -> None:
         self.tracer = tracer
         self.outbox: queue.Queue[Any] = queue.Queue()
+        self.start: nnd_pb2.InteractRequest | None = None
         self.sent = 0  # how many of the builder's nodes the worker has
         self.scopes = 0
         self.responses: Iterator[Any] | None = None
         self.syncs = 0
 
     def _requests(self) -> Iterator[nnd_pb2.InteractRequest]:
+        """The stream's messages: the start, then what the block sends. A new call (a stale route
+        resent) gets a new outbox; the old call's reader is told to end."""
+        self.outbox.put(_END)
+        self.outbox = outbox = queue.Queue()
+        assert self.start is not None
+        return self._read(self.start, outbox)
+
+    @staticmethod
+    def _read(start: nnd_pb2.InteractRequest, outbox: queue.Queue[Any]) -> Iterator[nnd_pb2.InteractRequest]:
+        yield start
         while True:
-            msg = self.outbox.get()
+            msg = outbox.get()
             if msg is _END:
                 return
             yield msg
@@ -61,9 +73,9 @@ class Interaction:
             timeout = tracer._options.get("pause_timeout")
             if timeout is not None:
                 start.pause_timeout_s = float(timeout)
-            self.outbox.put(nnd_pb2.InteractRequest(start=start))
+            self.start = nnd_pb2.InteractRequest(start=start)
             self.responses = tracer.model._conn.bidi(
-                "Interact", self._requests(), timeout=tracer._options.get("timeout")
+                "Interact", request.model, self._requests, timeout=tracer._options.get("timeout")
             )
         else:
             more = nnd_pb2.InteractContinue(graph=self._new_nodes(), want=[ref])
