@@ -200,7 +200,8 @@ class NndServicer:
         first = requests.parse(nnd_pb2.InteractRequest, raw or b"")
         if first.WhichOneof("kind") != "start":
             raise errors.InvalidArgument("an Interact stream starts with an InteractStart")
-        request = first.start.request
+        start = first.start
+        request = start.session if start.HasField("session") else start.request
         if not request.model:
             raise errors.InvalidArgument("the request names no model")
         entry = self.registry.acquire(

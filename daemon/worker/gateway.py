@@ -127,18 +127,29 @@ class Gateway:
             if first.WhichOneof("kind") != "start":
                 raise errors.InvalidArgument("an Interact stream starts with an InteractStart")
             start = first.start
-            request = start.request
-            requests.check(request, self.limits, generate=start.generate)
-            aliases.rewrite_graphs([request.graph], self._aliases())
-            run = worker_pb2.WorkerRunRequest(
-                request=request, generate=start.generate, edits=self._stacks(list(request.edits))
-            )
-            self.service.activity.begin(request.keep_alive, int(self.limits.max_queue_depth), self.name)
+            if start.HasField("session"):
+                session = start.session
+                if not session.traces or session.scan:
+                    raise errors.InvalidArgument("an interactive session needs its traces (and runs no scans)")
+                self._complete(session.model, session.traces)
+                run = worker_pb2.WorkerRunRequest(
+                    session=session, edits=self._stacks([i for t in session.traces for i in t.request.edits])
+                )
+                keep_alive = session.keep_alive
+            else:
+                request = start.request
+                requests.check(request, self.limits, generate=start.generate)
+                aliases.rewrite_graphs([request.graph], self._aliases())
+                run = worker_pb2.WorkerRunRequest(
+                    request=request, generate=start.generate, edits=self._stacks(list(request.edits))
+                )
+                keep_alive = request.keep_alive
+            self.service.activity.begin(keep_alive, int(self.limits.max_queue_depth), self.name)
         except errors.NndError as err:
             errors.abort(context, err)
             return
 
-        def messages() -> Iterator[nnd_pb2.InteractContinue]:
+        def messages() -> Iterator[nnd_pb2.InteractContinue | errors.NndError]:
             for raw in raws:
                 try:
                     msg = nnd_pb2.InteractRequest.FromString(raw)
@@ -146,8 +157,18 @@ class Gateway:
                     return
                 if msg.WhichOneof("kind") != "more":
                     return
-                aliases.rewrite_graphs([msg.more.graph], self._aliases())
-                yield msg.more
+                more = msg.more
+                aliases.rewrite_graphs([more.graph], self._aliases())
+                if more.traces:
+                    if not run.HasField("session"):
+                        yield errors.InvalidArgument("only an interactive session takes further traces")
+                        return
+                    try:
+                        self._complete(run.session.model, more.traces)
+                    except errors.NndError as err:  # the paused run fails with it
+                        yield err
+                        return
+                yield more
 
         try:
             yield from self._run(
@@ -155,6 +176,14 @@ class Gateway:
             )
         finally:
             self.service.activity.end()
+
+    def _complete(self, model: str, traces: Any) -> None:
+        """A session's traces, checked and with alias paths rewritten (as `requests.prepare` does)."""
+        for trace in traces:
+            if not trace.request.model:
+                trace.request.model = model
+            requests.check(trace.request, self.limits, generate=trace.generate)
+        aliases.rewrite_graphs([t.request.graph for t in traces], self._aliases())
 
     def _run(
         self,
