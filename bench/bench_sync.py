@@ -2,8 +2,9 @@
 
 One sync point (`.item()` mid-trace) beside the same trace without it, on a
 GPT-2 4×64 and 12×768: the extra should be about one round trip (measured as
-a minimal unary call to the daemon) plus the value's transfer. And a loop of
-32 generated steps with one append each, nnd against nnsight 0.8.1 in-process.
+a minimal unary call to the daemon) plus the value's transfer; and the same
+block under nnsight 0.8.1 in-process. And a loop of 32 generated steps with
+one append each, nnd against nnsight 0.8.1 in-process.
 """
 
 from __future__ import annotations
@@ -50,11 +51,20 @@ def _shape(d: object, layers: int, width: int, repeats: int, *, loop: bool) -> l
             h = ours.transformer.h[mid].output.save()
         return h
 
+    def nnsight_sync() -> torch.Tensor:
+        with lm.trace(PROMPT):
+            lm.transformer.h[mid].output.sum().item()
+            h = lm.transformer.h[mid].output.save()
+        return h
+
     def round_trip() -> None:
         ours._conn.call("GetModel", nnd_pb2.GetModelRequest(model=ours.name))
 
     torch.testing.assert_close(one_sync(), plain())
-    t = harness.interleaved({"plain": plain, "sync": one_sync, "rtt": round_trip}, warmup=2, repeats=repeats)
+    torch.testing.assert_close(one_sync(), nnsight_sync(), atol=1e-4, rtol=0)
+    t = harness.interleaved(
+        {"plain": plain, "sync": one_sync, "rtt": round_trip, "nnsight": nnsight_sync}, warmup=2, repeats=repeats
+    )
     extra = t["sync"] - t["plain"]
     rows = [
         Row(
@@ -65,7 +75,14 @@ def _shape(d: object, layers: int, width: int, repeats: int, *, loop: bool) -> l
             t["sync"] / t["plain"],
             target=f"extra {harness.plus_ms(extra)} vs one round trip {ms(t['rtt'])}",
             raw={k + "_s": v for k, v in t.items()} | {"layers": layers, "width": width},
-        )
+        ),
+        Row(
+            f"one sync point (.item()) in a trace ({shape})",
+            "nnsight in-process, the same block",
+            ms(t["nnsight"]),
+            ms(t["sync"]),
+            t["sync"] / t["nnsight"],
+        ),
     ]
     if loop:
 

@@ -92,6 +92,22 @@ def sync_inside_generation(model: Any) -> dict[str, Any]:
     return {"norms": norms, "ids": ids}
 
 
+def sync_inside_a_session(model: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with model.session():
+        with model.trace(PROMPT):
+            h0 = model.transformer.h[0].output  # no save: the next block uses it
+        with model.trace(PROMPT):
+            norm = model.transformer.h[1].output.norm().item()
+            out["norm"] = norm
+            if norm > 0:
+                model.transformer.h[1].output[:] = h0
+            out["logits"] = model.lm_head.output.save()
+        with model.trace(PROMPT):
+            out["sum"] = model.transformer.h[0].output.sum().item()
+    return out
+
+
 def out_of_order_after_a_sync(model: Any) -> dict[str, Any]:
     try:
         with model.trace(PROMPT):
@@ -112,6 +128,7 @@ BLOCKS = {
         item_format_numpy_outer_dict,
         save_on_any_object,
         sync_inside_generation,
+        sync_inside_a_session,
         out_of_order_after_a_sync,
     )
 }

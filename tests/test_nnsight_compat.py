@@ -3,7 +3,7 @@ nnsight 0.8.1 (tests/nnsight_compat_reference.py, in a process of its own so
 its patches stay out of this one) and by nnd on the same weights, give equal
 results: loops with appends over generate steps, branches on values, `.item()`,
 f-strings, numpy, outer containers, `.save()` on any object, a sync inside
-generation, and an out-of-order access after a sync."""
+generation and inside a session, and an out-of-order access after a sync."""
 
 from __future__ import annotations
 

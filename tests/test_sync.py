@@ -290,3 +290,87 @@ def test_a_client_that_goes_away_while_paused_frees_the_model(gpt2, daemon, tiny
         logits = gpt2.lm_head.output.save()
     _, plain = _outputs(reference, PROMPT)
     assert torch.allclose(logits, plain, atol=1e-5)
+
+
+def test_syncs_go_to_the_worker_by_route_and_through_the_daemon_alike(gpt2, reference, monkeypatch):
+    expected, _ = _outputs(reference, PROMPT)
+    router = gpt2._conn.router
+    before = router.direct_calls
+    with gpt2.trace(PROMPT):
+        direct = gpt2.transformer.h[0].output.sum().item()
+    assert router.direct_calls == before + 1  # the Interact stream followed the route
+    # A client that does not follow routes: the daemon passes the stream's bytes to the worker.
+    monkeypatch.setattr(gpt2._conn, "direct", False)
+    with gpt2.trace(PROMPT):
+        relayed = gpt2.transformer.h[0].output.sum().item()
+        if relayed > -1e9:
+            gpt2.transformer.h[1].output[:] = 0
+        logits = gpt2.lm_head.output.save()
+    assert router.direct_calls == before + 1
+    assert direct == pytest.approx(expected[0].sum().item(), rel=1e-5)
+    assert relayed == pytest.approx(direct, rel=1e-6)
+    _, want = _outputs(reference, PROMPT, zero_layer=1)
+    assert torch.allclose(logits, want, atol=1e-5)
+
+
+def test_a_paused_run_shows_in_ps_as_a_running_trace(gpt2):
+    from nnd.v1 import nnd_pb2
+
+    def info():
+        return gpt2._conn.call("GetModel", nnd_pb2.GetModelRequest(model=gpt2.name), timeout=60)
+
+    with gpt2.trace(PROMPT):
+        gpt2.transformer.h[0].output.sum().item()
+        paused = info()  # asked while the run is paused here
+    after = info()
+    assert [(r.kind, r.state) for r in paused.requests] == [("trace", "running")]
+    assert paused.idle_s == 0  # busy: keep-alive counts a paused run as activity
+    assert not after.requests
+
+
+def test_syncs_inside_a_session(gpt2, reference):
+    expected, plain = _outputs(reference, PROMPT)
+    # Block 1 runs first when block 2 asks for a value; block 2 then sets block 1's output at the hook it is
+    # paused at; block 3 goes with block 4's sync; block 5 with the session's end.
+    with gpt2.session():
+        with gpt2.trace(PROMPT):
+            h0 = gpt2.transformer.h[0].output  # no save: a later block uses it
+        with gpt2.trace(PROMPT):
+            b = gpt2.transformer.h[1].output.sum().item()
+            if b != 0:
+                gpt2.transformer.h[1].output[:] = h0
+            swapped = gpt2.lm_head.output.save()
+        with gpt2.trace(PROMPT):
+            c = gpt2.transformer.h[0].output.sum().save()
+        with gpt2.trace(PROMPT):
+            d = gpt2.transformer.h[1].output.norm().item()
+        with gpt2.trace(PROMPT):
+            e = gpt2.lm_head.output.save()
+    assert b == pytest.approx(expected[1].sum().item(), rel=1e-5)
+    assert float(c) == pytest.approx(expected[0].sum().item(), rel=1e-5)
+    assert d == pytest.approx(expected[1].norm().item(), rel=1e-5)
+    assert torch.allclose(e, plain, atol=1e-5)
+
+    def swap(module, args, output):
+        return (expected[0].clone(), *output[1:]) if isinstance(output, tuple) else expected[0].clone()
+
+    handle = reference.transformer.h[1].register_forward_hook(swap)
+    try:
+        with torch.no_grad():
+            want = reference(**reference_tokens(reference, PROMPT)).logits
+    finally:
+        handle.remove()
+    assert torch.allclose(swapped, want, atol=1e-5)
+    assert not torch.allclose(swapped, plain, atol=1e-3)
+
+
+def test_a_failed_block_in_a_session_frees_the_paused_model(gpt2, reference):
+    with pytest.raises(ZeroDivisionError):
+        with gpt2.session():
+            with gpt2.trace(PROMPT):
+                gpt2.transformer.h[0].output.sum().item()
+                raise ZeroDivisionError("the user's code failed while the session's run was paused")
+    with gpt2.trace(PROMPT, timeout=120):
+        logits = gpt2.lm_head.output.save()
+    _, plain = _outputs(reference, PROMPT)
+    assert torch.allclose(logits, plain, atol=1e-5)

@@ -308,6 +308,22 @@ def test_gradients_of_whole_values_work_and_split_ones_are_refused(tp2, tp1):
         tp2.lm_head.output.save()
 
 
+def test_a_sync_point_is_refused_clearly_and_the_group_stays_up(tp2, tp1):
+    # A real value mid-forward needs every rank to pause at the same hook: not there yet, so the run is
+    # refused before any rank starts it (not a hang of rank 0's collectives), and the group still serves.
+    with pytest.raises(nnd.NndError, match="not available on tensor-parallel models") as info:
+        with tp2.trace(PROMPT):
+            tp2.model.layers[0].output[0].sum().item()
+    assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
+
+    def block(m):
+        with m.trace(PROMPT):
+            logits = m.lm_head.output.save()
+        return logits
+
+    _same("after a refused sync", *_both(tp2, tp1, block))
+
+
 def test_degree_that_does_not_divide_is_refused_before_starting(tpd, paths):
     path = paths["tp3"]
     tpd.cli("load", path)

@@ -56,9 +56,9 @@ def _handlers(servicer: NndServicer, admission: Admission) -> grpc.GenericRpcHan
         fn = getattr(servicer, method.name, None)
         if fn is None:  # not implemented yet: gRPC answers UNIMPLEMENTED
             continue
-        if method.client_streaming and method.server_streaming:  # Interact: parsed one by one, malformed ends it
+        if method.client_streaming and method.server_streaming:  # Interact: bytes both ways (the worker parses)
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(
-                fn, request_deserializer=_parser(req), response_serializer=serialize
+                fn, request_deserializer=None, response_serializer=serialize
             )
             continue
         if method.client_streaming:  # Upload: messages in, one answer out (control/uploads.py refuses malformed ones)

@@ -9,6 +9,7 @@ worker checks them. Local clients send them to the worker directly (GetRoute).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 from collections.abc import Iterator
@@ -143,31 +144,18 @@ class NndServicer:
             return
         yield from self._forward("Session", raw, context, steer)
 
-    def Interact(self, messages: Iterator[Any], context: grpc.ServicerContext) -> Iterator[bytes]:
-        """Check the first message, add the edits' graphs, then pass messages both ways unparsed by the worker."""
-        first = next(messages, None)
-        if isinstance(first, errors.Malformed):
-            raise first.error
-        if first is None or first.WhichOneof("kind") != "start":
+    def Interact(self, raws: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        """For clients that do not follow routes: read the model off the first message, then pass
+        every message to the model's worker as bytes, and its answers back (worker/gateway.py
+        parses, checks and completes them, as for a forwarded Trace)."""
+        raw = next(raws, None)
+        first = requests.parse(nnd_pb2.InteractRequest, raw or b"")
+        if first.WhichOneof("kind") != "start":
             raise errors.InvalidArgument("an Interact stream starts with an InteractStart")
         start = first.start
-        requests.check(start.request, self.settings.limits, generate=start.generate)
-        meta = self.registry.get(start.request.model).meta
-        _resolve_aliases(meta, [start.request.graph])
-        stacks = meta.edits.stacks(start.request.edits, self.settings.limits.max_request_bytes)
-        run = worker_pb2.WorkerRunRequest(request=start.request, generate=start.generate, edits=stacks)
-
-        def upstream() -> Iterator[worker_pb2.WorkerInteractRequest]:
-            yield worker_pb2.WorkerInteractRequest(run=run, client=first)
-            for msg in messages:
-                if not isinstance(msg, nnd_pb2.InteractRequest):  # malformed bytes: end the run
-                    return
-                if msg.HasField("more"):
-                    # Aliases (`model.layers` on any architecture) resolve here, as in a Trace.
-                    _resolve_aliases(meta, [msg.more.graph])
-                yield worker_pb2.WorkerInteractRequest(client=msg)
-
-        request = start.request
+        request = start.session if start.HasField("session") else start.request
+        if not request.model:
+            raise errors.InvalidArgument("the request names no model")
         entry = self.registry.acquire(
             request.model, auto_dispatch=not request.no_auto_dispatch, keep_alive=request.keep_alive
         )
@@ -175,7 +163,10 @@ class NndServicer:
             worker = entry.worker
             if worker is None:
                 raise errors.Unavailable(f"model {entry.name} lost its worker: {entry.last_error}")
-            yield from worker.interact(upstream(), timeout=self._deadline(context), client=context)
+            metadata = [(shared.MODEL_KEY, entry.name), (shared.EPOCH_KEY, str(worker.epoch))]
+            yield from worker.interact(
+                itertools.chain([raw], raws), timeout=self._deadline(context), client=context, metadata=metadata
+            )
         finally:
             self.registry.done(entry)
 

@@ -186,6 +186,7 @@ class Worker:
         self.forward_raw = {
             method: self.channel.unary_stream(f"/nnd.v1.Nnd/{method}") for method in shared.DATA_METHODS
         }
+        self.forward_interact = self.channel.stream_stream("/nnd.v1.Nnd/Interact")
 
     @property
     def address(self) -> str:
@@ -285,19 +286,16 @@ class Worker:
 
     def interact(
         self,
-        messages: Iterator[worker_pb2.WorkerInteractRequest],
+        raws: Iterator[bytes],
         *,
         timeout: float | None,
-        client: grpc.ServicerContext | None = None,
+        client: grpc.ServicerContext,
+        metadata: list[tuple[str, str]],
     ) -> Iterator[bytes]:
-        """An interactive run (Nnd.Interact): the client's messages in, the worker's responses out as bytes."""
-        assert self.channel is not None
-        call = self.channel.stream_stream(
-            "/nnd.v1.Worker/Interact",
-            request_serializer=worker_pb2.WorkerInteractRequest.SerializeToString,
-            response_deserializer=None,
-        )(messages, timeout=timeout)
-        if client is not None and not client.add_callback(call.cancel):
+        """An interactive run (Nnd.Interact): the client's messages in and the worker's answers
+        out, as bytes neither side of this process parses."""
+        call = self.forward_interact(raws, timeout=timeout, metadata=[*metadata, *_client_metadata(client)])
+        if not client.add_callback(call.cancel):
             call.cancel()
         try:
             yield from call

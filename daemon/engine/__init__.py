@@ -90,8 +90,11 @@ def run_session(
     cancelled: Callable[[], bool] = lambda: False,
     limits: EngineLimits | None = None,
     edits: Mapping[str, Sequence[graph_pb2.Graph]] | None = None,
+    interaction: Interaction | None = None,
 ) -> None:
     """Run a session's traces in order, sharing values; emit every saved value at the end.
+    With `interaction`, the last trace pauses at the client's sync points, and the client may
+    send the session's next traces as it goes (interact.py).
 
     Raises only `nnd_daemon.errors` exceptions."""
     scan = session.scan
@@ -114,7 +117,14 @@ def run_session(
         saved: dict[int, Any] = {}
         plans: dict[int, plan.Plan] = {}
         compute_s = 0.0
-        for index, trace in enumerate(session.traces):
+        traces = list(session.traces)
+        index = -1
+        while index + 1 < len(traces):
+            index += 1
+            trace = traces[index]
+            steered = interaction if interaction is not None and index == len(traces) - 1 else None
+            if steered is not None and index > len(session.traces) - 1:
+                steered.advance()
             mode = "scan" if scan else "generate" if trace.generate else "trace"
             request = trace.request
             if request.model and request.model != session.model:
@@ -128,6 +138,8 @@ def run_session(
                 emit(response)
 
             external = {i: values[i] for i in plan.referenced(request.graph) if i in values}
+            if steered is not None:  # nodes it is sent while paused may use any earlier value
+                external = dict(values)
             done = _run(
                 model,
                 tokenizer,
@@ -138,7 +150,14 @@ def run_session(
                 limits=limits,
                 edits=edits,
                 external=external,
+                interaction=steered,
             )
+            if steered is not None:
+                # The client sent later traces while this one ran: they may use any of its values.
+                for later in steered.next_traces:
+                    needed |= plan.referenced(later.request.graph)
+                traces += steered.next_traces
+                steered.next_traces = []
             compute_s += done.compute_s
             for node_id, value in done.saved.items():
                 saved[node_id] = value
@@ -153,7 +172,10 @@ def run_session(
                         "trace can use only top-level values (or a save inside the loop: a list per step)"
                     )
                 values[node_id] = done.saved[node_id] if node.kind == "save" else done.values.get(node_id)
-        for trace in session.traces:
+            if interaction is not None:  # traces still to come may use any top-level value
+                for node_id, value in done.values.items():
+                    values.setdefault(node_id, value)
+        for trace in traces:
             missing = plan.referenced(trace.request.graph) - values.keys() - {n.id for n in trace.request.graph.nodes}
             if missing:
                 raise errors.InvalidArgument(f"a trace of the session refers to unknown node(s) {sorted(missing)}")
@@ -180,9 +202,10 @@ def run_worker(
     A Generate lends the model between its steps through `lend` (see `run`)."""
     edits = {edit_id: list(stack.graphs) for edit_id, stack in request.edits.items()}
     if request.HasField("session"):
-        if interaction is not None:
-            raise errors.InvalidArgument("a session cannot be run interactively; send its blocks as a Session")
-        run_session(model, tokenizer, request.session, emit=emit, cancelled=cancelled, limits=limits, edits=edits)
+        run_session(
+            model, tokenizer, request.session, emit=emit, cancelled=cancelled, limits=limits, edits=edits,
+            interaction=interaction,
+        )
         return
     mode = "generate" if request.generate else "trace"
     run(

@@ -10,7 +10,8 @@ execution drives autograd, and autograd's tensor hooks bind Grad nodes and
 apply SetGrad nodes as gradients arrive. Caches record module values at the
 end of each hook, after the graph's writes there.
 
-Sync points (interact.py): with an Interaction, every module is hooked; once
+Sync points (interact.py): with an Interaction, every module's calls are
+counted and modules get hooks when a node first names them; once
 the values the client asked for exist, the executor sends them and waits for
 the client's next nodes at the hook where it stands. Nodes for that hook are
 handled there; nodes for hooks already passed are an out-of-order error.
@@ -104,9 +105,17 @@ class Executor:
         self.max_constant_bytes = max_constant_bytes
         self.forward_done = False
         self.step = -1  # the generation step running (its root call)
-        # Interactive: nodes added later may name any module, so every module is hooked.
-        paths = set(self.modules) | plan.paths if interaction is not None else plan.paths
-        self.hooks = HookSet(model, paths, skip_paths, self.at_pre, self.at_post, self.take_skip, plan.ops)
+        # Interactive: nodes added later may name any module, so every module's calls are counted.
+        self.hooks = HookSet(
+            model,
+            plan.paths,
+            skip_paths,
+            self.at_pre,
+            self.at_post,
+            self.take_skip,
+            plan.ops,
+            count_all=interaction is not None,
+        )
         # Tensor parallel: values the graph touches are gathered whole at the hook and split back after.
         self.shard = sharding.of(model)
         if plan.ops and self.shard is not sharding.NONE:
@@ -301,6 +310,8 @@ class Executor:
         inter.paused_at = self.plan.nodes[inter.want[-1]].proto
         msg = inter.wait()
         added = self.plan.extend(msg.graph, self.max_constant_bytes)
+        for path in list(self.plan.paths):
+            self.hooks.watch(path)
         late = self.attach(added, key)
         self.check_wants()
         return late

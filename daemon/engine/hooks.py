@@ -9,6 +9,11 @@ Operations inside a forward (source.py) are hooked like modules, under their
 internal path ("h.0.attn.source.split_0"): the module gets an instrumented
 `forward` for the request, whose named operations run the same pre/skip/post
 handlers and are counted the same way.
+
+`count_all` (a run paused at sync points, whose later nodes may name any
+module): the other modules' calls are counted too, by two process-wide hooks
+(cheap: registering hooks on every module for each request is not), and
+`watch` gives a module its own hooks mid-run when a node first names it.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class HookSet:
         on_post: PostHandler,
         take_skip: SkipLookup,
         ops: Mapping[str, tuple[str, str]] | None = None,
+        *,
+        count_all: bool = False,
     ) -> None:
         modules = module_table(model)
         self.table = modules
@@ -50,8 +57,15 @@ class HookSet:
         self.on_pre = on_pre
         self.on_post = on_post
         self.take_skip = take_skip
-        self.calls: dict[str, int] = dict.fromkeys(paths, 0)
-        self.active: dict[str, list[int]] = {p: [] for p in paths}
+        counted = modules if count_all else paths
+        self.calls: dict[str, int] = dict.fromkeys(counted, 0)
+        self.active: dict[str, list[int]] = {p: [] for p in counted}
+        # Modules counted only (count_all), by identity: the global hooks see every module of the process.
+        self._counted: dict[torch.nn.Module, str] = (
+            {m: p for p, m in modules.items() if p not in self.modules} if count_all else {}
+        )
+        self._count_all = count_all
+        self._installed = False
         self.suppress = 0
         self._handles: list[Any] = []
         self._patched: list[tuple[torch.nn.Module, str, Any]] = []
@@ -59,18 +73,51 @@ class HookSet:
     @contextlib.contextmanager
     def installed(self) -> Iterator[HookSet]:
         try:
+            self._installed = True
+            if self._count_all:
+                self._handles.append(torch.nn.modules.module.register_module_forward_pre_hook(self._count_pre))
+                self._handles.append(torch.nn.modules.module.register_module_forward_hook(self._count_post))
             for site in self.ops:  # before skips: a skip wraps the instrumented forward
                 self.add_op(site, self.ops[site])
             for path, module in self.modules.items():
-                self._handles.append(module.register_forward_pre_hook(self._pre(path), with_kwargs=True))
-                self._handles.append(module.register_forward_hook(self._post(path)))
-                if path in self.skip_paths:
-                    self._patch(path, module)
+                self._hook(path, module)
             yield self
         finally:
             self.remove()
 
+    def _hook(self, path: str, module: torch.nn.Module) -> None:
+        self._handles.append(module.register_forward_pre_hook(self._pre(path), with_kwargs=True))
+        self._handles.append(module.register_forward_hook(self._post(path)))
+        if path in self.skip_paths:
+            self._patch(path, module)
+
+    def watch(self, path: str) -> None:
+        """Hook `path` from now on (count_all: its calls so far were counted). A module running now
+        gets its post hook at its end (torch reads a module's hooks after its forward)."""
+        if path in self.modules or path not in self.table:  # not a module: an operation site (add_op)
+            return
+        module = self.table[path]
+        self.modules[path] = module
+        self._counted.pop(module, None)
+        if self._installed:
+            self._hook(path, module)
+
+    def _count_pre(self, module: torch.nn.Module, args: Any) -> None:
+        path = self._counted.get(module)
+        if path is None or self.suppress:
+            return
+        call = self.calls[path]
+        self.calls[path] = call + 1
+        self.active[path].append(call)
+
+    def _count_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        path = self._counted.get(module)
+        if path is None or self.suppress:
+            return
+        self.active[path].pop()
+
     def remove(self) -> None:
+        self._installed = False
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -5,6 +5,10 @@ exists, the executor sends them and blocks here until the client's next
 message: more nodes (attached to hooks the forward has not passed yet) and
 what to send next, or `finish`. A run that waits longer than its pause
 timeout, or whose client went away, is cancelled where it stands.
+
+In a session, a message may bring the session's next traces: the trace
+running now then runs to its end, and the pauses asked for apply to the last
+new one (`advance`, when the session starts it).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ DEFAULT_PAUSE_TIMEOUT_S = 60.0
 # What `receive` returns when the client is gone (stream closed without `finish`, or cancelled).
 GONE: Any = object()
 
-Receive = Callable[[float], Any]  # blocks up to the timeout; InteractContinue, GONE, or None on timeout
+# Blocks up to the timeout; InteractContinue, GONE, None on timeout, or an NndError (a bad later message).
+Receive = Callable[[float], Any]
 
 
 class Interaction:
@@ -31,6 +36,9 @@ class Interaction:
         self.receive = receive
         # The node whose value the last pause sent: an out-of-order error names its line.
         self.paused_at: graph_pb2.Node | None = None
+        # A session's traces the client sent that have not started, and what to do in the last of them.
+        self.next_traces: list[nnd_pb2.SessionTrace] = []
+        self._later: tuple[list[int], bool] = ([], True)
 
     def due(self, has: Callable[[int], bool]) -> bool:
         """Whether every wanted value exists (time to pause)."""
@@ -46,6 +54,19 @@ class Interaction:
             )
         if msg is GONE:
             raise errors.Cancelled("the client went away while the run was paused; it was cancelled")
+        if isinstance(msg, errors.NndError):
+            raise msg
+        if msg.traces:
+            self.next_traces.extend(msg.traces)
+            self._later = (list(msg.want), msg.finish or not msg.want)
+            self.want, self.finished = [], True  # the trace running now runs to its end
+            return msg
         self.want = list(msg.want)
         self.finished = msg.finish or not msg.want
         return msg
+
+    def advance(self) -> None:
+        """The session starts the last of the traces a message brought: its pauses apply now."""
+        self.want, self.finished = self._later
+        self._later = ([], True)
+        self.paused_at = None

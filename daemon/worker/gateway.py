@@ -1,4 +1,4 @@
-"""A worker's data path: nnd.v1.Nnd's Trace, Generate and Session, served to
+"""A worker's data path: nnd.v1.Nnd's Trace, Generate, Session and Interact, served to
 clients on the worker's public socket (they follow the model's route) and to
 the daemon on the private one (bytes it forwards, unparsed, for clients that
 do not follow routes).
@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from nnd.v1 import worker_pb2
+from nnd.v1 import nnd_pb2, worker_pb2
 from nnd_daemon import aliases, errors, requests, shared
 
 _SERVICE = "nnd.v1.Nnd"
@@ -79,6 +79,9 @@ class Gateway:
             )
             for method in shared.DATA_METHODS
         }
+        handlers["Interact"] = grpc.stream_stream_rpc_method_handler(
+            self.interact, request_deserializer=None, response_serializer=_serialize
+        )
         return grpc.method_handlers_generic_handler(_SERVICE, handlers)
 
     def _method(self, method: str) -> Callable[[bytes, grpc.ServicerContext], Iterator[Any]]:
@@ -87,7 +90,7 @@ class Gateway:
 
         return serve
 
-    def serve(self, method: str, raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
+    def _check_epoch(self, context: grpc.ServicerContext) -> None:
         sent = dict(context.invocation_metadata()).get(shared.EPOCH_KEY)
         if sent is not None and sent != str(self.epoch):
             # Nothing ran: the client fetches the route again and resends (nnd.proto, Route).
@@ -96,15 +99,87 @@ class Gateway:
                 "fetch the route again (GetRoute)",
                 trailers=((shared.ROUTE_KEY, shared.STALE),),
             )
+
+    def serve(self, method: str, raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
+        self._check_epoch(context)
         run = self._prepare(method, raw)
         keep_alive = run.session.keep_alive if run.HasField("session") else run.request.keep_alive
         self.service.activity.begin(keep_alive, int(self.limits.max_queue_depth), self.name)
         try:
-            yield from self._run(run, context)
+            yield from self._run(run, context, lambda stop, on_error: self.service.run(run, context, stop, on_error))
         finally:
             self.service.activity.end()
 
-    def _run(self, run: worker_pb2.WorkerRunRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+    def interact(self, raws: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
+        """Interact (sync points): the first message starts the run, checked and completed as a
+        Trace is; later ones add nodes (their alias paths rewritten here). A malformed later
+        message ends the stream, as the client going away does."""
+        self._check_epoch(context)
+        first = requests.parse(nnd_pb2.InteractRequest, next(raws, b""))
+        if first.WhichOneof("kind") != "start":
+            raise errors.InvalidArgument("an Interact stream starts with an InteractStart")
+        start = first.start
+        if start.HasField("session"):
+            session = start.session
+            if not session.traces or session.scan:
+                raise errors.InvalidArgument("an interactive session needs its traces (and runs no scans)")
+            self._complete(session.model, session.traces)
+            run = worker_pb2.WorkerRunRequest(
+                session=session, edits=self._stacks([i for t in session.traces for i in t.request.edits])
+            )
+            keep_alive = session.keep_alive
+        else:
+            request = start.request
+            requests.check(request, self.limits, generate=start.generate)
+            aliases.rewrite_graphs([request.graph], self._aliases())
+            run = worker_pb2.WorkerRunRequest(
+                request=request, generate=start.generate, edits=self._stacks(list(request.edits))
+            )
+            keep_alive = request.keep_alive
+        self.service.activity.begin(keep_alive, int(self.limits.max_queue_depth), self.name)
+
+        def messages() -> Iterator[nnd_pb2.InteractContinue | errors.NndError]:
+            for raw in raws:
+                try:
+                    msg = nnd_pb2.InteractRequest.FromString(raw)
+                except Exception:  # noqa: BLE001 - malformed: end the run
+                    return
+                if msg.WhichOneof("kind") != "more":
+                    return
+                more = msg.more
+                aliases.rewrite_graphs([more.graph], self._aliases())
+                if more.traces:
+                    if not run.HasField("session"):
+                        yield errors.InvalidArgument("only an interactive session takes further traces")
+                        return
+                    try:
+                        self._complete(run.session.model, more.traces)
+                    except errors.NndError as err:  # the paused run fails with it
+                        yield err
+                        return
+                yield more
+
+        try:
+            yield from self._run(
+                run, context, lambda stop, on_error: self.service.interact(run, start, messages(), context, stop, on_error)
+            )
+        finally:
+            self.service.activity.end()
+
+    def _complete(self, model: str, traces: Any) -> None:
+        """A session's traces, checked and with alias paths rewritten (as `requests.prepare` does)."""
+        for trace in traces:
+            if not trace.request.model:
+                trace.request.model = model
+            requests.check(trace.request, self.limits, generate=trace.generate)
+        aliases.rewrite_graphs([t.request.graph for t in traces], self._aliases())
+
+    def _run(
+        self,
+        run: worker_pb2.WorkerRunRequest,
+        context: grpc.ServicerContext,
+        call: Callable[[threading.Event, Callable[[BaseException], BaseException]], Iterator[Any]],
+    ) -> Iterator[Any]:
         stop = threading.Event()
         expired = threading.Event()
         remaining = context.time_remaining()
@@ -124,7 +199,7 @@ class Gateway:
             return exc
 
         try:
-            yield from self.service.run(run, context, stop, on_error)
+            yield from call(stop, on_error)
         finally:
             if timer is not None:
                 timer.cancel()

@@ -181,17 +181,21 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             )
 
     # -- Interact -------------------------------------------------------------
-    def Interact(self, requests: Iterator[worker_pb2.WorkerInteractRequest], context: grpc.ServicerContext) -> Any:
-        """A run the client steers at sync points: it runs alone (never batched) and holds the model while paused."""
-        from nnd_daemon import engine
+    def interact(
+        self,
+        run: worker_pb2.WorkerRunRequest,
+        start: nnd_pb2.InteractStart,
+        messages: Iterator[nnd_pb2.InteractContinue],
+        context: grpc.ServicerContext,
+        stop: threading.Event,
+        on_error: Callable[[BaseException], BaseException] = lambda exc: exc,
+    ) -> Iterator[Any]:
+        """A run the client steers at sync points (gateway.py parses the stream): it runs alone
+        (never batched) and holds the model while paused. `messages` ends when the client does."""
         from nnd_daemon.engine import interact
 
         if self.model is None:
             raise errors.FailedPrecondition("worker has no model loaded")
-        first = next(requests, None)
-        if first is None or not first.HasField("run") or first.client.WhichOneof("kind") != "start":
-            raise errors.InvalidArgument("an Interact stream starts with the run and its InteractStart")
-        stop = threading.Event()
         inbox: queue.Queue[Any] = queue.Queue()
 
         def gone() -> None:
@@ -202,8 +206,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
         def read() -> None:
             try:
-                for msg in requests:
-                    inbox.put(msg.client.more if msg.client.WhichOneof("kind") == "more" else interact.GONE)
+                for msg in messages:
+                    inbox.put(msg)
             except Exception:  # noqa: BLE001 - the stream broke: same as the client going away
                 pass
             inbox.put(interact.GONE)
@@ -214,10 +218,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             except queue.Empty:
                 return None
 
-        threading.Thread(target=read, name="interact-read", daemon=True).start()
-        interaction = interact.Interaction(first.client.start, receive)
+        interaction = interact.Interaction(start, receive)
+        kind = "session" if run.HasField("session") else "generate" if run.generate else "trace"
+        steps = (run.request.generate.max_new_tokens or 20) if kind == "generate" else 0
         out: queue.Queue[Any] = queue.Queue()
-        run = first.run
 
         def work() -> None:
             try:
@@ -225,30 +229,40 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     if stop.is_set():
                         raise errors.Cancelled("request cancelled before it ran")
                     out.put(_STARTED)
-                    engine.run_worker(
-                        self.model,
-                        self.tokenizer,
-                        run,
-                        emit=out.put,
-                        cancelled=stop.is_set,
-                        limits=self.limits,
-                        interaction=interaction,
-                    )
+                    self._interact(run, out.put, stop.is_set, interaction)
                 out.put(_END)
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
                 out.put(exc)
 
-        threading.Thread(target=work, name="interact", daemon=True).start()
-        while True:
-            item = out.get()
-            if item is _END:
-                return
-            if item is _STARTED:
-                context.send_initial_metadata(((errors.STARTED_KEY, "1"),))
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+        with self.activity.track(kind, _client(context), steps) as tracked, _log_if_cancelled(stop, tracked):
+            threading.Thread(target=read, name="interact-read", daemon=True).start()
+            threading.Thread(target=work, name="interact", daemon=True).start()
+            while True:
+                item = out.get()
+                if item is _END:
+                    return
+                if item is _STARTED:
+                    tracked.running = True
+                    context.send_initial_metadata(((errors.STARTED_KEY, "1"),))
+                    continue
+                if isinstance(item, BaseException):
+                    raise on_error(item)
+                if isinstance(item, nnd_pb2.TraceResponse) and item.WhichOneof("kind") == "step":
+                    tracked.step = item.step.step + 1
+                yield item
+
+    def _interact(
+        self, run: worker_pb2.WorkerRunRequest, emit: Callable[[Any], None], cancelled: Callable[[], bool],
+        interaction: Any,
+    ) -> None:
+        from nnd_daemon import engine
+        from nnd_daemon.worker import shm
+
+        with shm.results(run):
+            engine.run_worker(
+                self.model, self.tokenizer, run, emit=emit, cancelled=cancelled, limits=self.limits,
+                interaction=interaction,
+            )
 
     # -- Configure ----------------------------------------------------------
     def Configure(self, request: worker_pb2.WorkerConfig, context: grpc.ServicerContext) -> Any:

@@ -286,6 +286,19 @@ class LeaderService(WorkerService):
         self.runner.limits = self.limits
         self.group.lead(RUN, request.SerializeToString(), lambda seed: self.runner.run(request, seed, emit, cancelled))
 
+    def _interact(
+        self, run: worker_pb2.WorkerRunRequest, emit: Callable[[Any], None], cancelled: Callable[[], bool],
+        interaction: Any,
+    ) -> None:
+        # Every rank would have to pause at the same hook and take the client's messages from rank 0;
+        # until that exists, refuse before any rank runs (a run on rank 0 alone would hang its collectives).
+        raise errors.Unimplemented(
+            "sync points (a real value inside a block: .item(), print, if on a value) are not available on "
+            "tensor-parallel models yet; save the value and use it after the block, or dispatch the model "
+            "without tensor parallelism",
+            exc_type="NotImplementedError",
+        )
+
     def Status(self, request: worker_pb2.WorkerStatusRequest, context: grpc.ServicerContext) -> Any:
         status = super().Status(request, context)
         total = 0

@@ -5,7 +5,12 @@ The first time Python needs a real value (`if h.sum() > 0:`, `print(h)`,
 `.item()`, numpy), the block's request starts as an Interact stream with the
 graph so far; the worker runs until that value exists, pauses, and sends it.
 Every later sync sends only the nodes recorded since; the block's end sends
-the rest with `finish` and reads the saved values as a Trace would.
+the rest with `finish` and reads the saved values as a Trace would. The stream
+follows the model's route to its worker, as a Trace does (connection.py).
+
+In a session the stream belongs to the session: it starts with the blocks
+recorded so far (the last one the block asking), a sync in a later block sends
+the blocks in between with it, and the session's end sends the rest.
 """
 
 from __future__ import annotations
@@ -18,25 +23,38 @@ from nnd import _results
 from nnd.v1 import graph_pb2, nnd_pb2
 
 if TYPE_CHECKING:
+    from nnd._session import Session
     from nnd._tracer import Tracer
 
 _END: Any = object()
 
 
 class Interaction:
-    """The running request of one block, paused at its latest sync point."""
+    """The running request of one block (or session), paused at its latest sync point."""
 
-    def __init__(self, tracer: Tracer) -> None:
-        self.tracer = tracer
+    def __init__(self, tracer: Tracer, session: Session | None = None) -> None:
+        self.tracer = tracer  # the block the run stands in (a session's: the last one sent)
+        self.session = session
         self.outbox: queue.Queue[Any] = queue.Queue()
-        self.sent = 0  # how many of the builder's nodes the worker has
+        self.start: nnd_pb2.InteractRequest | None = None
+        self.sent = 0  # how many of the block's nodes the worker has
         self.scopes = 0
         self.responses: Iterator[Any] | None = None
         self.syncs = 0
 
     def _requests(self) -> Iterator[nnd_pb2.InteractRequest]:
+        """The stream's messages: the start, then what the block sends. A new call (a stale route
+        resent) gets a new outbox; the old call's reader is told to end."""
+        self.outbox.put(_END)
+        self.outbox = outbox = queue.Queue()
+        assert self.start is not None
+        return self._read(self.start, outbox)
+
+    @staticmethod
+    def _read(start: nnd_pb2.InteractRequest, outbox: queue.Queue[Any]) -> Iterator[nnd_pb2.InteractRequest]:
+        yield start
         while True:
-            msg = self.outbox.get()
+            msg = outbox.get()
             if msg is _END:
                 return
             yield msg
@@ -46,41 +64,79 @@ class Interaction:
         part = graph_pb2.Graph(nodes=graph.nodes[self.sent :])
         if len(graph.scopes) > self.scopes:
             part.scopes.extend(graph.scopes[self.scopes :])
-        self.sent = len(graph.nodes)
-        self.scopes = len(graph.scopes)
         return part
 
-    def value(self, ref: int) -> Any:
-        """The real value of node `ref`, now: the run goes on until it exists and pauses there."""
-        tracer = self.tracer
+    def _now_in(self, tracer: Tracer) -> None:
+        self.tracer = tracer
+        self.sent = len(tracer._builder.graph.nodes)
+        self.scopes = len(tracer._builder.graph.scopes)
+
+    def _on_step(self, step: _results.StepToken) -> None:
+        if self.session is None:
+            self.tracer.tokens.append(step)
+            return
+        traces = self.session._traces
+        if 0 <= step.trace < len(traces):
+            traces[step.trace].tokens.append(step)
+        elif step.trace == len(traces):  # the block still being recorded
+            self.tracer.tokens.append(step)
+
+    def value(self, ref: int, tracer: Tracer | None = None) -> Any:
+        """The real value of node `ref` of `tracer` (default: this run's block), now: the run goes
+        on until it exists and pauses there."""
+        tracer = tracer or self.tracer
         if self.responses is None:
-            request = tracer._request()
-            self.sent = len(request.graph.nodes)
-            self.scopes = len(request.graph.scopes)
-            start = nnd_pb2.InteractStart(request=request, generate=tracer._method == "Generate", want=[ref])
+            start = nnd_pb2.InteractStart(want=[ref])
+            if self.session is not None:
+                start.session.CopyFrom(self.session._request())
+                start.session.traces.add(request=tracer._request(), generate=tracer._method == "Generate")
+            else:
+                start.request.CopyFrom(tracer._request())
+                start.generate = tracer._method == "Generate"
+            self._now_in(tracer)
             timeout = tracer._options.get("pause_timeout")
             if timeout is not None:
                 start.pause_timeout_s = float(timeout)
-            self.outbox.put(nnd_pb2.InteractRequest(start=start))
+            self.start = nnd_pb2.InteractRequest(start=start)
+            model = start.session.model if self.session is not None else start.request.model
             self.responses = tracer.model._conn.bidi(
-                "Interact", self._requests(), timeout=tracer._options.get("timeout")
+                "Interact", model, self._requests, timeout=tracer._options.get("timeout")
             )
-        else:
+        elif tracer is self.tracer:
             more = nnd_pb2.InteractContinue(graph=self._new_nodes(), want=[ref])
+            self._now_in(tracer)
+            self.outbox.put(nnd_pb2.InteractRequest(more=more))
+        else:  # a later block of the session: the blocks recorded since go with it
+            more = self._next_traces(want=[ref])
+            more.traces.add(request=tracer._request(), generate=tracer._method == "Generate")
+            self._now_in(tracer)
             self.outbox.put(nnd_pb2.InteractRequest(more=more))
         self.syncs += 1
-        got = _results.collect(self.responses, on_step=tracer.tokens.append, until_paused=True)
+        got = _results.collect(self.responses, on_step=self._on_step, until_paused=True)
         if ref not in got.saved:
             raise RuntimeError("the daemon ended the run without sending the value this sync point asked for")
         return got.saved[ref]
 
+    def _next_traces(self, **fields: Any) -> nnd_pb2.InteractContinue:
+        """The rest of the block running now, and the session's blocks that ended after it."""
+        more = nnd_pb2.InteractContinue(graph=self._new_nodes(), **fields)
+        assert self.session is not None
+        traces = self.session._traces
+        after = traces[traces.index(self.tracer) + 1 :] if self.tracer in traces else []
+        for tracer in after:
+            more.traces.add(request=tracer._request(), generate=tracer._method == "Generate")
+        return more
+
     def finish(self) -> _results.Results:
         """Send what was recorded since the last sync, run to the end, read the saved values."""
         assert self.responses is not None
-        more = nnd_pb2.InteractContinue(graph=self._new_nodes(), finish=True)
+        if self.session is not None:
+            more = self._next_traces(finish=True)
+        else:
+            more = nnd_pb2.InteractContinue(graph=self._new_nodes(), finish=True)
         self.outbox.put(nnd_pb2.InteractRequest(more=more))
         self.outbox.put(_END)
-        return _results.collect(self.responses, on_step=self.tracer.tokens.append)
+        return _results.collect(self.responses, on_step=self._on_step)
 
     def cancel(self) -> None:
         """The block failed: end the run (the worker frees the model at once)."""

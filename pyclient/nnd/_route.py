@@ -1,4 +1,4 @@
-"""Routes: send a model's Trace, Generate and Session straight to its worker.
+"""Routes: send a model's Trace, Generate, Session and Interact straight to its worker.
 
 The daemon says where a model's worker listens (GetRoute: a unix socket and an
 epoch); a client on the daemon's host sends its data requests there, one hop
@@ -62,7 +62,19 @@ class Router:
         via_daemon: Callable[[float | None], Iterator[Any]],
         translate: Callable[[grpc.RpcError], Exception],
     ) -> Iterator[Any]:
-        model = request.model
+        yield from self.follow(method, request.model, lambda: request, timeout, via_daemon, translate)
+
+    def follow(
+        self,
+        method: str,
+        model: str,
+        argument: Callable[[], Any],
+        timeout: float | None,
+        via_daemon: Callable[[float | None], Iterator[Any]],
+        translate: Callable[[grpc.RpcError], Exception],
+    ) -> Iterator[Any]:
+        """Call `method` of `model`'s worker with `argument()` (called once per attempt: a
+        request, or a fresh iterator of an Interact stream's messages)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for attempt in (0, 1):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -71,7 +83,7 @@ class Router:
                 yield from via_daemon(left)
                 return
             meta = [*self._metadata(), (EPOCH_KEY, str(route.epoch))]
-            call = getattr(route.stub, method)(request, timeout=left, metadata=meta)
+            call = getattr(route.stub, method)(argument(), timeout=left, metadata=meta)
             self.direct_calls += 1
             answered = False  # a response came: the request had begun, whatever the metadata says
             try:

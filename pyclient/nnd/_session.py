@@ -12,7 +12,7 @@ from collections.abc import Hashable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from nnd import _context, _objects, _rebind, _results, _source
+from nnd import _context, _interact, _objects, _rebind, _results, _source
 from nnd.errors import NndError
 from nnd.v1 import nnd_pb2
 
@@ -62,6 +62,7 @@ class Session:
         self._keys: dict[int, Hashable] = {}
         self.compute_s = 0.0
         """Wall time the daemon spent running every block of the session."""
+        self._interaction: _interact.Interaction | None = None  # open once a block needed a real value
 
     def __enter__(self) -> Session:
         if self._recording:
@@ -81,6 +82,13 @@ class Session:
 
     def _add(self, tracer: Tracer) -> None:
         self._traces.append(tracer)
+
+    def _sync(self, tracer: Tracer, ref: int) -> Any:
+        """A real value inside one of the session's blocks: the session runs as an Interact stream
+        from here on (_interact.py), its earlier blocks first."""
+        if self._interaction is None:
+            self._interaction = _interact.Interaction(tracer, self)
+        return self._interaction.value(ref, tracer)
 
     def _request(self, scan_tail: nnd_pb2.TraceRequest | None = None) -> nnd_pb2.SessionRequest:
         from nnd._tracer import GenerateTracer
@@ -107,6 +115,8 @@ class Session:
             stack.remove(self)
         self._recording = False
         if exc_type is not None or not self._traces:
+            if self._interaction is not None:
+                self._interaction.cancel()  # frees the paused model at once
             return
         try:
             self._run()
@@ -131,8 +141,11 @@ class Session:
             if 0 <= step.trace < len(traces):
                 traces[step.trace].tokens.append(step)
 
-        stream = self.model._conn.stream("Session", self._request())
-        results = _results.collect(stream, on_step=on_step)
+        if self._interaction is not None:
+            results = self._interaction.finish()
+        else:
+            stream = self.model._conn.stream("Session", self._request())
+            results = _results.collect(stream, on_step=on_step)
         self.compute_s = results.compute_s
         for tracer in traces:
             tracer._deliver(results)

@@ -284,12 +284,9 @@ class Tracer:
 
     def _sync(self, proxy: Proxy) -> Any:
         """The real value of `proxy` now, mid-run (a sync point; _interact.py)."""
-        if self._session is not None:
-            raise NotImplementedError(
-                "a real value inside a session's block is not supported yet: read it in a trace of its own, "
-                "or save it and use it after the session"
-            )
         ref = proxy._ref()
+        if self._session is not None:  # the session's run, which the earlier blocks are part of
+            return self._session._sync(self, ref)
         if self._interaction is None:
             self._interaction = _interact.Interaction(self)
         return self._interaction.value(ref)

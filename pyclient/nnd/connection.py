@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -137,9 +137,21 @@ class Connection:
         finally:
             call.cancel()
 
-    def bidi(self, method: str, requests: Iterator[Any], *, timeout: float | None = None) -> Iterator[Any]:
-        """A bidirectional stream (Interact): `requests` is read by gRPC as it goes; iterating the
-        answer raises nnd exceptions; closing it cancels the call."""
+    def bidi(
+        self, method: str, model: str, requests: Callable[[], Iterator[Any]], *, timeout: float | None = None
+    ) -> Iterator[Any]:
+        """A bidirectional stream (Interact) to `model`'s worker by its route, else through the
+        daemon. `requests()` gives the messages (read by gRPC as it goes; called again if a stale
+        route is refused before anything ran); iterating the answer raises nnd exceptions;
+        closing it cancels the call."""
+        if self.direct:
+            yield from self.router.follow(
+                method, model, requests, timeout, lambda left: self._bidi(method, requests(), left), self._translate
+            )
+            return
+        yield from self._bidi(method, requests(), timeout)
+
+    def _bidi(self, method: str, requests: Iterator[Any], timeout: float | None) -> Iterator[Any]:
         call = getattr(self.stub, method)(requests, timeout=timeout, metadata=self._metadata())
         try:
             yield from call

@@ -78,14 +78,6 @@ class WorkerRunRequest(_message.Message):
     session: _nnd_pb2.SessionRequest
     def __init__(self, request: _Optional[_Union[_nnd_pb2.TraceRequest, _Mapping]] = ..., generate: _Optional[bool] = ..., edits: _Optional[_Mapping[str, EditStack]] = ..., session: _Optional[_Union[_nnd_pb2.SessionRequest, _Mapping]] = ...) -> None: ...
 
-class WorkerInteractRequest(_message.Message):
-    __slots__ = ("run", "client")
-    RUN_FIELD_NUMBER: _ClassVar[int]
-    CLIENT_FIELD_NUMBER: _ClassVar[int]
-    run: WorkerRunRequest
-    client: _nnd_pb2.InteractRequest
-    def __init__(self, run: _Optional[_Union[WorkerRunRequest, _Mapping]] = ..., client: _Optional[_Union[_nnd_pb2.InteractRequest, _Mapping]] = ...) -> None: ...
-
 class EditStack(_message.Message):
     __slots__ = ("graphs",)
     GRAPHS_FIELD_NUMBER: _ClassVar[int]

@@ -45,11 +45,6 @@ class WorkerStub:
                 request_serializer=nnd_dot_v1_dot_worker__pb2.WorkerRunRequest.SerializeToString,
                 response_deserializer=nnd_dot_v1_dot_nnd__pb2.TraceResponse.FromString,
                 _registered_method=True)
-        self.Interact = channel.stream_stream(
-                '/nnd.v1.Worker/Interact',
-                request_serializer=nnd_dot_v1_dot_worker__pb2.WorkerInteractRequest.SerializeToString,
-                response_deserializer=nnd_dot_v1_dot_nnd__pb2.TraceResponse.FromString,
-                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/nnd.v1.Worker/Status',
                 request_serializer=nnd_dot_v1_dot_worker__pb2.WorkerStatusRequest.SerializeToString,
@@ -81,15 +76,6 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Interact(self, request_iterator, context):
-        """An interactive Trace or Generate (Nnd.Interact): the first message holds
-        the run (with its edits) and the client's InteractStart, later ones the
-        client's InteractContinue messages unchanged.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Status(self, request, context):
         """Liveness, activity and memory figures.
         """
@@ -116,11 +102,6 @@ def add_WorkerServicer_to_server(servicer, server):
             'Run': grpc.unary_stream_rpc_method_handler(
                     servicer.Run,
                     request_deserializer=nnd_dot_v1_dot_worker__pb2.WorkerRunRequest.FromString,
-                    response_serializer=nnd_dot_v1_dot_nnd__pb2.TraceResponse.SerializeToString,
-            ),
-            'Interact': grpc.stream_stream_rpc_method_handler(
-                    servicer.Interact,
-                    request_deserializer=nnd_dot_v1_dot_worker__pb2.WorkerInteractRequest.FromString,
                     response_serializer=nnd_dot_v1_dot_nnd__pb2.TraceResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
@@ -187,33 +168,6 @@ class Worker:
             target,
             '/nnd.v1.Worker/Run',
             nnd_dot_v1_dot_worker__pb2.WorkerRunRequest.SerializeToString,
-            nnd_dot_v1_dot_nnd__pb2.TraceResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Interact(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/nnd.v1.Worker/Interact',
-            nnd_dot_v1_dot_worker__pb2.WorkerInteractRequest.SerializeToString,
             nnd_dot_v1_dot_nnd__pb2.TraceResponse.FromString,
             options,
             channel_credentials,
