@@ -84,7 +84,10 @@ class Envoy:
         return iter(list(self._children.values()))
 
     def __dir__(self) -> list[str]:
-        return sorted(set(super().__dir__()) | set(self._children) | set(self._aliases))
+        """The public API and the modules reachable as attributes: no private
+        names, and not a ModuleList's "0", "1" (`h[0]`, not `h.0`)."""
+        api = {name for name in super().__dir__() if not name.startswith("_")}
+        return sorted(api | {name for name in (*self._children, *self._aliases) if name.isidentifier()})
 
     def __repr__(self) -> str:
         return _printing.render(self)
@@ -201,3 +204,6 @@ def build_tree(model: TransformersModel | None, modules: Iterable[nnd_pb2.Module
             host, target = by_path.get(host_path), by_path.get(info.path)
             if host is not None and target is not None and name not in host._children:
                 host._aliases[name] = target
+    from nnd import _ipython
+
+    _ipython.install()  # a model's tree exists: in a notebook, it completes with <TAB> (_completion.py)

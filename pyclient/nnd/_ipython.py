@@ -1,4 +1,5 @@
-"""Errors from the daemon, shown in a notebook as IPython shows its own.
+"""nnd inside IPython: daemon errors shown as IPython shows its own, and tab
+completion of the module tree.
 
 An error the daemon reports is raised when a block ends, so Python's traceback
 points at the `with` line and walks through nnd's and gRPC's frames. Under
@@ -6,7 +7,9 @@ IPython, nnd registers a handler for its own exceptions (`set_custom_exc`,
 IPython's hook for rendering chosen exception types) that drops those frames:
 the user's cells remain, then the message, which quotes the cell and line of
 the statement that failed ("Cell In[11], line 4") and, in a generation, the
-step. Outside IPython nothing changes.
+step. Completion of `model.transformer.h[0].<TAB>` is a matcher added to the
+shell's completer (`_completion.py` says why IPython's own cannot do it).
+Outside IPython nothing changes.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def _render(shell: Any, etype: type[BaseException], value: BaseException, tb: Tr
 
 
 def install() -> None:
-    """Register the handler in the running IPython shell, once; a no-op anywhere else."""
+    """Register nnd's handler and completion in the running IPython shell, once; a no-op anywhere else."""
     ipython = sys.modules.get("IPython")
     if ipython is None:
         return
@@ -53,7 +56,14 @@ def install() -> None:
         shell = ipython.get_ipython()
     except Exception:  # noqa: BLE001 - not inside a shell
         return
-    if shell is None or getattr(shell, "_nnd_errors", False):
+    if shell is None:
+        return
+    _install_errors(shell)
+    _install_completion(shell)
+
+
+def _install_errors(shell: Any) -> None:
+    if getattr(shell, "_nnd_errors", False):
         return
     from nnd.errors import NndError
 
@@ -62,3 +72,17 @@ def install() -> None:
         return
     shell.set_custom_exc((NndError,), _render)
     shell._nnd_errors = True
+
+
+def _install_completion(shell: Any) -> None:
+    completer = getattr(shell, "Completer", None)
+    matchers = getattr(completer, "custom_matchers", None)
+    if getattr(shell, "_nnd_completion", False) or not isinstance(matchers, list):
+        return
+    try:
+        from nnd import _completion
+
+        matchers.append(_completion.matcher(completer))
+    except ImportError:  # an IPython before the matcher API v2 (8.6): its own completion stays
+        return
+    shell._nnd_completion = True
