@@ -121,7 +121,7 @@ def test_the_registry_file_keeps_the_options(tmp_path: pathlib.Path) -> None:
         placement=nnd_pb2.Placement(),
         dispatched_placement=None,
         state=nnd_pb2.META,
-        extra={},
+        upload="",
     )
     path = str(tmp_path / "registry.json")
     statefile.write(path, [entry])
