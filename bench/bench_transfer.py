@@ -201,7 +201,7 @@ def run(quick: bool) -> list[Row]:
             raw=raw,
         ),
         Row(
-            f"transfer: the same {mib} streamed, against one bare gRPC hop on this machine (nnd's path takes two)",
+            f"transfer: the same {mib} streamed, against one bare gRPC hop on this machine (a routed client's path is one hop, worker → client)",
             "bare gRPC unary-stream, 4 MiB messages, no nnd",
             gbps(nbytes, t["grpc_hop"]),
             f"{gbps(nbytes, streamed)} (beyond computing it)",
