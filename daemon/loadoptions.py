@@ -24,8 +24,12 @@ def check(options: nnd_pb2.LoadOptions) -> None:
     if options.config_json:
         _config_dict(options.config_json)
     name = options.attn_implementation
-    if name and not all(c.isalnum() or c in "_-|/" for c in name):
-        raise errors.InvalidArgument(f"attn_implementation {name!r} is not an attention implementation's name")
+    # No "/": transformers reads "org/repo" as a Hub kernel to download and load, i.e. code.
+    if name and not all(c.isalnum() or c in "_-|" for c in name):
+        raise errors.InvalidArgument(
+            f"attn_implementation {name!r} is not the name of an attention implementation transformers ships "
+            "(kernels from the Hub, 'org/repo', are not loaded)"
+        )
 
 
 def _config_dict(text: str) -> dict[str, Any]:

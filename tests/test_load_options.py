@@ -132,3 +132,13 @@ def test_the_registry_file_keeps_the_options(tmp_path: pathlib.Path) -> None:
     pathlib.Path(path).write_text(json.dumps(data))
     (old,) = statefile.read(path)
     assert not old.load_request().HasField("options")
+
+
+def test_a_hub_kernel_name_is_refused_before_anything_loads() -> None:
+    """transformers would download and load code for attn_implementation="org/repo"."""
+    from nnd.v1 import nnd_pb2
+    from nnd_daemon import errors, loadoptions
+
+    with pytest.raises(errors.InvalidArgument, match="Hub"):
+        loadoptions.check(nnd_pb2.LoadOptions(attn_implementation="kernels-community/flash-attn"))
+    loadoptions.check(nnd_pb2.LoadOptions(attn_implementation="eager"))
