@@ -10,7 +10,7 @@ import torch
 
 from nnd.v1 import graph_pb2
 
-from . import values, wire
+from . import rows, wire
 from .order import POST, PRE
 
 if TYPE_CHECKING:
@@ -35,9 +35,9 @@ class Caches:
     """The Cache nodes of a plan and what they have recorded so far."""
 
     def __init__(
-        self, plan: Plan, modules: list[str], rows: list[tuple[int, int]] | None = None, batch_size: int = 0
+        self, plan: Plan, modules: list[str], invoke_rows: list[tuple[int, int]] | None = None, batch_size: int = 0
     ) -> None:
-        self.rows = rows or []
+        self.rows = invoke_rows or []
         self.batch_size = batch_size
         self.by_path: dict[str, list[tuple[int, graph_pb2.Cache]]] = {}
         # cache node -> path -> call -> {"output": ..., "inputs": ...}
@@ -65,7 +65,7 @@ class Caches:
             if spec.HasField("invoke") and spec.invoke < len(self.rows):
                 # A cache opened inside an invoke sees that invoke's rows, as its module values do.
                 start, stop = self.rows[spec.invoke]
-                item = values.rows(item, start, stop, self.batch_size)
+                item = rows.rows(item, start, stop, self.batch_size)
             entry = self.entries[cache_id].setdefault(path, {}).setdefault(call, {})
             entry[slot] = _sanitize(_transform(item, spec))
 

@@ -27,7 +27,7 @@ import torch
 from nnd.v1 import graph_pb2
 
 from .. import errors
-from . import caches, grads, modules, sharding, values
+from . import caches, grads, modules, rows, sharding
 from .failures import where, wrap
 from .hooks import HookSet
 from .interact import Interaction
@@ -202,7 +202,7 @@ class Executor:
                     self.write_pre(node, state, self.write_value(frame, node, self.pre_like(node, state)))
                     changed = True
                 elif node.kind == "skip":
-                    like = values.first_tensor(state)
+                    like = rows.first_tensor(state)
                     value = self.write_value(frame, node, like)
                     if node.invoke is None:
                         self.skips[path] = self.shard.leave(path, POST, value)
@@ -211,7 +211,7 @@ class Executor:
             events = self.settle(key)
         if parts:
             parts.sort(key=lambda p: p[0])
-            stacked = self.guard(parts[-1][2], lambda: values.concat_rows([v for _, v, _ in parts]))
+            stacked = self.guard(parts[-1][2], lambda: rows.concat_rows([v for _, v, _ in parts]))
             self.skips[path] = self.shard.leave(path, POST, stacked)
         self.finish_hook(key, record=lambda: self.caches.record(path, PRE, call, state))
         if changed:
@@ -235,7 +235,7 @@ class Executor:
                         changed = grads.require_grad(state) or changed
                     self.bind(frame, node, key, self.view(state[0], node))
                 else:  # set, or skip of one invoke's rows
-                    value = self.write_value(frame, node, values.first_tensor(state[0]))
+                    value = self.write_value(frame, node, rows.first_tensor(state[0]))
                     if node.invoke is None or self.replaces(node, state[0], value):
                         state[0] = value
                         changed = True
@@ -243,7 +243,7 @@ class Executor:
                         start, stop = self.rows[node.invoke]
                         self.guard(
                             node,
-                            lambda v=value, a=start, b=stop: values.write_rows(state[0], v, a, b, self.batch_size),
+                            lambda v=value, a=start, b=stop: rows.write_rows(state[0], v, a, b, self.batch_size),
                         )
             events = self.settle(key)
         self.finish_hook(key, record=lambda: self.caches.record(path, POST, call, state[0]))
@@ -445,7 +445,7 @@ class Executor:
         if node.invoke is None:
             return value
         start, stop = self.rows[node.invoke]
-        return values.rows(value, start, stop, self.batch_size)
+        return rows.rows(value, start, stop, self.batch_size)
 
     def read_pre(self, node: PlanNode, state: list[Any]) -> Any:
         args, kwargs = state
@@ -459,7 +459,7 @@ class Executor:
         return None
 
     def pre_like(self, node: PlanNode, state: list[Any]) -> torch.Tensor | None:
-        return values.first_tensor(state)
+        return rows.first_tensor(state)
 
     def write_pre(self, node: PlanNode, state: list[Any], value: Any) -> None:
         args, kwargs = state
@@ -471,12 +471,12 @@ class Executor:
                 state[0], state[1] = list(value[0]), dict(value[1])
                 return
             start, stop = self.rows[node.invoke]
-            self.guard(node, lambda: values.write_rows((args, kwargs), value, start, stop, self.batch_size))
+            self.guard(node, lambda: rows.write_rows((args, kwargs), value, start, stop, self.batch_size))
             return
         if node.invoke is not None:
             start, stop = self.rows[node.invoke]
             current = args[0] if args else next(iter(kwargs.values()), None)
-            self.guard(node, lambda: values.write_rows(current, value, start, stop, self.batch_size))
+            self.guard(node, lambda: rows.write_rows(current, value, start, stop, self.batch_size))
         elif args:
             args[0] = value
         elif kwargs:
@@ -497,7 +497,7 @@ class Executor:
         spec = node.args[0]
         value = self.resolve(frame, spec)
         if self.is_const(spec):
-            value = values.map_tensors(value, values.placer(like))
+            value = rows.map_tensors(value, rows.placer(like))
         self.writes.append(node)
         frame.pending.discard(node.id)
         return value
@@ -569,7 +569,7 @@ class Executor:
         kwargs = {k: self.resolve(frame, a) for k, a in node.kwargs.items()}
         target = self.activation(frame, [*node.args, *node.kwargs.values()], [*args, *kwargs.values()])
         if target is not None:
-            place = values.placer(target)
+            place = rows.placer(target)
             args = [self.place(a, v, place) for a, v in zip(node.args, args, strict=True)]
             kwargs = {k: self.place(node.kwargs[k], v, place) for k, v in kwargs.items()}
         name = node.proto.op.name
@@ -635,7 +635,7 @@ class Executor:
                 if found is not None:
                     return found
             elif isinstance(spec, Ref) and not self.plan.nodes[spec.id].const:
-                found = values.first_tensor(value)
+                found = rows.first_tensor(value)
                 if found is not None:
                     return found
         return None
@@ -645,7 +645,7 @@ class Executor:
             items = [self.place(s, v, place) for s, v in zip(spec.items, value, strict=True)]
             return items if spec.is_list else tuple(items)
         if self.is_const(spec):
-            return values.map_tensors(value, place)
+            return rows.map_tensors(value, place)
         return value
 
     # ------------------------------------------------------------ call_module (OpContext)

@@ -13,7 +13,7 @@ from transformers.generation.streamers import BaseStreamer
 from nnd.v1 import nnd_pb2
 
 from .. import errors
-from .batch import Batch, pad_id
+from .inputs import Batch, pad_id
 from .limits import EngineLimits
 
 DEFAULT_MAX_NEW_TOKENS = 20  # transformers' own default generation length

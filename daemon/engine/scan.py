@@ -8,7 +8,7 @@ from typing import Any
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from . import values
+from . import rows
 
 
 @contextlib.contextmanager
@@ -21,4 +21,4 @@ def fake_mode() -> Iterator[FakeTensorMode]:
 
 def faker(mode: FakeTensorMode) -> Callable[[Any], Any]:
     """Turns decoded constants into fake tensors, so a Scan never computes on real data."""
-    return lambda value: values.map_tensors(value, mode.from_tensor)
+    return lambda value: rows.map_tensors(value, mode.from_tensor)

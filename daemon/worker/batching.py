@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nnd.v1 import graph_pb2, nnd_pb2, values_pb2, worker_pb2
-from nnd_daemon.engine import batch
+from nnd_daemon.engine import inputs
 
 log = logging.getLogger("nnd.worker.batching")
 
@@ -103,7 +103,7 @@ def token_length(request: worker_pb2.WorkerRunRequest, tokenizer: Any) -> tuple[
             seqs.append([int(i) for i in inv.tokens.ids])
         elif which == "text" and tokenizer is not None:
             try:
-                seqs.append(list(batch.text_ids(tokenizer, inv.text)))
+                seqs.append(list(inputs.text_ids(tokenizer, inv.text)))
             except Exception:  # noqa: BLE001 - the request alone reports it
                 return None
         else:

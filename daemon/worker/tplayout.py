@@ -222,11 +222,11 @@ def measure(model: torch.nn.Module, rank: int, world: int, control: Any = None, 
 
     `control` is a gloo group for exchanging shapes (CPU tensors); `group` the one values are gathered over.
     """
-    from nnd_daemon.engine import batch
+    from nnd_daemon.engine import inputs
 
     planned = from_plan(model, world)
     full = measure_full(model)
-    ids = probe_ids(model.config).to(batch.input_device(model))
+    ids = probe_ids(model.config).to(inputs.input_device(model))
     local = _record(model, lambda: _forward(model, ids))
     keys = sorted(local)
     everyone = _exchange(local, keys, world, control)
