@@ -1,5 +1,6 @@
 """A trace request as an object the engine can merge with others and split back, in the
-manner of text-generation-inference's `Batch.from_pb` / `concatenate` / `filter`.
+manner of text-generation-inference's `Batch.from_pb` / `concatenate` (TGI's `filter` has no
+counterpart: the batcher drops a request that leaves before it merges the others).
 
 `PreparedTrace.from_pb` reads a TraceRequest once: each invoke's token ids (text tokenized
 as the engine tokenizes it), its graph (nodes and loop scopes). `concatenate` merges several
@@ -37,6 +38,8 @@ class Part:
 
 @dataclass
 class PreparedTrace:
+    """One request, or several merged into one: what the engine runs, and where each part sits."""
+
     model: str
     tokens: list[tuple[int, ...]]  # each invoke's token ids
     graph: graph_pb2.Graph
