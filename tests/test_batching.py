@@ -322,7 +322,9 @@ def test_a_request_cancelled_as_its_batch_starts_does_not_strand_the_others(lead
     def member(ids: list[int], emit: Callable[[Any], None], cancelled: Callable[[], bool], started: Callable[[], None]):
         request = worker_pb2.WorkerRunRequest(request=nnd_pb2.TraceRequest(model="m"))
         request.request.invokes.add().tokens.ids.extend(ids)
-        return batching.Member(request, len(ids), [ids], emit, cancelled, started)
+        trace = batching.prepare(request, None)
+        assert trace is not None
+        return batching.Member(request, trace, emit, cancelled, started)
 
     leaving = _LeavesAtStart()
     staying_out: list[Any] = []

@@ -208,16 +208,11 @@ def build(
     tokenizer: Any,
     invokes: Sequence[nnd_pb2.Invoke],
     *,
-    max_invokes: int = 0,
     max_sequence_length: int = 0,
 ) -> Batch:
     """The model's inputs for these invokes (on the CPU; the caller moves them)."""
     if not invokes:
         raise errors.InvalidArgument("the request has no invoke: give at least one input")
-    if max_invokes and len(invokes) > max_invokes:
-        raise errors.ResourceExhausted(
-            f"the request has {len(invokes)} invokes, over the limit max_invokes={max_invokes}"
-        )
     kinds = {inv.WhichOneof("input") or ("args" if inv.args else None) for inv in invokes}
     if None in kinds:
         raise errors.InvalidArgument("an invoke has no input: give text, token ids or args")

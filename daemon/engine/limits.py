@@ -1,4 +1,5 @@
-"""Per-request limits the engine enforces (0 = unlimited)."""
+"""Per-request limits the engine enforces while a request runs (0 = unlimited). What can be checked
+from the request alone (its size, its number of invokes) is checked before it runs: daemon/requests.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class EngineLimits:
     max_saved_bytes: int = 0
-    max_invokes: int = 0
     max_sequence_length: int = 0
     max_new_tokens: int = 0
     max_constant_bytes: int = 0

@@ -30,7 +30,7 @@ import torch
 from nnd.v1 import graph_pb2
 
 from .. import errors
-from . import modules, ops, order, source, wire
+from . import modules, nodeids, ops, order, source, wire
 from .failures import where
 from .order import POST, PRE, RESULT, HookKey
 
@@ -638,32 +638,4 @@ def check_edit(graph: graph_pb2.Graph, model: torch.nn.Module) -> None:
 
 def referenced(graph: graph_pb2.Graph) -> set[int]:
     """Every node id `graph` refers to (arguments, gradients)."""
-    out: set[int] = set()
-
-    def visit(arg: graph_pb2.Arg) -> None:
-        kind = arg.WhichOneof("kind")
-        if kind == "ref":
-            out.add(arg.ref)
-        elif kind in ("tuple", "list"):
-            for item in getattr(arg, kind).items:
-                visit(item)
-
-    for node in graph.nodes:
-        kind = node.WhichOneof("kind")
-        if kind == "op":
-            for a in node.op.args:
-                visit(a)
-            for a in node.op.kwargs.values():
-                visit(a)
-        elif kind in ("save", "set", "skip"):
-            visit(getattr(node, kind).value)
-        elif kind == "backward":
-            visit(node.backward.loss)
-            if node.backward.HasField("gradient"):
-                visit(node.backward.gradient)
-        elif kind in ("grad", "set_grad"):
-            msg = getattr(node, kind)
-            out.update((msg.value, msg.backward))
-            if kind == "set_grad":
-                visit(msg.grad)
-    return out
+    return {r for node in graph.nodes for r in nodeids.refs(node)}

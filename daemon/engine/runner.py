@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,13 +43,13 @@ def run(
     emit: Callable[[nnd_pb2.TraceResponse], None],
     cancelled: Callable[[], bool] = lambda: False,
     limits: EngineLimits | None = None,
-    edits: Mapping[str, Sequence[graph_pb2.Graph]] | None = None,
+    edits: Mapping[str, worker_pb2.EditStack] | None = None,
     lend: Callable[[], None] | None = None,
     interaction: Interaction | None = None,
 ) -> None:
     """Run `request.graph` on `model` and stream its results through `emit`.
 
-    `edits` maps stored edit ids to their graphs; `request.edits` names the
+    `edits` maps stored edit ids to their graphs (as the worker is sent them); `request.edits` names the
     ones applied first. `lend`, called between generation steps, may run other
     requests on the model (worker/turns.py); this request's hooks and random
     state are set aside meanwhile. With `interaction` the run pauses at the
@@ -85,7 +85,7 @@ def run_session(
     emit: Callable[[nnd_pb2.TraceResponse], None],
     cancelled: Callable[[], bool] = lambda: False,
     limits: EngineLimits | None = None,
-    edits: Mapping[str, Sequence[graph_pb2.Graph]] | None = None,
+    edits: Mapping[str, worker_pb2.EditStack] | None = None,
     interaction: Interaction | None = None,
 ) -> None:
     """Run a session's traces in order, sharing values; emit every saved value at the end.
@@ -196,10 +196,9 @@ def run_worker(
 ) -> None:
     """Run what a worker is sent: a Trace, a Generate or a Session, with the edit graphs it carries.
     A Generate lends the model between its steps through `lend` (see `run`)."""
-    edits = {edit_id: list(stack.graphs) for edit_id, stack in request.edits.items()}
     if request.HasField("session"):
         run_session(
-            model, tokenizer, request.session, emit=emit, cancelled=cancelled, limits=limits, edits=edits,
+            model, tokenizer, request.session, emit=emit, cancelled=cancelled, limits=limits, edits=request.edits,
             interaction=interaction,
         )
         return
@@ -212,7 +211,7 @@ def run_worker(
         emit=emit,
         cancelled=cancelled,
         limits=limits,
-        edits=edits,
+        edits=request.edits,
         interaction=interaction,
         lend=lend,
     )
@@ -226,13 +225,14 @@ class _Done:
     compute_s: float
 
 
-def _edit_graphs(request: nnd_pb2.TraceRequest, edits: Mapping[str, Sequence[graph_pb2.Graph]] | None) -> list[Any]:
+def _edit_graphs(request: nnd_pb2.TraceRequest, edits: Mapping[str, worker_pb2.EditStack] | None) -> list[Any]:
+    """The graphs of the stored edits `request` names, in the order they apply (the one place they are read)."""
     out: list[graph_pb2.Graph] = []
     for edit_id in request.edits:
-        graphs = (edits or {}).get(edit_id)
-        if graphs is None:
+        stack = (edits or {}).get(edit_id)
+        if stack is None:
             raise errors.NotFound(f"no stored edit {edit_id!r} for this model (it was deleted, or never created)")
-        out.extend(graphs)
+        out.extend(stack.graphs)
     return out
 
 
@@ -262,7 +262,7 @@ def _run(
     emit: Callable[[nnd_pb2.TraceResponse], None],
     cancelled: Callable[[], bool],
     limits: EngineLimits,
-    edits: Mapping[str, Sequence[graph_pb2.Graph]] | None = None,
+    edits: Mapping[str, worker_pb2.EditStack] | None = None,
     external: Mapping[int, Any] | None = None,
     lend: Callable[[], None] | None = None,
     interaction: Interaction | None = None,
@@ -273,7 +273,6 @@ def _run(
         model,
         tokenizer,
         request.invokes,
-        max_invokes=limits.max_invokes,
         max_sequence_length=limits.max_sequence_length,
     )
     the_plan = plan.build(

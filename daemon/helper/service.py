@@ -84,10 +84,9 @@ class HelperService(helper_pb2_grpc.HelperServicer):
             scan=True,
         )
         engine_limits = requests.engine_limits(limits)
-        edits = {i: list(stack.graphs) for i, stack in run.edits.items()}
         out = helper_pb2.HelperScanResponse()
         common = dict(
-            emit=out.responses.append, cancelled=lambda: not context.is_active(), limits=engine_limits, edits=edits
+            emit=out.responses.append, cancelled=lambda: not context.is_active(), limits=engine_limits, edits=run.edits
         )
         with built.lock:
             if run.HasField("session"):

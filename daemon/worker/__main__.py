@@ -60,7 +60,8 @@ def main() -> None:
     if ns.batch_window_ms > 0:
         from nnd_daemon.worker import batching
 
-        service.batcher = batching.for_service(service, ns.batch_window_ms)
+        max_invokes = int(json.loads(ns.request_limits or "{}").get("max_invokes", 0))
+        service.batcher = batching.for_service(service, ns.batch_window_ms, max_invokes)
     servers = listen.start(service, ns, worker_pb2_grpc.add_WorkerServicer_to_server)
     signal.signal(signal.SIGTERM, lambda *_: listen.stop(servers, 2))
     servers[-1].wait_for_termination()

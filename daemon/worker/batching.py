@@ -8,15 +8,12 @@ are all of theirs, runs it once through `engine.run` (the engine's API is
 unchanged), and routes the emitted responses back to each request.
 
 Merging
-    Request k's node ids are shifted by an offset (past every id of the
-    requests before it), and so are its refs; every `ModuleValue.invoke` is
-    shifted by the number of invokes before it; its loop scopes are appended
-    after theirs. Text invokes are tokenized here once and sent on as token
-    ids (the engine tokenizes text the same way). Responses are routed by
-    node-id range: a Saved message goes to the request that owns its node (id
-    shifted back); the blob ids inside it are renumbered per request (1, 2,
-    ... as the engine numbers them for a request alone), and each Chunk goes
-    to the request (and local blob id) its Saved message named. Responses are
+    Each qualifying request is read once into the engine's request object
+    (engine/prepared.py: its invokes as token ids, text tokenized here once as
+    the engine tokenizes it, and its graph). The batcher merges members with
+    `PreparedTrace.concatenate` (which moves each one's node ids, invokes and
+    scopes past the others') and routes the merged run's responses back with
+    its `split`, the inverse; it never edits a graph itself. Responses are
     held until the merged run has finished, so a failure emits nothing.
 
 Compatibility rule (anything else runs alone, exactly as before)
@@ -62,8 +59,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nnd.v1 import graph_pb2, nnd_pb2, values_pb2, worker_pb2
-from nnd_daemon.engine import inputs
+from nnd.v1 import graph_pb2, nnd_pb2, worker_pb2
+from nnd_daemon.engine import prepared
 
 log = logging.getLogger("nnd.worker.batching")
 
@@ -73,14 +70,13 @@ RunAlone = Callable[[worker_pb2.WorkerRunRequest, Emit, Callable[[], bool]], Non
 
 _ALLOWED_KINDS = frozenset({"module", "constant", "op", "save", "set"})
 MAX_MEMBERS = 64
-_MAX_ID = 2**32 - 1
 _POLL_S = 0.002
 # The gathering window applies for this long after requests last overlapped.
 _OVERLAP_MEMORY_S = 1.0
 
 
-def token_length(request: worker_pb2.WorkerRunRequest, tokenizer: Any) -> tuple[int, list[list[int]]] | None:
-    """The common tokenized length of a qualifying request and its invokes' ids; None if it does not qualify."""
+def prepare(request: worker_pb2.WorkerRunRequest, tokenizer: Any) -> prepared.PreparedTrace | None:
+    """A qualifying request as the engine merges it (one common tokenized length); None if it does not qualify."""
     if request.generate or request.HasField("session") or request.edits:
         return None
     trace = request.request
@@ -94,24 +90,11 @@ def token_length(request: worker_pb2.WorkerRunRequest, tokenizer: Any) -> tuple[
         # An operation's value need not have the batch as dim 0 (a flattened token matrix): it runs alone.
         if mv is not None and (not mv.HasField("invoke") or not mv.path or mv.point == graph_pb2.RESULT or mv.op):
             return None
-    seqs: list[list[int]] = []
-    for inv in trace.invokes:
-        if inv.args or inv.kwargs:  # keyword inputs (T5's decoder_input_ids) are not merged across requests
-            return None
-        which = inv.WhichOneof("input")
-        if which == "tokens":
-            seqs.append([int(i) for i in inv.tokens.ids])
-        elif which == "text" and tokenizer is not None:
-            try:
-                seqs.append(list(inputs.text_ids(tokenizer, inv.text)))
-            except Exception:  # noqa: BLE001 - the request alone reports it
-                return None
-        else:
-            return None
-    lengths = {len(s) for s in seqs}
-    if len(lengths) != 1 or 0 in lengths:
+    try:
+        found = prepared.PreparedTrace.from_pb(trace, tokenizer)
+    except Exception:  # noqa: BLE001 - not text or token ids, or untokenizable: the request alone reports it
         return None
-    return lengths.pop(), seqs
+    return found if found.length is not None else None
 
 
 @dataclass
@@ -119,19 +102,18 @@ class Member:
     """One request waiting to run, and where its responses go."""
 
     request: worker_pb2.WorkerRunRequest
-    length: int
-    ids: list[list[int]]
+    trace: prepared.PreparedTrace
     emit: Emit
     cancelled: Callable[[], bool]
     started: Callable[[], None]
     claimed: bool = False
     finished: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
-    # Set while merging: where its node ids start, how many it has.
-    offset: int = 0
-    end: int = 0
-    buffer: list[Any] = field(default_factory=list)
-    blobs: int = 0  # local blob ids handed out so far
+    buffer: list[Any] = field(default_factory=list)  # its responses of a merged run, until the run ends
+
+    @property
+    def length(self) -> int | None:
+        return self.trace.length
 
 
 def _tokenized(m: Member) -> worker_pb2.WorkerRunRequest:
@@ -141,111 +123,8 @@ def _tokenized(m: Member) -> worker_pb2.WorkerRunRequest:
     request = worker_pb2.WorkerRunRequest()
     request.CopyFrom(m.request)
     del request.request.invokes[:]
-    for ids in m.ids:
-        request.request.invokes.add().tokens.ids.extend(ids)
+    request.request.invokes.extend(m.trace.invokes_pb())
     return request
-
-
-def _max_id(graph: graph_pb2.Graph) -> int:
-    return max((n.id for n in graph.nodes), default=-1)
-
-
-def _shift_arg(arg: graph_pb2.Arg, offset: int) -> None:
-    kind = arg.WhichOneof("kind")
-    if kind == "ref":
-        arg.ref += offset
-    elif kind in ("tuple", "list"):
-        for item in getattr(arg, kind).items:
-            _shift_arg(item, offset)
-
-
-def merge(members: list[Member]) -> nnd_pb2.TraceRequest | None:
-    """One TraceRequest holding every member's invokes and graph; None if the ids would not fit."""
-    merged = nnd_pb2.TraceRequest(model=members[0].request.request.model)
-    next_id = 0
-    invokes = 0
-    for m in members:
-        trace = m.request.request
-        m.offset = next_id
-        m.end = next_id + _max_id(trace.graph) + 1
-        if m.end > _MAX_ID:
-            return None
-        scopes = len(merged.graph.scopes)
-        merged.graph.scopes.extend(trace.graph.scopes)
-        for ids in m.ids:
-            merged.invokes.add().tokens.ids.extend(ids)
-        for src in trace.graph.nodes:
-            node = merged.graph.nodes.add()
-            node.CopyFrom(src)
-            node.id += m.offset
-            if node.scope:
-                node.scope += scopes
-            kind = node.WhichOneof("kind")
-            if kind == "module":
-                node.module.invoke += invokes
-            elif kind == "op":
-                for a in node.op.args:
-                    _shift_arg(a, m.offset)
-                for a in node.op.kwargs.values():
-                    _shift_arg(a, m.offset)
-            elif kind in ("save", "set"):
-                effect = getattr(node, kind)
-                _shift_arg(effect.value, m.offset)
-                if kind == "set":
-                    effect.target.invoke += invokes
-        invokes += len(trace.invokes)
-        next_id = m.end
-    return merged
-
-
-def _renumber(value: values_pb2.Value, owner: Member, blob_owner: dict[int, tuple[Member, int]]) -> None:
-    kind = value.WhichOneof("kind")
-    if kind == "tensor":
-        if value.tensor.blob:
-            owner.blobs += 1
-            blob_owner[value.tensor.blob] = (owner, owner.blobs)
-            value.tensor.blob = owner.blobs
-    elif kind in ("list", "tuple"):
-        for item in getattr(value, kind).items:
-            _renumber(item, owner, blob_owner)
-    elif kind == "map":
-        for item in value.map.items.values():
-            _renumber(item, owner, blob_owner)
-
-
-class Router:
-    """Sends each response of a merged run to the member it belongs to (buffered)."""
-
-    def __init__(self, members: list[Member]) -> None:
-        self.members = members
-        self.blob_owner: dict[int, tuple[Member, int]] = {}
-
-    def owner(self, node: int) -> Member:
-        for m in self.members:
-            if m.offset <= node < m.end:
-                return m
-        raise RuntimeError(f"batched run emitted node {node}, which no member owns")
-
-    def __call__(self, response: nnd_pb2.TraceResponse) -> None:
-        kind = response.WhichOneof("kind")
-        if kind == "saved":
-            m = self.owner(response.saved.node)
-            response.saved.node -= m.offset
-            if response.saved.value_blob:  # a serialized value: its tensors are inline, one blob to renumber
-                m.blobs += 1
-                self.blob_owner[response.saved.value_blob] = (m, m.blobs)
-                response.saved.value_blob = m.blobs
-            _renumber(response.saved.value, m, self.blob_owner)
-            m.buffer.append(response)
-        elif kind == "chunk":
-            m, local = self.blob_owner[response.chunk.blob]
-            response.chunk.blob = local
-            m.buffer.append(response)
-        elif kind == "done":
-            for m in self.members:
-                m.buffer.append(nnd_pb2.TraceResponse(done=nnd_pb2.TraceDone(compute_s=response.done.compute_s)))
-        else:  # nothing else comes out of a trace
-            raise RuntimeError(f"batched run emitted an unexpected {kind!r} response")
 
 
 class Batcher:
@@ -316,7 +195,7 @@ class Batcher:
         for m in list(self._pending):
             if m is not leader and (m.length != leader.length or len(group) >= MAX_MEMBERS):
                 continue
-            n = len(m.request.request.invokes)
+            n = len(m.trace.tokens)
             if m is not leader and self.max_invokes and invokes + n > self.max_invokes:
                 continue
             group.append(m)
@@ -345,14 +224,20 @@ class Batcher:
             return
         if not live:
             return
-        merged = merge(live)
-        if merged is None:
+        try:
+            merged = prepared.PreparedTrace.concatenate([m.trace for m in live])
+        except prepared.Unmergeable:
             for m in live:
                 self._alone(m, started=True)
             return
-        router = Router(live)
+        split = merged.split()
+
+        def route(response: nnd_pb2.TraceResponse) -> None:
+            for part, routed in split(response):
+                live[part].buffer.append(routed)
+
         try:
-            self.run_merged(merged, router, lambda: all(m.cancelled() for m in live))
+            self.run_merged(merged.to_pb(), route, lambda: all(m.cancelled() for m in live))
         except BaseException as exc:  # noqa: BLE001 - each member is rerun alone
             log.info("batched run of %d requests failed (%s); running each alone", len(live), type(exc).__name__)
             for m in live:
@@ -364,7 +249,7 @@ class Batcher:
         log.info(
             "batched %d requests (%d invokes) in one forward [runs=%d requests=%d]",
             len(live),
-            len(merged.invokes),
+            len(merged.tokens),
             self.merged_runs,
             self.merged_requests,
         )
@@ -412,11 +297,10 @@ class Batcher:
         started: Callable[[], None],
     ) -> bool:
         """Run `request` through the batcher if it qualifies (True: done, its error raised); False: not taken."""
-        found = token_length(request, tokenizer)
-        if found is None:
+        trace = prepare(request, tokenizer)
+        if trace is None:
             return False
-        length, ids = found
-        self.submit(Member(request, length, ids, emit, cancelled, started))
+        self.submit(Member(request, trace, emit, cancelled, started))
         return True
 
 
@@ -431,8 +315,9 @@ def _finish_all(group: list[Member]) -> None:
             m.finished.set()
 
 
-def for_service(service: Any, window_ms: float) -> Batcher:
-    """A batcher for a WorkerService: merged runs go through `engine.run`, lone ones through its `_execute`."""
+def for_service(service: Any, window_ms: float, max_invokes: int = 0) -> Batcher:
+    """A batcher for a WorkerService: merged runs go through `engine.run`, lone ones through its `_execute`.
+    `max_invokes`: the daemon's request limit (requests.check), which a merged request keeps to as well."""
 
     def run_merged(merged: nnd_pb2.TraceRequest, emit: Emit, cancelled: Callable[[], bool]) -> None:
         from nnd_daemon import engine
@@ -447,5 +332,4 @@ def for_service(service: Any, window_ms: float) -> Batcher:
             limits=service.limits,
         )
 
-    max_invokes = getattr(service.limits, "max_invokes", 0) or 0
     return Batcher(service._run_lock, run_merged, service._execute, window_s=window_ms / 1000, max_invokes=max_invokes)

@@ -67,10 +67,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def _load(self, request: worker_pb2.WorkerLoadRequest, report: loader.Report) -> None:
         self.model, self.tokenizer, self.dtype = loader.load(request, report)
 
-    # -- Run ----------------------------------------------------------------
-    def Run(self, request: worker_pb2.WorkerRunRequest, context: grpc.ServicerContext) -> Iterator[Any]:
-        yield from self.run(request, context)
-
+    # -- Run (Trace, Generate, Session: the gateway parses them, gateway.py) ---
     def run(
         self,
         request: worker_pb2.WorkerRunRequest,

@@ -11,7 +11,7 @@ from graphs import Graph, S, idx
 from reference import forward, inputs
 from torch.testing import assert_close
 
-from nnd.v1 import nnd_pb2
+from nnd.v1 import nnd_pb2, worker_pb2
 from nnd_daemon import aliases, engine, errors
 
 PROMPT = "The Eiffel Tower is in the city of"
@@ -96,7 +96,7 @@ def test_edit_runs_before_the_request_and_keeps_its_ids(gpt2):
     request = g.request(PROMPT)
     plain = gpt2.run(request)
     request.edits.append("zero")
-    edited = gpt2.run(request, edits={"zero": [_zero_mlp0()]})
+    edited = gpt2.run(request, edits={"zero": worker_pb2.EditStack(graphs=[_zero_mlp0()])})
     assert set(edited) == set(plain) == {mlp.id, logits.id}
     assert torch.all(edited[mlp.id] == 0) and not torch.all(plain[mlp.id] == 0)
     ref = forward(gpt2.model, gpt2.tokenizer, [PROMPT], transformer__h__0__mlp=lambda m, a, o: torch.zeros_like(o))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from graphs import Graph, N, S, idx
 
 from nnd.v1 import values_pb2
-from nnd_daemon import errors
+from nnd_daemon import errors, requests
 from nnd_daemon.engine import EngineLimits
 
 PROMPT = "The Eiffel Tower is in the city of"
@@ -157,8 +159,11 @@ def test_limits(gpt2):
     g.save(g.module("transformer.h.0"))
     with pytest.raises(errors.ResourceExhausted, match="max_saved_bytes=100"):
         gpt2.run(g.request(PROMPT), limits=EngineLimits(max_saved_bytes=100))
+    # The number of invokes is the request's own: checked once, before it runs (not by the engine).
+    request_limits = SimpleNamespace(**{**dict.fromkeys(requests.REQUEST_LIMIT_FIELDS, 0), "max_invokes": 1})
     with pytest.raises(errors.ResourceExhausted, match="max_invokes=1"):
-        gpt2.run(g.request(PROMPT, PROMPT), limits=EngineLimits(max_invokes=1))
+        requests.check(g.request(PROMPT, PROMPT), request_limits, generate=False)
+    assert "max_invokes" not in requests.ENGINE_LIMIT_FIELDS
     with pytest.raises(errors.ResourceExhausted, match="max_sequence_length=3"):
         gpt2.run(g.request(PROMPT), limits=EngineLimits(max_sequence_length=3))
     g.save(g.const(torch.zeros(100)))

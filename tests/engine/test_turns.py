@@ -158,7 +158,7 @@ def test_a_trace_runs_between_two_steps_of_a_generation(gpt2):
 
 
 class _Context:
-    """The parts of a gRPC servicer context the worker's Run uses."""
+    """The parts of a gRPC servicer context `WorkerService.run` uses."""
 
     def __init__(self, client: str) -> None:
         self.client = client
@@ -185,7 +185,7 @@ def test_status_lists_requests_in_flight_with_their_step_and_place_in_line(gpt2)
     seen: dict[str, list] = {}
 
     def run_generation() -> None:
-        for msg in svc.Run(_generation(gpt2), _Context("alice@box:1")):
+        for msg in svc.run(_generation(gpt2), _Context("alice@box:1")):
             if msg.WhichOneof("kind") == "step" and msg.step.step == 1:
                 at_step.set()
 
@@ -212,7 +212,7 @@ def test_status_lists_requests_in_flight_with_their_step_and_place_in_line(gpt2)
     gen.start()
     assert at_step.wait(60)
     trace_msgs: list = []
-    trace = threading.Thread(target=lambda: trace_msgs.extend(svc.Run(_trace(), _Context("bob@box:2"))))
+    trace = threading.Thread(target=lambda: trace_msgs.extend(svc.run(_trace(), _Context("bob@box:2"))))
     trace.start()
     gen.join(60)
     trace.join(60)

@@ -40,11 +40,6 @@ class WorkerStub:
                 request_serializer=nnd_dot_v1_dot_worker__pb2.WorkerLoadRequest.SerializeToString,
                 response_deserializer=nnd_dot_v1_dot_nnd__pb2.DispatchProgress.FromString,
                 _registered_method=True)
-        self.Run = channel.unary_stream(
-                '/nnd.v1.Worker/Run',
-                request_serializer=nnd_dot_v1_dot_worker__pb2.WorkerRunRequest.SerializeToString,
-                response_deserializer=nnd_dot_v1_dot_nnd__pb2.TraceResponse.FromString,
-                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/nnd.v1.Worker/Status',
                 request_serializer=nnd_dot_v1_dot_worker__pb2.WorkerStatusRequest.SerializeToString,
@@ -68,16 +63,11 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Run(self, request, context):
-        """Run a Trace or Generate request on the loaded model. The response bytes
-        are passed to the client unchanged.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Status(self, request, context):
-        """Liveness, activity and memory figures.
+        """(Run, which took a WorkerRunRequest, is gone: the daemon forwards a
+        client's Trace, Generate and Session bytes to the worker's data methods
+        of nnd.v1.Nnd, served on this socket too. Never reuse the name.)
+        Liveness, activity and memory figures.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -98,11 +88,6 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Load,
                     request_deserializer=nnd_dot_v1_dot_worker__pb2.WorkerLoadRequest.FromString,
                     response_serializer=nnd_dot_v1_dot_nnd__pb2.DispatchProgress.SerializeToString,
-            ),
-            'Run': grpc.unary_stream_rpc_method_handler(
-                    servicer.Run,
-                    request_deserializer=nnd_dot_v1_dot_worker__pb2.WorkerRunRequest.FromString,
-                    response_serializer=nnd_dot_v1_dot_nnd__pb2.TraceResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -142,33 +127,6 @@ class Worker:
             '/nnd.v1.Worker/Load',
             nnd_dot_v1_dot_worker__pb2.WorkerLoadRequest.SerializeToString,
             nnd_dot_v1_dot_nnd__pb2.DispatchProgress.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Run(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/nnd.v1.Worker/Run',
-            nnd_dot_v1_dot_worker__pb2.WorkerRunRequest.SerializeToString,
-            nnd_dot_v1_dot_nnd__pb2.TraceResponse.FromString,
             options,
             channel_credentials,
             insecure,
