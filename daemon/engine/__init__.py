@@ -174,7 +174,8 @@ def run_session(
                 values[node_id] = done.saved[node_id] if node.kind == "save" else done.values.get(node_id)
             if interaction is not None:  # traces still to come may use any top-level value
                 for node_id, value in done.values.items():
-                    values.setdefault(node_id, value)
+                    if node_id >= 0:  # not a stored edit's node (negative ids, private to each trace)
+                        values.setdefault(node_id, value)
         for trace in traces:
             missing = plan.referenced(trace.request.graph) - values.keys() - {n.id for n in trace.request.graph.nodes}
             if missing:
@@ -201,6 +202,9 @@ def run_worker(
     """Run what a worker is sent: a Trace, a Generate or a Session, with the edit graphs it carries.
     A Generate lends the model between its steps through `lend` (see `run`)."""
     edits = {edit_id: list(stack.graphs) for edit_id, stack in request.edits.items()}
+    if interaction is not None:  # one table: edits the client's later messages bring join it
+        interaction.edits.update(edits)
+        edits = interaction.edits
     if request.HasField("session"):
         run_session(
             model, tokenizer, request.session, emit=emit, cancelled=cancelled, limits=limits, edits=edits,
