@@ -327,9 +327,20 @@ def test_sync_points_match_one_process(tp2, tp1):
             for _ in tracer.iter[:]:  # a pause inside each step
                 norms.append(m.model.layers[1].mlp.act_fn.output[0, -1].norm().item())
             ids = tracer.result.save()
-        return row, total, logits, norms, ids
+        # A session that turns interactive at its first block; the next names a stored edit (the same one).
+        with m.edit() as (_, edited):
+            edited.model.layers[1].mlp.gate_proj.output[..., 60:70] = 0
+        try:
+            with m.session():
+                with m.trace(PROMPT):
+                    m.model.layers[0].output.sum().item()
+                with edited.trace(PROMPT):
+                    stored = edited.lm_head.output.save()
+        finally:
+            edited.clear_edits()
+        return row, total, logits, norms, ids, stored
 
-    (r2, t2, l2, n2, i2), (r1, t1, l1, n1, i1) = _both(tp2, tp1, block)
+    (r2, t2, l2, n2, i2, s2), (r1, t1, l1, n1, i1, s1) = _both(tp2, tp1, block)
     assert len(r2) == 128  # the whole width, not rank 0's half
     _same("gate_proj.output at a sync", torch.tensor(r2), torch.tensor(r1))
     assert t2 == pytest.approx(t1, rel=1e-5, abs=ATOL)
@@ -339,6 +350,8 @@ def test_sync_points_match_one_process(tp2, tp1):
     assert not torch.allclose(plain, l2, atol=1e-4)  # the edit took effect on the sharded forward
     assert len(n2) == 3 and n2 == pytest.approx(n1, rel=1e-5)
     assert i2.tolist() == i1.tolist()
+    _same("logits of a session block naming a stored edit", s2, s1)
+    _same("the stored edit and the edit recorded at a sync", s2, l2)
 
 
 def test_a_failed_or_abandoned_sync_frees_every_rank(tpd, tp2, tp1, paths):
