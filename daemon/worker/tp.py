@@ -29,7 +29,9 @@ a bad message -- rank 0 passes to the other ranks before acting on it, so all
 continue, or fail with the same status, together. The other ranks wait for
 it on `idle`, which has no hang timeout there: a pause may last as long as its
 own timeout allows, and rank 0 always ends it (at the latest when that
-timeout expires), so no rank stays blocked.
+timeout expires), so no rank stays blocked. A failure on one rank alone
+(the others paused or in a collective) breaks lockstep: the end-of-request
+handshake or the collective's hang timeout ends the group, as above.
 """
 
 from __future__ import annotations
