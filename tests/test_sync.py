@@ -374,3 +374,28 @@ def test_a_failed_block_in_a_session_frees_the_paused_model(gpt2, reference):
         logits = gpt2.lm_head.output.save()
     _, plain = _outputs(reference, PROMPT)
     assert torch.allclose(logits, plain, atol=1e-5)
+
+
+def test_a_later_session_block_may_name_a_stored_edit_the_first_did_not(gpt2, reference):
+    # The session's run starts at block 1's sync, before block 2 (on an edited handle) is recorded: the
+    # edit block 2 names reaches the worker with block 2, not with the start of the stream.
+    with gpt2.edit() as (_, edited):
+        edited.transformer.h[1].output[:] = 0
+    try:
+        with gpt2.session():
+            with gpt2.trace(PROMPT):
+                a = gpt2.transformer.h[0].output.sum().item()
+            with edited.trace(PROMPT):
+                b = edited.transformer.h[1].output.sum().item()
+                zeroed = edited.lm_head.output.save()
+            with gpt2.trace(PROMPT):
+                plain = gpt2.lm_head.output.save()
+    finally:
+        edited.clear_edits()
+    expected, want_plain = _outputs(reference, PROMPT)
+    _, want_zeroed = _outputs(reference, PROMPT, zero_layer=1)
+    assert a == pytest.approx(expected[0].sum().item(), rel=1e-5)
+    assert b == 0.0  # read after the edit ran at that hook
+    assert torch.allclose(zeroed, want_zeroed, atol=1e-5)
+    assert torch.allclose(plain, want_plain, atol=1e-5)
+    assert not torch.allclose(zeroed, plain, atol=1e-3)

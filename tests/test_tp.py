@@ -1,7 +1,7 @@
 """Tensor parallel through a real daemon: a tiny Llama split over two torchrun ranks (gloo, CPU)
 gives what the same weights give in one process, for reads, edits across the shard boundary,
-steering, skips and seeded sampling; bad degrees are refused before anything starts; a rank
-that dies takes its group down cleanly."""
+steering, skips, seeded sampling and sync points (real values mid-forward); bad degrees are
+refused before anything starts; a rank that dies takes its group down cleanly."""
 
 from __future__ import annotations
 
@@ -308,20 +308,93 @@ def test_gradients_of_whole_values_work_and_split_ones_are_refused(tp2, tp1):
         tp2.lm_head.output.save()
 
 
-def test_a_sync_point_is_refused_clearly_and_the_group_stays_up(tp2, tp1):
-    # A real value mid-forward needs every rank to pause at the same hook: not there yet, so the run is
-    # refused before any rank starts it (not a hang of rank 0's collectives), and the group still serves.
-    with pytest.raises(nnd.NndError, match="not available on tensor-parallel models") as info:
-        with tp2.trace(PROMPT):
-            tp2.model.layers[0].output[0].sum().item()
-    assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
+def test_sync_points_match_one_process(tp2, tp1):
+    """Real values mid-forward: every rank pauses at the same hook, the client gets the whole (gathered)
+    value, and the edit it then records at a later hook reaches both ranks' halves of the forward."""
 
     def block(m):
         with m.trace(PROMPT):
+            gate = m.model.layers[0].mlp.gate_proj.output  # column-parallel: each rank holds 64 of 128
+            row = gate[0, -1].tolist()
+            total = gate.sum().item()
+            if gate.sum() > -1e9:  # always: the branch runs, as in one process
+                m.model.layers[1].mlp.gate_proj.output[..., 60:70] = 0  # across the shard boundary
+            if total > 1e9:  # never
+                m.model.layers[1].output[:] = 0
+            logits = m.lm_head.output.save()
+        with m.generate(PROMPT, max_new_tokens=3) as tracer:
+            norms = []
+            for _ in tracer.iter[:]:  # a pause inside each step
+                norms.append(m.model.layers[1].mlp.act_fn.output[0, -1].norm().item())
+            ids = tracer.result.save()
+        # A session that turns interactive at its first block; the next names a stored edit (the same one).
+        with m.edit() as (_, edited):
+            edited.model.layers[1].mlp.gate_proj.output[..., 60:70] = 0
+        try:
+            with m.session():
+                with m.trace(PROMPT):
+                    m.model.layers[0].output.sum().item()
+                with edited.trace(PROMPT):
+                    stored = edited.lm_head.output.save()
+        finally:
+            edited.clear_edits()
+        return row, total, logits, norms, ids, stored
+
+    (r2, t2, l2, n2, i2, s2), (r1, t1, l1, n1, i1, s1) = _both(tp2, tp1, block)
+    assert len(r2) == 128  # the whole width, not rank 0's half
+    _same("gate_proj.output at a sync", torch.tensor(r2), torch.tensor(r1))
+    assert t2 == pytest.approx(t1, rel=1e-5, abs=ATOL)
+    _same("logits after an edit recorded at a sync", l2, l1)
+    with tp2.trace(PROMPT):
+        plain = tp2.lm_head.output.save()
+    assert not torch.allclose(plain, l2, atol=1e-4)  # the edit took effect on the sharded forward
+    assert len(n2) == 3 and n2 == pytest.approx(n1, rel=1e-5)
+    assert i2.tolist() == i1.tolist()
+    _same("logits of a session block naming a stored edit", s2, s1)
+    _same("the stored edit and the edit recorded at a sync", s2, l2)
+
+
+def test_a_failed_or_abandoned_sync_frees_every_rank(tpd, tp2, tp1, paths):
+    """An out-of-order node, a pause past its timeout and a client killed while paused each end the run
+    on every rank together: the same group (no restart) serves the next trace."""
+    import subprocess
+    import sys
+    import textwrap
+
+    pids = _ps(tpd)[paths["tp2"]]["worker_pids"]
+    with pytest.raises(nnd.OutOfOrderError):
+        with tp2.trace(PROMPT):
+            tp2.model.layers[1].output[0].sum().item()
+            tp2.model.layers[0].output.save()  # layer 0 already ran, on both ranks
+    with pytest.raises(nnd.DeadlineExceeded, match="paused at a sync point"):
+        with tp2.trace(PROMPT, pause_timeout=0.5):
+            tp2.model.layers[0].output.sum().item()  # rank 0 starts waiting for the next message here
+            time.sleep(3)  # longer than the pause timeout, which began before the value was sent
+            tp2.model.layers[1].output.sum().item()
+    script = textwrap.dedent(
+        f"""
+        import sys, nnd
+        model = nnd.TransformersModel({paths["tp2"]!r}, address={tpd.address!r}, tp_size=2, keep_alive=-1)
+        with model.trace({PROMPT!r}, pause_timeout=600):
+            model.model.layers[0].output.sum().item()
+            print("paused", flush=True)
+            sys.stdin.readline()  # held here until killed
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "paused"
+    finally:
+        proc.kill()
+        proc.wait()
+
+    def block(m):
+        with m.trace(PROMPT, timeout=120):  # with the 600 s pause still holding the group, this would time out
             logits = m.lm_head.output.save()
         return logits
 
-    _same("after a refused sync", *_both(tp2, tp1, block))
+    _same("after failed and abandoned syncs", *_both(tp2, tp1, block))
+    assert _ps(tpd)[paths["tp2"]]["worker_pids"] == pids
 
 
 def test_degree_that_does_not_divide_is_refused_before_starting(tpd, paths):

@@ -8,7 +8,9 @@ timeout, or whose client went away, is cancelled where it stands.
 
 In a session, a message may bring the session's next traces: the trace
 running now then runs to its end, and the pauses asked for apply to the last
-new one (`advance`, when the session starts it).
+new one (`advance`, when the session starts it). Such a message carries the
+graphs of the stored edits its traces name (WorkerInteractContinue.edits),
+added to `edits`, the table the run looks edits up in.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from nnd.v1 import graph_pb2, nnd_pb2
+from nnd.v1 import graph_pb2, nnd_pb2, worker_pb2
 
 from .. import errors
 
@@ -24,12 +26,14 @@ DEFAULT_PAUSE_TIMEOUT_S = 60.0
 # What `receive` returns when the client is gone (stream closed without `finish`, or cancelled).
 GONE: Any = object()
 
-# Blocks up to the timeout; InteractContinue, GONE, None on timeout, or an NndError (a bad later message).
+# Blocks up to the timeout; WorkerInteractContinue (or a bare InteractContinue), GONE, None on timeout,
+# or an NndError (a bad later message).
 Receive = Callable[[float], Any]
 
 
 class Interaction:
     def __init__(self, start: nnd_pb2.InteractStart, receive: Receive) -> None:
+        self.start = start  # as the client sent it (a tensor-parallel rank 0 passes it on)
         self.want: list[int] = list(start.want)
         self.finished = start.finish or not start.want
         self.timeout = start.pause_timeout_s if start.pause_timeout_s > 0 else DEFAULT_PAUSE_TIMEOUT_S
@@ -39,6 +43,8 @@ class Interaction:
         # A session's traces the client sent that have not started, and what to do in the last of them.
         self.next_traces: list[nnd_pb2.SessionTrace] = []
         self._later: tuple[list[int], bool] = ([], True)
+        # Stored edits by id: the run's (run_worker sets it), and those later messages bring.
+        self.edits: dict[str, worker_pb2.EditStack] = {}
 
     def due(self, has: Callable[[int], bool]) -> bool:
         """Whether every wanted value exists (time to pause)."""
@@ -56,6 +62,10 @@ class Interaction:
             raise errors.Cancelled("the client went away while the run was paused; it was cancelled")
         if isinstance(msg, errors.NndError):
             raise msg
+        if isinstance(msg, worker_pb2.WorkerInteractContinue):
+            for edit_id, stack in msg.edits.items():
+                self.edits[edit_id] = stack
+            msg = msg.more
         if msg.traces:
             self.next_traces.extend(msg.traces)
             self._later = (list(msg.want), msg.finish or not msg.want)

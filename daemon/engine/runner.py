@@ -170,7 +170,8 @@ def run_session(
                 values[node_id] = done.saved[node_id] if node.kind == "save" else done.values.get(node_id)
             if interaction is not None:  # traces still to come may use any top-level value
                 for node_id, value in done.values.items():
-                    values.setdefault(node_id, value)
+                    if node_id >= 0:  # not a stored edit's node (negative ids, private to each trace)
+                        values.setdefault(node_id, value)
         for trace in traces:
             missing = plan.referenced(trace.request.graph) - values.keys() - {n.id for n in trace.request.graph.nodes}
             if missing:
@@ -196,9 +197,13 @@ def run_worker(
 ) -> None:
     """Run what a worker is sent: a Trace, a Generate or a Session, with the edit graphs it carries.
     A Generate lends the model between its steps through `lend` (see `run`)."""
+    edits: Mapping[str, worker_pb2.EditStack] = request.edits
+    if interaction is not None:  # one table: edits the client's later messages bring join it
+        interaction.edits.update(request.edits)
+        edits = interaction.edits
     if request.HasField("session"):
         run_session(
-            model, tokenizer, request.session, emit=emit, cancelled=cancelled, limits=limits, edits=request.edits,
+            model, tokenizer, request.session, emit=emit, cancelled=cancelled, limits=limits, edits=edits,
             interaction=interaction,
         )
         return
@@ -211,7 +216,7 @@ def run_worker(
         emit=emit,
         cancelled=cancelled,
         limits=limits,
-        edits=request.edits,
+        edits=edits,
         interaction=interaction,
         lend=lend,
     )

@@ -138,7 +138,7 @@ class Gateway:
             keep_alive = request.keep_alive
         self.service.activity.begin(keep_alive, int(self.limits.max_queue_depth), self.name)
 
-        def messages() -> Iterator[nnd_pb2.InteractContinue | errors.NndError]:
+        def messages() -> Iterator[worker_pb2.WorkerInteractContinue | errors.NndError]:
             for raw in raws:
                 try:
                     msg = nnd_pb2.InteractRequest.FromString(raw)
@@ -154,10 +154,14 @@ class Gateway:
                         return
                     try:
                         self._complete(run.session.model, more.traces)
+                        # The edits new traces name, looked up now: a later block may name one the first did not.
+                        stacks = self._stacks([i for t in more.traces for i in t.request.edits])
                     except errors.NndError as err:  # the paused run fails with it
                         yield err
                         return
-                yield more
+                    yield worker_pb2.WorkerInteractContinue(more=more, edits=stacks)
+                    continue
+                yield worker_pb2.WorkerInteractContinue(more=more)
 
         try:
             yield from self._run(

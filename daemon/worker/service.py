@@ -182,7 +182,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self,
         run: worker_pb2.WorkerRunRequest,
         start: nnd_pb2.InteractStart,
-        messages: Iterator[nnd_pb2.InteractContinue],
+        messages: Iterator[worker_pb2.WorkerInteractContinue | errors.NndError],
         context: grpc.ServicerContext,
         stop: threading.Event,
         on_error: Callable[[BaseException], BaseException] = lambda exc: exc,

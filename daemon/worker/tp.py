@@ -19,6 +19,19 @@ Lockstep is kept by construction and checked after every request:
   with the reason, writes it next to its socket for the daemon, and exits;
   torchrun stops the other ranks, and the daemon returns the model to META.
 A rank that dies is seen by torchrun, which stops the whole group.
+
+Sync points (Interact) run the same way: rank 0 sends the run and how it
+starts (WorkerInteract), every rank runs it and pauses at the same hook (the
+plan and the whole values are the same on every rank), and only rank 0 sends
+the value to the client. Whatever then ends rank 0's wait -- the client's
+next message (WorkerInteractContinue), its going away, the pause timeout, or
+a bad message -- rank 0 passes to the other ranks before acting on it, so all
+continue, or fail with the same status, together. The other ranks wait for
+it on `idle`, which has no hang timeout there: a pause may last as long as its
+own timeout allows, and rank 0 always ends it (at the latest when that
+timeout expires), so no rank stays blocked. A failure on one rank alone
+(the others paused or in a collective) breaks lockstep: the end-of-request
+handshake or the collective's hang timeout ends the group, as above.
 """
 
 from __future__ import annotations
@@ -39,15 +52,17 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from nnd.v1 import worker_pb2, worker_pb2_grpc
+from nnd.v1 import nnd_pb2, worker_pb2, worker_pb2_grpc
 from nnd_daemon import errors, shared
-from nnd_daemon.engine import sharding
+from nnd_daemon.engine import interact, sharding
 from nnd_daemon.worker import listen, loader, tplayout
 from nnd_daemon.worker.service import WorkerService
 
 log = logging.getLogger("nnd.worker.tp")
 
-LOAD, RUN, STOP = 1, 2, 3
+LOAD, RUN, STOP, INTERACT = 1, 2, 3, 4
+# What ended a pause, passed from rank 0 to the others (interact.Receive's answers).
+MORE, GONE, TIMEOUT, FAILED = 5, 6, 7, 8
 # Requests wait idle between rank 0's broadcasts for as long as the model stays dispatched.
 IDLE_TIMEOUT = timedelta(days=365)
 
@@ -58,6 +73,17 @@ def _code(exc: BaseException | None) -> int:
     if isinstance(exc, errors.NndError):
         return int(exc.code.value[0]) if hasattr(exc.code, "value") else 2
     return 2  # grpc UNKNOWN: anything unforeseen
+
+
+def _error_of(code: int, message: str) -> errors.NndError:
+    """The NndError of gRPC status value `code` (what failed rank 0's wait, as the other ranks raise it)."""
+    pending: list[type[errors.NndError]] = [errors.NndError]
+    while pending:
+        cls = pending.pop()
+        if int(cls.code.value[0]) == code:
+            return cls(message)
+        pending += cls.__subclasses__()
+    return errors.NndError(message)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -129,6 +155,45 @@ class Group:
             dist.broadcast(buf, src=0, group=self.idle)
             payload = buf.numpy().tobytes()
         return kind, seed, payload
+
+    # -- sync points
+    def relay(self, receive: interact.Receive) -> interact.Receive:
+        """Rank 0: the client's answer at a pause, passed to every rank before this one acts on it."""
+
+        def relayed(timeout: float) -> Any:
+            msg = receive(timeout)
+            if isinstance(msg, nnd_pb2.InteractContinue):
+                msg = worker_pb2.WorkerInteractContinue(more=msg)
+            if isinstance(msg, worker_pb2.WorkerInteractContinue):
+                kind, code, payload = MORE, 0, msg.SerializeToString()
+            elif msg is interact.GONE:
+                kind, code, payload = GONE, 0, b""
+            elif msg is None:
+                kind, code, payload = TIMEOUT, 0, b""
+            else:  # an NndError: a bad later message
+                kind, code, payload = FAILED, _code(msg), str(msg).encode()
+            try:
+                self.publish(kind, code, payload)
+            except Exception as exc:  # noqa: BLE001 - a rank that does not take it is stuck or gone
+                reason = f"a rank did not take the continuation of request {self.seq} ({_first_line(exc)})"
+                self.fail(reason)
+                raise errors.Unavailable(f"tensor-parallel group stopped: {reason}") from None
+            return msg
+
+        return relayed
+
+    def relayed(self, timeout: float) -> Any:
+        """Ranks > 0: what ended rank 0's wait at this pause (rank 0 bounds the wait, not `timeout`)."""
+        kind, code, payload = self.receive()
+        if kind == MORE:
+            return worker_pb2.WorkerInteractContinue.FromString(payload)
+        if kind == GONE:
+            return interact.GONE
+        if kind == TIMEOUT:
+            return None
+        if kind == FAILED:
+            return _error_of(code, payload.decode(errors="replace"))
+        raise errors.Unavailable(f"rank {self.rank}: expected a continuation from rank 0, got message kind {kind}")
 
     # -- lockstep
     def vote(self, local: Callable[[], bool]) -> Callable[[], bool]:
@@ -235,6 +300,10 @@ class Runner:
             self.load(worker_pb2.WorkerLoadRequest.FromString(payload), lambda *_: None)
         elif kind == RUN:
             self.run(worker_pb2.WorkerRunRequest.FromString(payload), seed, lambda _: None, lambda: False)
+        elif kind == INTERACT:
+            steered = worker_pb2.WorkerInteract.FromString(payload)
+            interaction = interact.Interaction(steered.start, self.group.relayed)
+            self.run(steered.run, seed, lambda _: None, lambda: False, interaction)
 
     def load(self, request: worker_pb2.WorkerLoadRequest, report: loader.Report) -> None:
         model, tokenizer, dtype = loader.load(request, report)
@@ -254,6 +323,7 @@ class Runner:
         seed: int,
         emit: Callable[[Any], None],
         cancelled: Callable[[], bool],
+        interaction: interact.Interaction | None = None,
     ) -> None:
         from nnd_daemon import engine
 
@@ -262,7 +332,8 @@ class Runner:
         torch.manual_seed(seed)  # the same on every rank: sampling and unseeded random ops agree
         # A Trace, a Generate or a Session, with the graphs of the edits it names.
         engine.run_worker(
-            self.model, self.tokenizer, request, emit=emit, cancelled=self.group.vote(cancelled), limits=self.limits
+            self.model, self.tokenizer, request, emit=emit, cancelled=self.group.vote(cancelled), limits=self.limits,
+            interaction=interaction,
         )
 
 
@@ -290,13 +361,12 @@ class LeaderService(WorkerService):
         self, run: worker_pb2.WorkerRunRequest, emit: Callable[[Any], None], cancelled: Callable[[], bool],
         interaction: Any,
     ) -> None:
-        # Every rank would have to pause at the same hook and take the client's messages from rank 0;
-        # until that exists, refuse before any rank runs (a run on rank 0 alone would hang its collectives).
-        raise errors.Unimplemented(
-            "sync points (a real value inside a block: .item(), print, if on a value) are not available on "
-            "tensor-parallel models yet; save the value and use it after the block, or dispatch the model "
-            "without tensor parallelism",
-            exc_type="NotImplementedError",
+        # Every rank runs it; what the client sends at each pause reaches them all through `relay`.
+        self.runner.limits = self.limits
+        interaction.receive = self.group.relay(interaction.receive)
+        payload = worker_pb2.WorkerInteract(run=run, start=interaction.start).SerializeToString()
+        self.group.lead(
+            INTERACT, payload, lambda seed: self.runner.run(run, seed, emit, cancelled, interaction)
         )
 
     def Status(self, request: worker_pb2.WorkerStatusRequest, context: grpc.ServicerContext) -> Any:

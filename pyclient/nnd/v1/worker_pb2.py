@@ -26,7 +26,7 @@ from nnd.v1 import graph_pb2 as nnd_dot_v1_dot_graph__pb2
 from nnd.v1 import nnd_pb2 as nnd_dot_v1_dot_nnd__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13nnd/v1/worker.proto\x12\x06nnd.v1\x1a\x12nnd/v1/graph.proto\x1a\x10nnd/v1/nnd.proto\"\xe9\x01\n\x0cWorkerConfig\x12\x13\n\x0bset_aliases\x18\x01 \x01(\x08\x12%\n\x07\x61liases\x18\x02 \x03(\x0b\x32\x14.nnd.v1.AliasBinding\x12.\n\x05\x65\x64its\x18\x03 \x03(\x0b\x32\x1f.nnd.v1.WorkerConfig.EditsEntry\x12\x15\n\rdeleted_edits\x18\x04 \x03(\t\x12\x15\n\rreplace_edits\x18\x05 \x01(\x08\x1a?\n\nEditsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12 \n\x05value\x18\x02 \x01(\x0b\x32\x11.nnd.v1.EditStack:\x02\x38\x01\";\n\x0c\x41liasBinding\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\r\n\x05\x61lias\x18\x02 \x01(\t\x12\x0e\n\x06target\x18\x03 \x01(\t\"\x12\n\x10WorkerConfigured\"\xa9\x01\n\x11WorkerLoadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12$\n\tplacement\x18\x03 \x01(\x0b\x32\x11.nnd.v1.Placement\x12\x19\n\x11trust_remote_code\x18\x04 \x01(\x08\x12\x0c\n\x04task\x18\x05 \x01(\t\x12$\n\x07options\x18\x06 \x01(\x0b\x32\x13.nnd.v1.LoadOptions\"\xe9\x01\n\x10WorkerRunRequest\x12%\n\x07request\x18\x01 \x01(\x0b\x32\x14.nnd.v1.TraceRequest\x12\x10\n\x08generate\x18\x02 \x01(\x08\x12\x32\n\x05\x65\x64its\x18\x03 \x03(\x0b\x32#.nnd.v1.WorkerRunRequest.EditsEntry\x12\'\n\x07session\x18\x04 \x01(\x0b\x32\x16.nnd.v1.SessionRequest\x1a?\n\nEditsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12 \n\x05value\x18\x02 \x01(\x0b\x32\x11.nnd.v1.EditStack:\x02\x38\x01\"*\n\tEditStack\x12\x1d\n\x06graphs\x18\x01 \x03(\x0b\x32\r.nnd.v1.Graph\"\x15\n\x13WorkerStatusRequest\"\xd9\x02\n\x0cWorkerStatus\x12\x11\n\trss_bytes\x18\x01 \x01(\x03\x12%\n\x07weights\x18\x02 \x03(\x0b\x32\x14.nnd.v1.DeviceMemory\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x32\n\x07\x64\x65vices\x18\x04 \x03(\x0b\x32!.nnd.v1.WorkerStatus.DevicesEntry\x12!\n\x05ranks\x18\x05 \x03(\x0b\x32\x12.nnd.v1.WorkerRank\x12)\n\x08requests\x18\x1e \x03(\x0b\x32\x17.nnd.v1.RequestInFlight\x12\x12\n\nidle_since\x18\x1f \x01(\x01\x12\x0e\n\x06\x61\x63tive\x18\x08 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\n \x01(\x03\x12\x12\n\nkeep_alive\x18\x0b \x01(\t\x1a.\n\x0c\x44\x65vicesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\t\x10\n2\xc1\x01\n\x06Worker\x12=\n\x04Load\x12\x19.nnd.v1.WorkerLoadRequest\x1a\x18.nnd.v1.DispatchProgress0\x01\x12;\n\x06Status\x12\x1b.nnd.v1.WorkerStatusRequest\x1a\x14.nnd.v1.WorkerStatus\x12;\n\tConfigure\x12\x14.nnd.v1.WorkerConfig\x1a\x18.nnd.v1.WorkerConfiguredb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13nnd/v1/worker.proto\x12\x06nnd.v1\x1a\x12nnd/v1/graph.proto\x1a\x10nnd/v1/nnd.proto\"\xe9\x01\n\x0cWorkerConfig\x12\x13\n\x0bset_aliases\x18\x01 \x01(\x08\x12%\n\x07\x61liases\x18\x02 \x03(\x0b\x32\x14.nnd.v1.AliasBinding\x12.\n\x05\x65\x64its\x18\x03 \x03(\x0b\x32\x1f.nnd.v1.WorkerConfig.EditsEntry\x12\x15\n\rdeleted_edits\x18\x04 \x03(\t\x12\x15\n\rreplace_edits\x18\x05 \x01(\x08\x1a?\n\nEditsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12 \n\x05value\x18\x02 \x01(\x0b\x32\x11.nnd.v1.EditStack:\x02\x38\x01\";\n\x0c\x41liasBinding\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\r\n\x05\x61lias\x18\x02 \x01(\t\x12\x0e\n\x06target\x18\x03 \x01(\t\"\x12\n\x10WorkerConfigured\"\xa9\x01\n\x11WorkerLoadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12$\n\tplacement\x18\x03 \x01(\x0b\x32\x11.nnd.v1.Placement\x12\x19\n\x11trust_remote_code\x18\x04 \x01(\x08\x12\x0c\n\x04task\x18\x05 \x01(\t\x12$\n\x07options\x18\x06 \x01(\x0b\x32\x13.nnd.v1.LoadOptions\"\xe9\x01\n\x10WorkerRunRequest\x12%\n\x07request\x18\x01 \x01(\x0b\x32\x14.nnd.v1.TraceRequest\x12\x10\n\x08generate\x18\x02 \x01(\x08\x12\x32\n\x05\x65\x64its\x18\x03 \x03(\x0b\x32#.nnd.v1.WorkerRunRequest.EditsEntry\x12\'\n\x07session\x18\x04 \x01(\x0b\x32\x16.nnd.v1.SessionRequest\x1a?\n\nEditsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12 \n\x05value\x18\x02 \x01(\x0b\x32\x11.nnd.v1.EditStack:\x02\x38\x01\"\xbb\x01\n\x16WorkerInteractContinue\x12&\n\x04more\x18\x01 \x01(\x0b\x32\x18.nnd.v1.InteractContinue\x12\x38\n\x05\x65\x64its\x18\x02 \x03(\x0b\x32).nnd.v1.WorkerInteractContinue.EditsEntry\x1a?\n\nEditsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12 \n\x05value\x18\x02 \x01(\x0b\x32\x11.nnd.v1.EditStack:\x02\x38\x01\"]\n\x0eWorkerInteract\x12%\n\x03run\x18\x01 \x01(\x0b\x32\x18.nnd.v1.WorkerRunRequest\x12$\n\x05start\x18\x02 \x01(\x0b\x32\x15.nnd.v1.InteractStart\"*\n\tEditStack\x12\x1d\n\x06graphs\x18\x01 \x03(\x0b\x32\r.nnd.v1.Graph\"\x15\n\x13WorkerStatusRequest\"\xd9\x02\n\x0cWorkerStatus\x12\x11\n\trss_bytes\x18\x01 \x01(\x03\x12%\n\x07weights\x18\x02 \x03(\x0b\x32\x14.nnd.v1.DeviceMemory\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x32\n\x07\x64\x65vices\x18\x04 \x03(\x0b\x32!.nnd.v1.WorkerStatus.DevicesEntry\x12!\n\x05ranks\x18\x05 \x03(\x0b\x32\x12.nnd.v1.WorkerRank\x12)\n\x08requests\x18\x1e \x03(\x0b\x32\x17.nnd.v1.RequestInFlight\x12\x12\n\nidle_since\x18\x1f \x01(\x01\x12\x0e\n\x06\x61\x63tive\x18\x08 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\n \x01(\x03\x12\x12\n\nkeep_alive\x18\x0b \x01(\t\x1a.\n\x0c\x44\x65vicesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\t\x10\n2\xc1\x01\n\x06Worker\x12=\n\x04Load\x12\x19.nnd.v1.WorkerLoadRequest\x1a\x18.nnd.v1.DispatchProgress0\x01\x12;\n\x06Status\x12\x1b.nnd.v1.WorkerStatusRequest\x1a\x14.nnd.v1.WorkerStatus\x12;\n\tConfigure\x12\x14.nnd.v1.WorkerConfig\x1a\x18.nnd.v1.WorkerConfiguredb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,6 +37,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERCONFIG_EDITSENTRY']._serialized_options = b'8\001'
   _globals['_WORKERRUNREQUEST_EDITSENTRY']._loaded_options = None
   _globals['_WORKERRUNREQUEST_EDITSENTRY']._serialized_options = b'8\001'
+  _globals['_WORKERINTERACTCONTINUE_EDITSENTRY']._loaded_options = None
+  _globals['_WORKERINTERACTCONTINUE_EDITSENTRY']._serialized_options = b'8\001'
   _globals['_WORKERSTATUS_DEVICESENTRY']._loaded_options = None
   _globals['_WORKERSTATUS_DEVICESENTRY']._serialized_options = b'8\001'
   _globals['_WORKERCONFIG']._serialized_start=70
@@ -53,14 +55,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERRUNREQUEST']._serialized_end=792
   _globals['_WORKERRUNREQUEST_EDITSENTRY']._serialized_start=240
   _globals['_WORKERRUNREQUEST_EDITSENTRY']._serialized_end=303
-  _globals['_EDITSTACK']._serialized_start=794
-  _globals['_EDITSTACK']._serialized_end=836
-  _globals['_WORKERSTATUSREQUEST']._serialized_start=838
-  _globals['_WORKERSTATUSREQUEST']._serialized_end=859
-  _globals['_WORKERSTATUS']._serialized_start=862
-  _globals['_WORKERSTATUS']._serialized_end=1207
-  _globals['_WORKERSTATUS_DEVICESENTRY']._serialized_start=1155
-  _globals['_WORKERSTATUS_DEVICESENTRY']._serialized_end=1201
-  _globals['_WORKER']._serialized_start=1210
-  _globals['_WORKER']._serialized_end=1403
+  _globals['_WORKERINTERACTCONTINUE']._serialized_start=795
+  _globals['_WORKERINTERACTCONTINUE']._serialized_end=982
+  _globals['_WORKERINTERACTCONTINUE_EDITSENTRY']._serialized_start=240
+  _globals['_WORKERINTERACTCONTINUE_EDITSENTRY']._serialized_end=303
+  _globals['_WORKERINTERACT']._serialized_start=984
+  _globals['_WORKERINTERACT']._serialized_end=1077
+  _globals['_EDITSTACK']._serialized_start=1079
+  _globals['_EDITSTACK']._serialized_end=1121
+  _globals['_WORKERSTATUSREQUEST']._serialized_start=1123
+  _globals['_WORKERSTATUSREQUEST']._serialized_end=1144
+  _globals['_WORKERSTATUS']._serialized_start=1147
+  _globals['_WORKERSTATUS']._serialized_end=1492
+  _globals['_WORKERSTATUS_DEVICESENTRY']._serialized_start=1440
+  _globals['_WORKERSTATUS_DEVICESENTRY']._serialized_end=1486
+  _globals['_WORKER']._serialized_start=1495
+  _globals['_WORKER']._serialized_end=1688
 # @@protoc_insertion_point(module_scope)

@@ -78,6 +78,29 @@ class WorkerRunRequest(_message.Message):
     session: _nnd_pb2.SessionRequest
     def __init__(self, request: _Optional[_Union[_nnd_pb2.TraceRequest, _Mapping]] = ..., generate: _Optional[bool] = ..., edits: _Optional[_Mapping[str, EditStack]] = ..., session: _Optional[_Union[_nnd_pb2.SessionRequest, _Mapping]] = ...) -> None: ...
 
+class WorkerInteractContinue(_message.Message):
+    __slots__ = ("more", "edits")
+    class EditsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: EditStack
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[EditStack, _Mapping]] = ...) -> None: ...
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    EDITS_FIELD_NUMBER: _ClassVar[int]
+    more: _nnd_pb2.InteractContinue
+    edits: _containers.MessageMap[str, EditStack]
+    def __init__(self, more: _Optional[_Union[_nnd_pb2.InteractContinue, _Mapping]] = ..., edits: _Optional[_Mapping[str, EditStack]] = ...) -> None: ...
+
+class WorkerInteract(_message.Message):
+    __slots__ = ("run", "start")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    run: WorkerRunRequest
+    start: _nnd_pb2.InteractStart
+    def __init__(self, run: _Optional[_Union[WorkerRunRequest, _Mapping]] = ..., start: _Optional[_Union[_nnd_pb2.InteractStart, _Mapping]] = ...) -> None: ...
+
 class EditStack(_message.Message):
     __slots__ = ("graphs",)
     GRAPHS_FIELD_NUMBER: _ClassVar[int]
