@@ -214,6 +214,13 @@ def test_a_hung_worker_is_redispatched_until_the_restart_limit(tmp_path):
         info = w.ps()[A]
         assert info.state == META and "not re-dispatched: 1 restart(s)" in info.last_error
         assert len(w.launcher.workers) == 2
+
+        w.dispatch(A)  # a request or `nnd dispatch` brings it back
+        w.clock.advance(w.settings.restart_window_s + 1)  # the one restart is out of the window now
+        w.launcher.workers[2].die("hung a third time", hung=True)
+        fourth = w.launcher.wait_started(4)
+        w.wait(lambda: entry.state == DISPATCHED)
+        assert w.ps()[A].route.epoch == fourth.epoch
     finally:
         w.registry.shutdown()
 
