@@ -87,7 +87,7 @@ def empty_dir(run_dir: str) -> str:
 class WorkerHandle(Protocol):
     """What the control plane uses of a started worker: the registry (lifecycle, `nnd ps`, routes)
     and the servicer (forwarding). `Worker` is the real one; lifecycle tests pass fakes
-    (tests/control/fakes.py) through the registry's `start_worker`."""
+    (tests/control/registry_fakes.py) through the registry's `start_worker`."""
 
     name: str
     epoch: int
