@@ -12,6 +12,16 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from typing import Protocol
+
+
+class GpuQuery(Protocol):
+    """The two questions the registry asks of the GPUs (placement checks, budgets). This module
+    answers them (`count`, `free_bytes`); lifecycle tests pass a fixed list instead."""
+
+    def count(self) -> int: ...
+
+    def free_bytes(self, index: int) -> int | None: ...
 
 
 def _device_nodes() -> list[int]:

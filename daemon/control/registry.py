@@ -37,7 +37,7 @@ from nnd_daemon import errors, loadoptions, requests
 from nnd_daemon.control import gpus, metamodel, statefile, tplaunch, uploads
 from nnd_daemon.control.helper import Helper
 from nnd_daemon.control.settings import Settings, parse_duration
-from nnd_daemon.control.supervisor import Worker
+from nnd_daemon.control.supervisor import Launcher, WorkerFactory, WorkerHandle, WorkerOrder
 
 log = logging.getLogger("nnd.registry")
 
@@ -60,7 +60,7 @@ class Entry:
     trust_remote_code: bool = False
     keep_alive: str = ""
     state: int = META
-    worker: Worker | None = None
+    worker: WorkerHandle | None = None
     dispatched_placement: nnd_pb2.Placement | None = None
     dtype: str = ""
     last_used: float = 0.0
@@ -106,11 +106,32 @@ def _merge(base: nnd_pb2.Placement, override: nnd_pb2.Placement | None) -> nnd_p
 
 
 class Registry:
-    def __init__(self, settings: Settings, token: str | None = None) -> None:
+    """The models and their workers.
+
+    What it starts and asks can be swapped (as Ollama's scheduler takes its server and GPU
+    functions), so lifecycle tests run in-process without a worker process, a GPU or a wall
+    clock (tests/control/): `start_worker` starts a model's worker (default: a process,
+    supervisor.Launcher), `gpu_query` counts GPUs and reads their free memory (default: gpus.py),
+    `clock` is the time keep-alive and LRU reckon with, `helper` builds META models (default: the
+    helper process), and `reap_every_s` is how often keep-alive is checked in the background
+    (0: never; `reap` runs one check)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        token: str | None = None,
+        *,
+        start_worker: WorkerFactory | None = None,
+        gpu_query: gpus.GpuQuery = gpus,
+        clock: Callable[[], float] = time.time,
+        helper: Helper | None = None,
+        reap_every_s: float = 0.5,
+    ) -> None:
         self.settings = settings
-        self._token = token  # workers ask clients for the daemon's token too
+        self.gpus = gpu_query
+        self._clock = clock
         # Epochs differ across daemon restarts too, so a stale route can never match a new worker.
-        self._epochs = itertools.count(int(time.time() * 1000))
+        self._epochs = itertools.count(int(clock() * 1000))
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._entries: dict[str, Entry] = {}
@@ -130,7 +151,7 @@ class Registry:
         self.log_dir = os.path.join(settings.state_dir, "logs")
         os.makedirs(self.log_dir, mode=0o750, exist_ok=True)
         # Meta builds, scans, tokenizing, edit and upload checks: never in this process (control/helper.py).
-        self.helper = Helper(
+        self.helper = helper or Helper(
             self.run_dir,
             self.log_dir,
             memory_bytes=settings.helper_memory_bytes,
@@ -140,9 +161,20 @@ class Registry:
         )
         # Uploaded models' files (control/uploads.py), checked in the helper process.
         self.uploads = uploads.UploadStore(settings, check=self.helper.check_upload)
+        lim = settings.limits
+        self._start_worker: WorkerFactory = start_worker or Launcher(
+            run_dir=self.private_dir,
+            log_dir=self.log_dir,
+            public_dir=self.run_dir,
+            start_timeout_s=settings.worker_start_timeout_s,
+            limits=requests.pick(lim, requests.ENGINE_LIMIT_FIELDS),
+            request_limits=requests.pick(lim, requests.REQUEST_LIMIT_FIELDS),
+            batch_window_ms=settings.batch_window_ms,
+            token=token,  # workers ask clients for the daemon's token too
+        )
         self._stop = threading.Event()
-        self._reaper = threading.Thread(target=self._reap, name="keep-alive", daemon=True)
-        self._reaper.start()
+        if reap_every_s > 0:
+            threading.Thread(target=self._reap_every, args=(reap_every_s,), name="keep-alive", daemon=True).start()
 
     # -- lookup -------------------------------------------------------------
     def get(self, name: str) -> Entry:
@@ -256,38 +288,26 @@ class Registry:
             override = again.placement
         placement = _merge(entry.placement, override)
         # Refuse a tensor-parallel degree this model or machine cannot run, before any process starts.
-        tplaunch.check(entry.meta.config, placement, gpus.count())
-        _check_gpus_visible(placement)
+        tplaunch.check(entry.meta.config, placement, self.gpus.count())
+        _check_gpus_visible(placement, self.gpus.count())
         with self._lock:
             while entry.state == DISPATCHING:
                 self._changed.wait()
             _check_present(entry)
             if entry.state == DISPATCHED:
                 if override is None or placement == entry.dispatched_placement:
-                    entry.last_used = time.time()
+                    entry.last_used = self._clock()
                     return
                 self._release_locked(entry)  # a new placement: start over
             self._check_budget(entry, placement)
             self._make_room(entry)
             entry.state = DISPATCHING
-            entry.last_error = f"re-dispatched {time.strftime('%H:%M:%S')} after: {again.reason}" if again else ""
-        lim = self.settings.limits
-        worker = Worker(
-            entry.name,
-            self.private_dir,
-            self.log_dir,
-            self._worker_exited,
-            limits=requests.pick(lim, requests.ENGINE_LIMIT_FIELDS),
-            placement=placement,
-            batch_window_ms=self.settings.batch_window_ms,
-            epoch=next(self._epochs),
-            public_dir=self.run_dir,
-            request_limits=requests.pick(lim, requests.REQUEST_LIMIT_FIELDS),
-            token=self._token,
-        )
+            when = time.strftime("%H:%M:%S", time.localtime(self._clock()))
+            entry.last_error = f"re-dispatched {when} after: {again.reason}" if again else ""
+        worker: WorkerHandle | None = None
         try:
             yield nnd_pb2.DispatchProgress(stage="starting", message="starting worker process")
-            worker.start(self.settings.worker_start_timeout_s)
+            worker = self._start_worker(WorkerOrder(entry.name, placement, next(self._epochs), self._worker_exited))
             entry.worker = worker
             # Before any request can reach it: what it needs to complete requests itself.
             worker.configure(self.worker_config(entry))
@@ -306,7 +326,8 @@ class Registry:
             s = self.settings
             worker.watch(s.watchdog_interval_s, s.watchdog_timeout_s, s.watchdog_misses)
         except BaseException as exc:
-            worker.stop()
+            if worker is not None:  # (a worker that failed to start left nothing running)
+                worker.stop()
             with self._lock:
                 entry.worker = None
                 entry.state = META
@@ -322,7 +343,7 @@ class Registry:
                 entry.state = DISPATCHED
                 entry.dispatched_placement = placement
                 entry.dtype = status.dtype if status else ""
-                entry.last_used = time.time()
+                entry.last_used = self._clock()
             self._changed.notify_all()
         if orphan:
             worker.stop()
@@ -331,13 +352,14 @@ class Registry:
 
     def _check_budget(self, entry: Entry, placement: nnd_pb2.Placement) -> None:
         need = entry.meta.estimate_bytes(placement.dtype)
-        device = _primary_device(placement)
+        cuda = self.gpus.count() > 0
+        device = _primary_device(placement, cuda)
         budget = self.settings.max_memory.get(device)
         if budget is None and device == "cpu":
             budget = psutil.virtual_memory().available
             source = "free host memory"
         elif budget is None and device.startswith("cuda"):
-            budget = gpus.free_bytes(int(device.partition(":")[2] or 0))  # None where nvidia-smi cannot say
+            budget = self.gpus.free_bytes(int(device.partition(":")[2] or 0))  # None where nvidia-smi cannot say
             source = f"free memory of {device}"
         else:
             source = f"--max-memory {device}"
@@ -348,7 +370,7 @@ class Registry:
                     for e in self._entries.values()
                     if e is not entry
                     and e.state in (DISPATCHED, DISPATCHING)
-                    and _primary_device(e.dispatched_placement or e.placement) == device
+                    and _primary_device(e.dispatched_placement or e.placement, cuda) == device
                 )
                 if source.startswith("--max-memory")
                 else 0
@@ -401,7 +423,7 @@ class Registry:
         if worker is not None:
             worker.stop()
 
-    def _worker_exited(self, worker: Worker, reason: str) -> None:
+    def _worker_exited(self, worker: WorkerHandle, reason: str) -> None:
         """A worker ended without being asked (crash, kill, or killed by the watchdog as hung)."""
         hung: Entry | None = None
         with self._lock:
@@ -424,7 +446,7 @@ class Registry:
 
     def _may_restart(self, entry: Entry) -> bool:
         """Whether a hung model may be re-dispatched now (under --restart-limit); if not, say so."""
-        now = time.time()
+        now = self._clock()
         window, limit = self.settings.restart_window_s, self.settings.restart_limit
         recent = [t for t in entry.restarts if now - t < window]
         if len(recent) >= limit:
@@ -504,7 +526,7 @@ class Registry:
         status = worker.status() if ask else worker.last_status
         if status is None or not (status.accepted or status.active):
             return status
-        now = time.time()
+        now = self._clock()
         with self._lock:
             used = now if status.active else status.idle_since
             if used > entry.last_used:
@@ -545,14 +567,14 @@ class Registry:
                 raise errors.Unavailable(f"model {entry.name} lost its worker: {entry.last_error or 'released'}")
             entry.active += 1
             entry.queued += 1
-            entry.last_used = time.time()
+            entry.last_used = self._clock()
         return entry
 
     def done(self, entry: Entry) -> None:
         with self._lock:
             entry.active -= 1
             entry.queued -= 1
-            entry.last_used = time.time()
+            entry.last_used = self._clock()
             expire_now = entry.active == 0 and self.keep_alive_s(entry) == 0
         if expire_now:
             self.release(entry.name)
@@ -566,21 +588,25 @@ class Registry:
             return 0.0
         return entry.last_used + ka
 
-    def _reap(self) -> None:
-        while not self._stop.wait(0.5):
-            now = time.time()
-            for entry in self.entries():
-                exp = self.expires_at(entry)
-                # Requests may have gone to the worker directly: ask it before ending it.
-                asked = exp and entry.active == 0 and now >= exp
-                status = self.activity(entry, ask=bool(asked))
-                exp = self.expires_at(entry)
-                if exp and not self.busy(entry, status) and now >= exp:
-                    log.info("keep-alive of %s expired; releasing", entry.name)
-                    try:
-                        self.release(entry.name, reason="")
-                    except errors.NndError:
-                        pass
+    def _reap_every(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self.reap()
+
+    def reap(self) -> None:
+        """Release every model whose keep-alive has run out and that has no request in flight."""
+        now = self._clock()
+        for entry in self.entries():
+            exp = self.expires_at(entry)
+            # Requests may have gone to the worker directly: ask it before ending it.
+            asked = exp and entry.active == 0 and now >= exp
+            status = self.activity(entry, ask=bool(asked))
+            exp = self.expires_at(entry)
+            if exp and not self.busy(entry, status) and now >= exp:
+                log.info("keep-alive of %s expired; releasing", entry.name)
+                try:
+                    self.release(entry.name, reason="")
+                except errors.NndError:
+                    pass
 
     # -- views --------------------------------------------------------------
     def info(self, entry: Entry, *, modules: bool = False) -> nnd_pb2.ModelInfo:
@@ -593,7 +619,7 @@ class Registry:
             config=entry.meta.summary(),
             num_parameters=entry.meta.num_parameters(),
             placement=entry.placement,
-            idle_s=_idle_s(entry, status),
+            idle_s=_idle_s(entry, status, self._clock()),
             expires_at=self.expires_at(entry),
             last_error=entry.last_error,
             dtype=entry.dtype,
@@ -655,12 +681,12 @@ class Registry:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-def _idle_s(entry: Entry, status: worker_pb2.WorkerStatus | None) -> float:
+def _idle_s(entry: Entry, status: worker_pb2.WorkerStatus | None, now: float) -> float:
     """Seconds since the model last had work: 0 while a request runs or waits (here or on the worker).
     `status` has been taken in (`Registry.activity`): `last_used` counts the worker's requests too."""
     if Registry.busy(entry, status) or (status is not None and status.requests):
         return 0.0
-    return time.time() - entry.last_used if entry.last_used else 0.0
+    return now - entry.last_used if entry.last_used else 0.0
 
 
 def _check_present(entry: Entry) -> None:
@@ -711,26 +737,22 @@ def _keep_alive_seconds(text: str) -> float | None:
         raise errors.InvalidArgument(f"keep_alive: {exc}") from None
 
 
-def _primary_device(placement: nnd_pb2.Placement | None) -> str:
+def _primary_device(placement: nnd_pb2.Placement | None, cuda: bool) -> str:
     if placement is None:
         return "cpu"
     text = placement.device or placement.device_map or ""
     if text.isdigit():
         return f"cuda:{text}"
     if text in ("", "cpu"):
-        return "cpu" if text == "cpu" or not _cuda_available() else "cuda:0"
+        return "cpu" if text == "cpu" or not cuda else "cuda:0"
     if text == "cuda":
         return "cuda:0"
     if text.startswith("cuda"):
         return text
-    return "cuda:0" if _cuda_available() else "cpu"
+    return "cuda:0" if cuda else "cpu"
 
 
-def _cuda_available() -> bool:
-    return gpus.count() > 0
-
-
-def _check_gpus_visible(placement: nnd_pb2.Placement) -> None:
+def _check_gpus_visible(placement: nnd_pb2.Placement, seen: int) -> None:
     """Refuse a placement on a GPU the workers cannot see, before a worker starts (and fails deep in torch)."""
     text = (placement.device or placement.device_map or "").strip()
     if text.startswith("{"):  # an explicit device map: its values name the devices
@@ -745,7 +767,6 @@ def _check_gpus_visible(placement: nnd_pb2.Placement) -> None:
     wanted = [v for v in values if v.startswith("cuda") or v.isdigit()]
     if not wanted:
         return
-    seen = gpus.count()
     for value in wanted:
         index = int(value) if value.isdigit() else int(value.partition(":")[2] or 0)
         if index >= seen:

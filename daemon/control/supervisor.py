@@ -33,7 +33,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import grpc
 import psutil
@@ -83,6 +84,113 @@ def empty_dir(run_dir: str) -> str:
     return path
 
 
+class WorkerHandle(Protocol):
+    """What the control plane uses of a started worker: the registry (lifecycle, `nnd ps`, routes)
+    and the servicer (forwarding). `Worker` is the real one; lifecycle tests pass fakes
+    (tests/control/registry_fakes.py) through the registry's `start_worker`."""
+
+    name: str
+    epoch: int
+    tp_size: int
+    # Why the daemon killed it itself (the watchdog found it hung); "" otherwise.
+    fault: str
+    # The last Status answer (watchdog pings refresh it).
+    last_status: worker_pb2.WorkerStatus | None
+
+    @property
+    def pids(self) -> list[int]: ...
+
+    @property
+    def public(self) -> str: ...
+
+    @property
+    def address(self) -> str: ...
+
+    def configure(self, config: worker_pb2.WorkerConfig) -> None: ...
+
+    def load(self, request: worker_pb2.WorkerLoadRequest) -> Iterator[nnd_pb2.DispatchProgress]: ...
+
+    def status(self) -> worker_pb2.WorkerStatus | None: ...
+
+    def watch(self, interval: float, timeout: float, misses: int) -> None: ...
+
+    def wait_exit(self, timeout: float) -> str: ...
+
+    def stop(self) -> None: ...
+
+    def forward(
+        self,
+        method: str,
+        raw: bytes,
+        *,
+        timeout: float | None,
+        client: grpc.ServicerContext,
+        metadata: list[tuple[str, str]],
+    ) -> Iterator[bytes]: ...
+
+    def interact(
+        self,
+        raws: Iterator[bytes],
+        *,
+        timeout: float | None,
+        client: grpc.ServicerContext,
+        metadata: list[tuple[str, str]],
+    ) -> Iterator[bytes]: ...
+
+
+# Called from the worker's own thread when it ends without being asked (crash, kill, watchdog).
+OnExit = Callable[[WorkerHandle, str], None]
+
+
+@dataclass(frozen=True)
+class WorkerOrder:
+    """What differs between two worker starts: the model, where it goes, its epoch, who hears of its death."""
+
+    name: str
+    placement: nnd_pb2.Placement
+    epoch: int
+    on_exit: OnExit
+
+
+# Starts a worker (returning once it answers on its socket) or raises, leaving nothing running.
+WorkerFactory = Callable[[WorkerOrder], WorkerHandle]
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """The real `WorkerFactory`: a `Worker` process with the daemon's directories, limits and token."""
+
+    run_dir: str
+    log_dir: str
+    public_dir: str
+    start_timeout_s: float
+    limits: dict[str, int] = field(default_factory=dict)
+    request_limits: dict[str, float] = field(default_factory=dict)
+    batch_window_ms: float = 0.0
+    token: str | None = None
+
+    def __call__(self, order: WorkerOrder) -> Worker:
+        worker = Worker(
+            order.name,
+            self.run_dir,
+            self.log_dir,
+            order.on_exit,
+            limits=self.limits,
+            placement=order.placement,
+            batch_window_ms=self.batch_window_ms,
+            epoch=order.epoch,
+            public_dir=self.public_dir,
+            request_limits=self.request_limits,
+            token=self.token,
+        )
+        try:
+            worker.start(self.start_timeout_s)
+        except BaseException:
+            worker.stop()
+            raise
+        return worker
+
+
 class Worker:
     """One worker process and the channel to it."""
 
@@ -91,7 +199,7 @@ class Worker:
         name: str,
         run_dir: str,
         log_dir: str,
-        on_exit: Callable[[Worker, str], None],
+        on_exit: OnExit,
         *,
         limits: dict[str, int] | None = None,
         placement: nnd_pb2.Placement | None = None,

@@ -233,8 +233,3 @@ def _floats(items: values_pb2.ValueList) -> list[float] | None:
     if not ((head[:, 0] == 0x0A) & (head[:, 1] == 9) & (head[:, 2] == 0x19)).all():
         return None
     return arr["value"].tolist()
-
-
-def decode(v: values_pb2.Value, blobs: Mapping[int, bytes] | None = None, *, use_torch: bool | None = None) -> Any:
-    """Decode one Value (see `Decoder`)."""
-    return Decoder(blobs, use_torch=use_torch).value(v)

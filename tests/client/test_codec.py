@@ -13,7 +13,7 @@ from nnd.v1 import nnd_pb2, values_pb2
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.uint8])
 def test_torch_round_trip(dtype):
     t = (torch.arange(24).reshape(2, 3, 4) % 5).to(dtype)
-    back = _codec.decode(_codec.encode(t))
+    back = _codec.Decoder().value(_codec.encode(t))
     assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
 
 
@@ -22,21 +22,21 @@ def test_bfloat16_wire_bytes_are_torch_storage():
     v = _codec.encode(t)
     assert v.tensor.dtype == values_pb2.BFLOAT16
     assert v.tensor.data == t.view(torch.int16).numpy().tobytes()
-    widened = _codec.decode(v, use_torch=False)
+    widened = _codec.Decoder(use_torch=False).value(v)
     assert widened.dtype == np.float32 and widened.tolist() == [1.0, -2.5, 3.140625]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64, np.int8, np.bool_])
 def test_numpy_round_trip(dtype):
     a = (np.arange(6).reshape(2, 3) % 3).astype(dtype)
-    back = _codec.decode(_codec.encode(a), use_torch=False)
+    back = _codec.Decoder(use_torch=False).value(_codec.encode(a))
     assert back.dtype == a.dtype and np.array_equal(back, a)
 
 
 def test_scalars_and_containers():
     value = [1, 2.5, True, "s", None, Ellipsis, slice(None, -1), (1, [2]), {"a": 1}, torch.Size([2, 3]), torch.int64]
-    assert _codec.decode(_codec.encode(value)) == value
-    plain = _codec.decode(_codec.encode((torch.Size([2]), torch.float16)), use_torch=False)
+    assert _codec.Decoder().value(_codec.encode(value)) == value
+    plain = _codec.Decoder(use_torch=False).value(_codec.encode((torch.Size([2]), torch.float16)))
     assert plain == ((2,), "float16")
 
 
@@ -47,9 +47,9 @@ def test_slice_with_nonint_bound_is_refused():
 
 def test_meta_tensors():
     v = values_pb2.Value(tensor=values_pb2.Tensor(dtype=values_pb2.FLOAT16, shape=[2, 3], meta=True))
-    t = _codec.decode(v)
+    t = _codec.Decoder().value(v)
     assert t.device.type == "meta" and t.shape == (2, 3) and t.dtype == torch.float16
-    m = _codec.decode(v, use_torch=False)
+    m = _codec.Decoder(use_torch=False).value(v)
     assert isinstance(m, _meta.MetaTensor) and m.shape == (2, 3) and m.dtype == "float16" and m.ndim == 2
 
 
@@ -79,4 +79,4 @@ def test_chunks_are_concatenated_per_blob_in_order():
 def test_short_tensor_data_is_an_error():
     v = values_pb2.Value(tensor=values_pb2.Tensor(dtype=values_pb2.FLOAT32, shape=[4], data=b"\0" * 8))
     with pytest.raises(ValueError, match="needs 16 bytes"):
-        _codec.decode(v)
+        _codec.Decoder().value(v)

@@ -29,7 +29,7 @@ def ops(graph: graph_pb2.Graph) -> list[str]:
 def value_of(arg: graph_pb2.Arg):
     from nnd import _codec
 
-    return _codec.decode(arg.value)
+    return _codec.Decoder().value(arg.value)
 
 
 def test_steering_records_getitem_iadd_setitem(model, fake):
