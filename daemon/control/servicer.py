@@ -20,7 +20,7 @@ import grpc
 from nnd import __version__
 from nnd.v1 import graph_pb2, helper_pb2, nnd_pb2, worker_pb2
 from nnd_daemon import aliases, errors, requests, shared
-from nnd_daemon.control import forward, gpus
+from nnd_daemon.control import forward
 from nnd_daemon.control.inflight import InflightBudget
 from nnd_daemon.control.registry import Registry
 from nnd_daemon.control.settings import Settings
@@ -47,7 +47,7 @@ class NndServicer:
             ops=caps.ops,
             attributes=caps.attributes,
             limits=self.settings.limits.to_proto(),
-            devices=["cpu"] + [f"cuda:{i}" for i in range(gpus.count())],
+            devices=["cpu"] + [f"cuda:{i}" for i in range(self.registry.gpus.count())],
         )
         info.libraries.update(caps.libraries)
         return info
