@@ -71,7 +71,7 @@ def test_item_tolist_and_numpy_are_real_values(gpt2, reference):
     assert total == pytest.approx(expected[0].sum().item(), rel=1e-5)
     assert first == pytest.approx(expected[0][0, 0, :3].tolist(), rel=1e-5)
     assert isinstance(arr, np.ndarray) and np.allclose(arr, expected[0][0, -1].numpy(), atol=1e-6)
-    assert tracer._interaction is not None and tracer._interaction.syncs == 3
+    assert tracer.backend.interaction is not None and tracer.backend.interaction.syncs == 3
 
 
 def test_branch_on_a_value_then_edit_a_later_module(gpt2, reference):

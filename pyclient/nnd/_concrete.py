@@ -64,9 +64,9 @@ def query(tracer: Tracer, proxy: Proxy) -> Any:
     if not tracer._invokes:
         raise ValueError("a shape is known only once the trace has an input; read it inside `tracer.invoke(...)`")
     invokes = tuple(i.SerializeToString(deterministic=True) for i in tracer._invokes)
-    session = tracer._session
+    session = tracer.backend.session
     # In a session the graph may use values of earlier blocks: scan them too (they are fixed once closed).
-    context = (id(session), len(session._traces)) if session is not None else None
+    context = (id(session), len(session.blocks)) if session is not None else None
     key = (invokes, builder.keys[ref], tuple(builder.writes), tuple(tracer.model._edits), context)
     cache = tracer.model._shape_cache
     hit = cache.get(key)
@@ -76,7 +76,7 @@ def query(tracer: Tracer, proxy: Proxy) -> Any:
     request = nnd_pb2.TraceRequest(model=tracer.model.name, invokes=tracer._invokes, graph=graph)
     request.edits.extend(tracer.model._edits)
     if session is not None:
-        stream = tracer.model._conn.stream("Session", session._request(scan_tail=request))
+        stream = tracer.model._conn.stream("Session", session.request(scan_tail=request))
     else:
         stream = tracer.model._conn.stream("Scan", request)
     try:

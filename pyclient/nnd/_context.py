@@ -1,53 +1,59 @@
-"""Which trace is being recorded on this thread."""
+"""What is open on this thread: one stack of blocks (traces and sessions), innermost last."""
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from nnd._usage import OutsideTrace
 
 if TYPE_CHECKING:
+    from nnd._session import Session
     from nnd._tracer import Tracer
 
 T = TypeVar("T")
 
-
-class ThreadStack(Generic[T]):
-    """What is open on the calling thread, innermost last (traces here, sessions in _session.py)."""
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def items(self) -> list[T]:
-        stack = getattr(self._local, "stack", None)
-        if stack is None:
-            stack = self._local.stack = []
-        return stack
+_local = threading.local()
 
 
-_tracers: ThreadStack[Tracer] = ThreadStack()
+def _stack() -> list[Any]:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
 
 
-def _stack() -> list[Tracer]:
-    return _tracers.items()
+def push(block: Tracer | Session) -> None:
+    _stack().append(block)
 
 
-def push(tracer: Tracer) -> None:
-    _stack().append(tracer)
-
-
-def pop(tracer: Tracer) -> None:
+def pop(block: Tracer | Session) -> None:
     stack = _stack()
-    if stack and stack[-1] is tracer:
+    if stack and stack[-1] is block:
         stack.pop()
-    elif tracer in stack:
-        stack.remove(tracer)
+    elif block in stack:
+        stack.remove(block)
+
+
+def _innermost(kind: type[T]) -> T | None:
+    for block in reversed(_stack()):
+        if isinstance(block, kind):
+            return block
+    return None
 
 
 def current_or_none() -> Tracer | None:
-    stack = _stack()
-    return stack[-1] if stack else None
+    """The innermost open trace (a session around it is skipped)."""
+    from nnd._tracer import Tracer
+
+    return _innermost(Tracer)
+
+
+def innermost_session() -> Session | None:
+    """The innermost open `with model.session():`."""
+    from nnd._session import Session
+
+    return _innermost(Session)
 
 
 def current(what: str) -> Tracer:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from nnd import _backends
 from nnd._tracer import Tracer
-from nnd.v1 import nnd_pb2
 
 if TYPE_CHECKING:
     from nnd._cache import CacheView
@@ -25,27 +25,26 @@ class EditTracer(Tracer):
     edit apply at every selected generation step. After the block,
     `tracer.edit_id` is the stored edit's id."""
 
-    _method = "CreateEdit"
-    _sessionable = False
-
     def __init__(
         self, model: TransformersModel, *, inplace: bool = False, name: str | None = None, replace: bool = False
     ) -> None:
-        super().__init__(model)
         self._inplace = inplace
-        self._name = name or ""
-        self._replace = replace
         self.edited: TransformersModel = model if inplace else model._shallow_copy()
         """The handle the edit applies to."""
-        self.edit_id = ""
+        self._store = _backends.EditBackend(self.edited, name or "", replace)
+        super().__init__(model)
+
+    def _kind(self) -> _backends.Backend:
+        return self._store
+
+    @property
+    def edit_id(self) -> str:
         """The stored edit's id (its name, if it has one), once the block has ended."""
+        return self._store.edit_id
 
     def __enter__(self) -> Any:  # type: ignore[override]
         super().__enter__()
         return self if self._inplace else (self, self.edited)
-
-    _delivers_values = False  # an edit saves nothing
-    _unroll_loops = False  # its loops run at the steps of later generations, whose length it cannot know
 
     def invoke(self, data: Any = None) -> Any:  # type: ignore[override]
         raise TypeError("an edit applies to every input of later traces; it takes no invoke")
@@ -55,18 +54,3 @@ class EditTracer(Tracer):
 
     def cache(self, *args: Any, **kwargs: Any) -> CacheView:
         raise ValueError("an edit cannot cache: open the cache in the trace that needs it")
-
-    def _run(self) -> None:
-        request = nnd_pb2.CreateEditRequest(
-            model=self.model.name,
-            graph=self._builder.graph,
-            name=self._name,
-            base=self.edited._edits,
-            replace=self._replace,
-        )
-        info: nnd_pb2.EditInfo = self.model._conn.call("CreateEdit", request)
-        self.edit_id = info.id
-        # The new edit holds its whole stack (the handle's earlier edits first).
-        self.edited._edits[:] = [info.id]
-        if not info.named:
-            self.edited._owned_edits.append(info.id)

@@ -60,7 +60,7 @@ class Interaction:
             yield msg
 
     def _new_nodes(self) -> graph_pb2.Graph:
-        graph = self.tracer._builder.graph
+        graph = self.tracer.graph
         part = graph_pb2.Graph(nodes=graph.nodes[self.sent :])
         if len(graph.scopes) > self.scopes:
             part.scopes.extend(graph.scopes[self.scopes :])
@@ -68,14 +68,14 @@ class Interaction:
 
     def _now_in(self, tracer: Tracer) -> None:
         self.tracer = tracer
-        self.sent = len(tracer._builder.graph.nodes)
-        self.scopes = len(tracer._builder.graph.scopes)
+        self.sent = len(tracer.graph.nodes)
+        self.scopes = len(tracer.graph.scopes)
 
     def _on_step(self, step: _results.StepToken) -> None:
         if self.session is None:
             self.tracer.tokens.append(step)
             return
-        traces = self.session._traces
+        traces = self.session.blocks
         if 0 <= step.trace < len(traces):
             traces[step.trace].tokens.append(step)
         elif step.trace == len(traces):  # the block still being recorded
@@ -88,19 +88,19 @@ class Interaction:
         if self.responses is None:
             start = nnd_pb2.InteractStart(want=[ref])
             if self.session is not None:
-                start.session.CopyFrom(self.session._request())
-                start.session.traces.add(request=tracer._request(), generate=tracer._method == "Generate")
+                start.session.CopyFrom(self.session.request())
+                start.session.traces.add(request=tracer.request(), generate=tracer.backend.generates)
             else:
-                start.request.CopyFrom(tracer._request())
-                start.generate = tracer._method == "Generate"
+                start.request.CopyFrom(tracer.request())
+                start.generate = tracer.backend.generates
             self._now_in(tracer)
-            timeout = tracer._options.get("pause_timeout")
+            timeout = tracer.options.get("pause_timeout")
             if timeout is not None:
                 start.pause_timeout_s = float(timeout)
             self.start = nnd_pb2.InteractRequest(start=start)
             model = start.session.model if self.session is not None else start.request.model
             self.responses = tracer.model._conn.bidi(
-                "Interact", model, self._requests, timeout=tracer._options.get("timeout")
+                "Interact", model, self._requests, timeout=tracer.options.get("timeout")
             )
         elif tracer is self.tracer:
             more = nnd_pb2.InteractContinue(graph=self._new_nodes(), want=[ref])
@@ -108,7 +108,7 @@ class Interaction:
             self.outbox.put(nnd_pb2.InteractRequest(more=more))
         else:  # a later block of the session: the blocks recorded since go with it
             more = self._next_traces(want=[ref])
-            more.traces.add(request=tracer._request(), generate=tracer._method == "Generate")
+            more.traces.add(request=tracer.request(), generate=tracer.backend.generates)
             self._now_in(tracer)
             self.outbox.put(nnd_pb2.InteractRequest(more=more))
         self.syncs += 1
@@ -121,10 +121,10 @@ class Interaction:
         """The rest of the block running now, and the session's blocks that ended after it."""
         more = nnd_pb2.InteractContinue(graph=self._new_nodes(), **fields)
         assert self.session is not None
-        traces = self.session._traces
+        traces = self.session.blocks
         after = traces[traces.index(self.tracer) + 1 :] if self.tracer in traces else []
         for tracer in after:
-            more.traces.add(request=tracer._request(), generate=tracer._method == "Generate")
+            more.traces.add(request=tracer.request(), generate=tracer.backend.generates)
         return more
 
     def finish(self) -> _results.Results:

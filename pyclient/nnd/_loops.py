@@ -90,7 +90,7 @@ class Loop:
 
     def __iter__(self) -> Iterator[Any]:
         tracer = self._tracer
-        if not tracer._unroll_loops:  # a stored edit: its loop runs at the steps of every later generation
+        if not tracer.backend.unroll_loops:  # a stored edit: its loop runs at the steps of every later generation
             scope = tracer._builder.push_scope(self._steps)
             try:
                 yield Step(scope)

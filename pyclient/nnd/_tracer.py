@@ -1,24 +1,21 @@
-"""Trace, scan and generate blocks: record a graph, send it on exit, hand back values.
+"""Trace, scan and generate blocks: record a graph; on exit the block's backend runs it.
 
-Inside `with model.session():` a block does not run on exit: the session
-sends all its blocks at once when it ends (see _session.py)."""
+How a block runs (sent now, queued into a session, stored as an edit) is its
+backend's, chosen once when the block is created (_backends.py)."""
 
 from __future__ import annotations
 
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from nnd import _concrete, _context, _inputs, _interact, _meta, _objects, _rebind, _results, _source
+from nnd import _backends, _concrete, _context, _inputs, _meta, _objects, _results, _source
 from nnd._cache import Cache, CacheView
-from nnd._graph import GraphBuilder
 from nnd._loops import Loop, StepIter, every_step
 from nnd._proxy import Proxy
-from nnd.errors import NndError
 from nnd.v1 import graph_pb2, nnd_pb2
 
 if TYPE_CHECKING:
     from nnd._model import TransformersModel
-    from nnd._session import Session
 
 _NO_INPUT: Any = object()
 # nnsight's execution options (NDIF remote execution, backends): refused, never sent as model inputs.
@@ -66,37 +63,23 @@ class Tracer:
     is the whole request's result, `tracer.stop()` ends the forward early.
     """
 
-    _method = "Trace"
-    # shm=True: big saved tensors come back through shared memory (same host, unix socket; _shm.py).
-    # pause_timeout: seconds the daemon keeps a run paused at a sync point waiting for this client.
-    _options_allowed: frozenset[str] = frozenset({"keep_alive", "shm", "timeout", "pause_timeout"})
-    # Generation settings a trace accepts and ignores, as nnsight's trace does (one forward).
-    _options_ignored: frozenset[str] = frozenset(
-        {"max_new_tokens", "min_new_tokens", "do_sample", "num_beams", "num_return_sequences", "generation_config"}
-    )
-    _sessionable = True  # may be part of `with model.session():`
-    _delivers_values = True  # values placed in saved objects / outer containers come back (not an edit)
-    _unroll_loops = True  # `for step in tracer.iter[...]` runs per step in Python (not in an edit)
-
     def __init__(self, model: TransformersModel, data: Any = _NO_INPUT, **options: Any) -> None:
+        kind = self._kind()
         self._tokenizer_kwargs: dict[str, Any] | None = options.pop("tokenizer_kwargs", None)
-        for name in self._options_ignored - self._options_allowed:
+        for name in kind.options_ignored - kind.options_allowed:
             options.pop(name, None)
         remote = sorted(set(options) & _NNSIGHT_ONLY)
         if remote:
             raise TypeError(
                 f"nnsight option(s) {', '.join(remote)} do not apply to nnd: the daemon is the remote; "
-                f"this block takes: {', '.join(sorted(self._options_allowed))}"
+                f"this block takes: {', '.join(sorted(kind.options_allowed))}"
             )
         # Any other keyword is an input of the model's forward (input_ids=, decoder_input_ids=...), as in nnsight.
-        inputs = {k: options.pop(k) for k in list(options) if k not in self._options_allowed}
+        inputs = {k: options.pop(k) for k in list(options) if k not in kind.options_allowed}
         self.model = model
-        self._session: Session | None = None
-        from nnd._session import join
-
-        join(self)  # inside `with model.session():`, ids and keys are shared with the session's traces
-        if self._session is None:
-            self._builder = GraphBuilder()
+        self.backend = _backends.place(model, kind)
+        """How the block runs (_backends.py): chosen here, once; inside a session, a member of it."""
+        self._builder = self.backend.builder()
         self._backwards: list[int] = []
         self._caches: dict[int, Cache] = {}
         self._invokes: list[nnd_pb2.Invoke] = []
@@ -105,7 +88,6 @@ class Tracer:
         self._concrete_saves: list[_meta.Size] = []
         self._client_saves: list[tuple[Proxy, int]] = []
         self._recording = False
-        self._interaction: _interact.Interaction | None = None  # open once a sync point needed a value
         # Unrolled loop passes: scope -> its step; saves made in them -> their scope (one value, not a list).
         self._unrolled: dict[int, int] = {}
         self._unrolled_saves: dict[int, int] = {}
@@ -113,10 +95,12 @@ class Tracer:
         # the block's values inside them are delivered (_objects.py).
         self._saved_objects: list[Any] = []
         self._outer: list[Any] = []
-        self._holders: list[Any] = []
-        self._options = options
-        self.tokens: list[_results.StepToken] = []
+        self.holders: list[Any] = []
+        """Saved objects and outer containers whose values are filled in once the block has run."""
+        self.options = options
+        """The block's options (keep_alive=, timeout=, generation settings...)."""
         self._failure: str | None = None  # why the block did not complete, for its values' errors
+        self.tokens: list[_results.StepToken] = []
         """Tokens streamed per generation step (Generate only)."""
         self.compute_s = 0.0
         """Wall time the daemon spent running the block."""
@@ -124,6 +108,10 @@ class Tracer:
             self._invokes.extend(self._to_invokes(data, inputs))
             # One prompt is invoke 0; a batch given at once is read as all its rows.
             self._invoke = 0 if len(self._invokes) == 1 else None
+
+    def _kind(self) -> _backends.Backend:
+        """The backend of this kind of block, before a session claims it."""
+        return _backends.RemoteTrace()
 
     def _to_invokes(self, data: Any, inputs: dict[str, Any]) -> list[nnd_pb2.Invoke]:
         if not inputs and self._tokenizer_kwargs is None:
@@ -222,13 +210,11 @@ class Tracer:
     # -- sessions and backward blocks
     def _live(self) -> bool:
         """True while this block, or the session it belongs to, is being recorded."""
-        return self._recording or (self._session is not None and self._session._recording)
+        return self._recording or self.backend.live()
 
     def _recorder(self) -> Tracer:
         """The block that records an operation on one of this block's values now."""
-        if self._recording or self._session is None:
-            return self
-        return self._session._current()
+        return self if self._recording else self.backend.recorder(self)
 
     def _current_backward(self, what: str) -> int:
         if not self._backwards:
@@ -244,7 +230,7 @@ class Tracer:
 
     def _steps_known(self) -> int:
         """How many forward passes the block makes (a trace: one)."""
-        return 1
+        return self.backend.steps_known(self.options)
 
     def all(self) -> Loop:
         """`with tracer.all():` — run the body at every generation step."""
@@ -284,12 +270,7 @@ class Tracer:
 
     def _sync(self, proxy: Proxy) -> Any:
         """The real value of `proxy` now, mid-run (a sync point; _interact.py)."""
-        ref = proxy._ref()
-        if self._session is not None:  # the session's run, which the earlier blocks are part of
-            return self._session._sync(self, ref)
-        if self._interaction is None:
-            self._interaction = _interact.Interaction(self)
-        return self._interaction.value(ref)
+        return self.backend.sync(self, proxy._ref())
 
     # -- running
     def __enter__(self) -> Tracer:
@@ -307,90 +288,64 @@ class Tracer:
     ) -> None:
         __tracebackhide__ = True  # noqa: F841  (pytest/IPython hide this frame)
         _objects.unmount()
-        holders = self._saved_objects + self._outer
-        self._holders = holders  # filled after the block (a session's: after the session)
+        self.holders = self._saved_objects + self._outer  # filled after the block (a session's: after the session)
         self._outer = []
-        if exc_type is None and self._delivers_values:
-            _objects.save_held(self, holders)
+        if exc_type is None and self.backend.delivers_values:
+            _objects.save_held(self, self.holders)
         _context.pop(self)
         self._recording = False
         if exc_type is not None:
-            self._failure = f"{exc_type.__name__} inside the block, before it ran"
-            if self._interaction is not None:
-                self._interaction.cancel()
+            self.fail(f"{exc_type.__name__} inside the block, before it ran")
+            self.backend.cancel()
             return
-        if self._session is not None:
-            self._session._add(self)  # sent with the session's other blocks when it ends
-            return
-        try:
-            self._run()
-        except NndError as err:
-            self._failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            # The daemon's message quotes the user's line; point the traceback at the `with`.
-            raise err.with_traceback(None) from None
-        except KeyboardInterrupt:
-            # Ctrl-C while the daemon works: the call is cancelled there (connection.stream); say how far it
-            # got in one line instead of gRPC's internals.
-            self._failure = "interrupted: " + self._progress()
-            raise KeyboardInterrupt(f"nnd: {self._failure}; the daemon stopped the request") from None
-        frame = _source.user_frame()
-        replacements = self._replacements()
-        if frame is not None:
-            _rebind.rebind(frame, replacements)
-        _objects.fill(holders, replacements)
-        self._saved_objects.clear()
-        self._holders = []
-        # Tracer -> proxy -> tracer is a cycle: without this, results (and the shared-memory
-        # regions or buffers they view) would live until a full garbage collection, not until `del`.
-        self._saved.clear()
+        _backends.settle([self], lambda: self.backend.run(self), lambda: self.backend.progress(self))
 
-    def _progress(self) -> str:
-        """How far a request got: 'cancelled after 3 of 20 steps' for a generation."""
-        total = self._options.get("max_new_tokens")
-        if self._method == "Generate":
-            return f"cancelled after {len(self.tokens)} of {total or 'its'} steps"
-        return "cancelled before its results came back"
+    # -- what backends and sessions use (_backends.py, _session.py, _interact.py)
+    @property
+    def graph(self) -> graph_pb2.Graph:
+        """The graph recorded so far."""
+        return self._builder.graph
 
-    def _request(self) -> nnd_pb2.TraceRequest:
+    def request(self) -> nnd_pb2.TraceRequest:
+        """The block's request as the daemon runs it (a Trace, Scan or Generate)."""
         if not self._invokes:
             raise ValueError("nothing to run: pass an input to the block or open `tracer.invoke(input)`")
         request = nnd_pb2.TraceRequest(model=self.model.name, invokes=self._invokes, graph=self._builder.graph)
         request.edits.extend(self.model._edits)
-        keep_alive = self._options.get("keep_alive")
+        keep_alive = self.options.get("keep_alive")
         if keep_alive is not None:
             from nnd._placement import keep_alive_string
 
             request.keep_alive = keep_alive_string(keep_alive)
-        if self._options.get("shm"):
+        if self.options.get("shm"):
             from nnd import _shm
 
             if not _shm.available(self.model._conn.address):
                 raise ValueError("shm=True needs a daemon on this host's unix socket (and Linux's /dev/shm)")
             request.shm = True
+        self.backend.complete(request, self.options)
         return request
 
-    def _run(self) -> None:
-        from nnd import _shm
+    def loop_steps(self) -> list[int]:
+        """The steps of the unrolled `tracer.iter` passes recorded."""
+        return list(self._unrolled.values())
 
-        if self._interaction is not None:
-            self._deliver(self._interaction.finish())
-            return
-        request = self._request()
-        # Into a region of this process's pool when one is free (_shm.py); `collect` settles the lease.
-        lease = _shm.attach(request, self.model._conn.address) if request.shm else None
-        stream = self.model._conn.stream(self._method, request, timeout=self._options.get("timeout"))
-        watch = self._options.get("on_token")  # generate(..., on_token=print): each step's tokens, live
+    def fail(self, why: str) -> None:
+        """The block did not complete: its values' errors say why."""
+        self._failure = why
 
-        def on_step(token: Any) -> None:
-            self.tokens.append(token)
-            if watch is not None:
-                watch(token)
+    def release(self) -> None:
+        """The values are with the user: drop the block's hold on them."""
+        self._saved_objects.clear()
+        self.holders = []
+        # Tracer -> proxy -> tracer is a cycle: without this, results (and the shared-memory
+        # regions or buffers they view) would live until a full garbage collection, not until `del`.
+        self._saved.clear()
 
-        results = _results.collect(stream, on_step=on_step, lease=lease)
-        self._deliver(results)
-
-    def _deliver(self, results: _results.Results) -> None:
+    def deliver(self, results: _results.Results) -> None:
+        """Place the values that came back in the block's proxies, caches and client-side saves."""
         self.compute_s = results.compute_s
+        resolved: list[Proxy] = []
         for node, proxy in self._saved.items():
             if node not in results.saved:
                 continue
@@ -400,15 +355,15 @@ class Tracer:
                     continue
                 value = value[0]
             proxy._value = value
+            resolved.append(proxy)
         for node, cache in self._caches.items():
             cache.fill(results.saved.get(node))
         for proxy, scope in self._client_saves:
-            proxy._value = self._client_value(scope)
+            proxy._value = self.backend.client_value(self, scope)
+        self.backend.delivered(self, resolved)
 
-    def _client_value(self, scope: int) -> Any:
-        return None
-
-    def _replacements(self) -> dict[int, tuple[Any, Any]]:
+    def replacements(self) -> dict[int, tuple[Any, Any]]:
+        """id(placeholder) -> (placeholder, value) for every value the block delivered."""
         out: dict[int, tuple[Any, Any]] = {}
         for proxy in self._saved.values():
             if proxy._resolved:
@@ -427,40 +382,8 @@ class ScanTracer(Tracer):
     with real ones raises), or `nnd.MetaTensor` without torch: shapes and
     dtypes, no data."""
 
-    _method = "Scan"
-    _sessionable = False
-
-    def _sync(self, proxy: Proxy) -> Any:
-        from nnd._usage import value_not_known
-
-        raise value_not_known("a real value in a scan (it runs on fake tensors)", _source.location().text)
-
-    def _deliver(self, results: _results.Results) -> None:
-        super()._deliver(results)
-        from nnd import _torchmod
-
-        torch = _torchmod.loaded()
-        if torch is None:
-            return
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        # One mode per block, as nnsight's scan has one: its values may be combined with each other.
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        for proxy in self._saved.values():
-            if proxy._resolved:
-                proxy._value = _fake(proxy._value, mode, torch)
-
-
-def _fake(value: Any, mode: Any, torch: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return mode.from_tensor(value) if value.device.type == "meta" else value
-    if isinstance(value, dict):
-        return {k: _fake(v, mode, torch) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_fake(v, mode, torch) for v in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_fake(v, mode, torch) for v in value)
-    return value
+    def _kind(self) -> _backends.Backend:
+        return _backends.Scan()
 
 
 class GenerateTracer(Tracer):
@@ -469,62 +392,5 @@ class GenerateTracer(Tracer):
     `tracer.iter[...]` / `tracer.all()` run at each selected step, and their
     saves come back as lists."""
 
-    _method = "Generate"
-    _options_allowed = frozenset(
-        {
-            "keep_alive",
-            "shm",
-            "timeout",
-            "pause_timeout",
-            "max_new_tokens",
-            "min_new_tokens",
-            "do_sample",
-            "temperature",
-            "top_k",
-            "top_p",
-            "seed",
-            "stream_text",
-            "on_token",
-            "num_beams",
-            "num_return_sequences",
-            "generation_config",
-        }
-    )
-
-    def _request(self) -> nnd_pb2.TraceRequest:
-        from nnd._generation import generate_options
-
-        request = super()._request()
-        request.generate.CopyFrom(generate_options(**self._options))
-        return request
-
-    def _steps_known(self) -> int:
-        from nnd._generation import DEFAULT_MAX_NEW_TOKENS
-
-        return int(self._options.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
-
-    def _deliver(self, results: _results.Results) -> None:
-        super()._deliver(results)
-        reached = len(self.tokens)
-        missed = sorted({step for step in self._unrolled.values() if step >= reached})
-        if missed:
-            import warnings
-
-            warnings.warn(
-                f"step(s) {missed} of a `tracer.iter` loop were never reached: the generation stopped after "
-                f"{reached} step(s), so that part of the loop did not run and values saved there are missing. "
-                "To hold a generation to the loop's count, pass `min_new_tokens=`.",
-                stacklevel=4,
-            )
-
-    def _client_value(self, scope: int) -> Any:
-        """`model.generator.streamer.output`: the streamed ids, per step inside
-        a loop, else one [invokes, steps] table."""
-        from nnd import _torchmod
-
-        torch = _torchmod.available()
-        rows = [list(step.ids) for step in self.tokens]
-        if scope:
-            return [torch.tensor(r) if torch is not None else r for r in rows]
-        table = [list(col) for col in zip(*rows, strict=True)] if rows else []
-        return torch.tensor(table) if torch is not None else table
+    def _kind(self) -> _backends.Backend:
+        return _backends.RemoteGenerate()

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -75,7 +76,7 @@ def default_reply(method: str, request: nnd_pb2.TraceRequest) -> Iterator[nnd_pb
 class FakeNnd(nnd_pb2_grpc.NndServicer):
     modules: list[nnd_pb2.ModuleInfo]
     reply: Reply = default_reply
-    requests: list[tuple[str, nnd_pb2.TraceRequest]] = field(default_factory=list)
+    requests: list[tuple[str, Any]] = field(default_factory=list)  # (method, request message)
     loads: list[nnd_pb2.LoadModelRequest] = field(default_factory=list)
     state: int = nnd_pb2.META
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -116,6 +117,19 @@ class FakeNnd(nnd_pb2_grpc.NndServicer):
 
     def Generate(self, request, context):  # noqa: N802
         yield from self._run("Generate", request, context)
+
+    def Session(self, request, context):  # noqa: N802
+        """Each block answered as `reply` answers it alone, then one done for the session."""
+        self.requests.append(("Session", request))
+        for trace in request.traces:
+            for response in self.reply("Generate" if trace.generate else "Trace", trace.request):
+                if response.WhichOneof("kind") != "done":
+                    yield response
+        yield nnd_pb2.TraceResponse(done=nnd_pb2.TraceDone(compute_s=0.01))
+
+    def CreateEdit(self, request, context):  # noqa: N802
+        self.requests.append(("CreateEdit", request))
+        return nnd_pb2.EditInfo(id=f"edit-{len(self.requests)}", model=request.model)
 
     def Tokenize(self, request, context):  # noqa: N802
         return nnd_pb2.TokenizeResponse(ids=[nnd_pb2.TokenIds(ids=[ord(c) % 64 for c in t]) for t in request.texts])
