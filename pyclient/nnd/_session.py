@@ -69,6 +69,7 @@ class Session:
             raise RuntimeError("this session is already open")
         self._recording = True
         _open().append(self)
+        _objects.mount()  # `[].save()` between the session's blocks, as in nnsight
         return self
 
     def _current(self) -> Tracer:
@@ -113,6 +114,7 @@ class Session:
         stack = _open()
         if self in stack:
             stack.remove(self)
+            _objects.unmount()
         self._recording = False
         if exc_type is not None or not self._traces:
             if self._interaction is not None:
