@@ -171,6 +171,27 @@ def session_python_between_blocks(model: Any) -> dict[str, Any]:
     return {"kept": kept}
 
 
+def setting_inputs_swaps_them(model: Any) -> dict[str, Any]:
+    import torch
+
+    # Setting a module's inputs replaces them: the earlier module's output they alias is left as it was.
+    with model.trace(PROMPT):
+        before = model.transformer.h[0].output.save()
+        model.transformer.h[1].inputs = (torch.zeros_like(model.transformer.h[1].input),) + model.transformer.h[1].inputs[1:]
+        model.transformer.h[1].skip(before)
+        after = model.transformer.h[1].output.save()
+    with model.trace(PROMPT):
+        first = model.transformer.h[0].output.save()
+        model.transformer.h[1].input = torch.zeros_like(model.transformer.h[1].input)
+        logits = model.lm_head.output.save()
+    return {"before": before, "after": after, "first": first, "logits": logits}
+
+
+def calling_the_model_outside_a_block(model: Any) -> dict[str, Any]:
+    encoded = model.tokenizer(PROMPT, return_tensors="pt")
+    return {"logits": model(**encoded)["logits"]}
+
+
 BLOCKS = {
     f.__name__: f
     for f in (
@@ -188,5 +209,7 @@ BLOCKS = {
         model_all_alias,
         stop_skips_the_rest_of_the_block,
         session_python_between_blocks,
+        setting_inputs_swaps_them,
+        calling_the_model_outside_a_block,
     )
 }

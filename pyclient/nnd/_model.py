@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from nnd import _concrete, _context, _envoy, _generation, _placement, _tokenizer, _tracer
+from nnd._proxy import Proxy
 from nnd._results import StepToken
 from nnd.connection import Connection, connect
 from nnd.v1 import nnd_pb2
@@ -204,6 +205,15 @@ class TransformersModel(_envoy.Envoy):
         """Inside `model.generate(...)`: `.output` (generated ids) and
         `.streamer.output` (per-step tokens)."""
         return _generation.Generator()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Inside a block: the model called on traced values (recorded). Outside one, as
+        nnsight's `model(**inputs)`: one forward pass on the daemon, returning its output."""
+        if _context.current_or_none() is not None:
+            return super().__call__(*args, **kwargs)
+        with self.trace(*args, **kwargs):
+            output = self.output.save()
+        return output.value if isinstance(output, Proxy) else output
 
     def to(self, *args: Any, **kwargs: Any) -> TransformersModel:
         """nnsight's `model.to(device)` (`NNsight(net).to("cuda")`): the device the
