@@ -138,7 +138,8 @@ def with_form_branch_on_the_step(model: Any) -> dict[str, Any]:
             if len(seen) == 1:  # Python state that changes from one step to the next
                 model.transformer.h[0].output[:] = 0
             seen.append(model.transformer.h[1].output[0, -1])
-    return {"seen": seen}
+            last = model.lm_head.output[0, -1].save()  # a name the body binds: the last step's value after it
+    return {"seen": seen, "last": last}
 
 
 def model_all_alias(model: Any) -> dict[str, Any]:

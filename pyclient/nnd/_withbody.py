@@ -71,7 +71,8 @@ def run_per_step(frame: FrameType, steps: Iterable[Any]) -> bool:
     """Run the `with` body at `frame`'s line once per item of `steps` (a generator that
     opens each step's scope around the yield). False: the body could not be found; nothing ran."""
     node = _with_node(frame)
-    if node is None or len(node.items) != 1:
+    # A one-line `with x: body` gives Python no new line to stop the body on: it runs once, as before.
+    if node is None or len(node.items) != 1 or node.body[0].lineno == frame.f_lineno:
         return False
     code = _compile(node, frame.f_code.co_filename)
     if code is None:
