@@ -77,6 +77,22 @@ def test_step_selectors(model, fake):
     assert picked == [[0], [1], [2], [0], [2], [0], [1], [2], [2]]
 
 
+def test_with_form_without_source_records_its_body_once(model, fake):
+    # Code whose source Python cannot show (built from a string): the body cannot be re-run per step,
+    # so it runs once, as Python runs it, recorded into one scope the daemon runs at every step.
+    fake[0].reply = gen_reply()
+    namespace = {"model": model}
+    code = (
+        "with model.generate('hi', max_new_tokens=3) as tracer:\n"
+        "    with tracer.iter[0:2]:\n"
+        "        model.lm_head.output.save()\n"
+    )
+    with pytest.warns(FutureWarning):
+        exec(compile(code, "<no source>", "exec"), namespace)  # noqa: S102 - the test's own literal
+    scopes = last_generate(fake).graph.scopes
+    assert [s.steps.WhichOneof("kind") for s in scopes] == ["range"]
+
+
 def test_branching_on_a_step_number_is_plain_python(model, fake):
     fake[0].reply = gen_reply()
     with model.generate("hi", max_new_tokens=3) as tracer:
