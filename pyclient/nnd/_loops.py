@@ -92,6 +92,7 @@ class Loop:
         self._steps = steps
         self._scope = 0
         self._per_step = False
+        self._trace_before: Any = None
 
     def __iter__(self) -> Iterator[Any]:
         tracer = self._tracer
@@ -123,7 +124,7 @@ class Loop:
         if self._tracer._unroll_loops:
             # As nnsight: the body runs once per step (see _withbody.py); Python then skips it.
             frame = sys._getframe(1)
-            self._per_step = _withbody.run_per_step(frame, iter(self))
+            self._per_step, self._trace_before = _withbody.run_per_step(frame, iter(self))
             if self._per_step:
                 return None
         self._scope = self._tracer._builder.push_scope(self._steps)
@@ -132,7 +133,7 @@ class Loop:
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> bool:
         if self._per_step:
             self._per_step = False
-            return _withbody.finish(exc_type)
+            return _withbody.finish(exc_type, self._trace_before)
         self._tracer._builder.pop_scope()
         return False
 

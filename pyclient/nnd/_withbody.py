@@ -67,16 +67,17 @@ def _compile(node: ast.With, filename: str) -> CodeType | None:
         return None
 
 
-def run_per_step(frame: FrameType, steps: Iterable[Any]) -> bool:
+def run_per_step(frame: FrameType, steps: Iterable[Any]) -> tuple[bool, Any]:
     """Run the `with` body at `frame`'s line once per item of `steps` (a generator that
-    opens each step's scope around the yield). False: the body could not be found; nothing ran."""
+    opens each step's scope around the yield). (False, None): the body could not be found and
+    nothing ran; else (True, the trace function to give back to `finish`)."""
     node = _with_node(frame)
     # A one-line `with x: body` gives Python no new line to stop the body on: it runs once, as before.
     if node is None or len(node.items) != 1 or node.body[0].lineno == frame.f_lineno:
-        return False
+        return False, None
     code = _compile(node, frame.f_code.co_filename)
     if code is None:
-        return False
+        return False, None
     target = _target(node, frame)
     function = bool(frame.f_code.co_flags & _CO_OPTIMIZED)
     before = dict(frame.f_locals) if function else {}
@@ -94,8 +95,7 @@ def run_per_step(frame: FrameType, steps: Iterable[Any]) -> bool:
             close()  # a step's scope is closed even when the body raised
     if function:
         _write_back(frame, namespace, before)
-    _skip_body(frame)
-    return True
+    return True, _skip_body(frame)
 
 
 def _write_back(frame: FrameType, namespace: dict[str, Any], before: dict[str, Any]) -> None:
@@ -113,8 +113,9 @@ def _write_back(frame: FrameType, namespace: dict[str, Any], before: dict[str, A
     ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
 
 
-def _skip_body(frame: FrameType) -> None:
-    """Make the frame raise SkipBody on its next line (the body's first)."""
+def _skip_body(frame: FrameType) -> Any:
+    """Make the frame raise SkipBody on its next line (the body's first); returns the trace
+    function that was set before, for `finish`."""
     previous = sys.gettrace()
 
     def skip(_frame: FrameType, _event: str, _arg: Any) -> Any:
@@ -123,15 +124,11 @@ def _skip_body(frame: FrameType) -> None:
     if previous is None:
         sys.settrace(lambda *_: None)  # frame-local trace functions run only while some trace is set
     frame.f_trace = skip
-    _restore.append(previous)
+    return previous
 
 
-_restore: list[Any] = []
-
-
-def finish(exc_type: type[BaseException] | None) -> bool:
+def finish(exc_type: type[BaseException] | None, previous: Any) -> bool:
     """In the loop's `__exit__` after run_per_step: restore tracing; True to swallow the skip signal."""
-    previous = _restore.pop() if _restore else sys.gettrace()
     if previous is None:
         sys.settrace(None)
     return exc_type is SkipBody
