@@ -118,6 +118,81 @@ def out_of_order_after_a_sync(model: Any) -> dict[str, Any]:
     return {"error": None}
 
 
+def with_form_loop_appends_per_step(model: Any) -> dict[str, Any]:
+    # nnsight's deprecated `with` form runs its body once per selected step, like the `for` form.
+    with model.generate(PROMPT, max_new_tokens=4, min_new_tokens=4) as tracer:
+        picks = list().save()
+        with tracer.iter[1:3]:
+            picks.append(model.lm_head.output[0, -1].argmax(dim=-1))
+    with model.generate(PROMPT, max_new_tokens=2, min_new_tokens=2) as tracer:
+        by_step = list().save()
+        with tracer.all():
+            by_step.append([model.transformer.h[0].output[0, -1], model.transformer.h[1].output[0, -1]])
+    return {"picks": picks, "by_step": by_step}
+
+
+def with_form_branch_on_the_step(model: Any) -> dict[str, Any]:
+    with model.generate(PROMPT, max_new_tokens=3, min_new_tokens=3) as tracer:
+        seen = list().save()
+        with tracer.iter[0:3]:
+            if len(seen) == 1:  # Python state that changes from one step to the next
+                model.transformer.h[0].output[:] = 0
+            seen.append(model.transformer.h[1].output[0, -1])
+            last = model.lm_head.output[0, -1].save()  # a name the body binds: the last step's value after it
+    return {"seen": seen, "last": last}
+
+
+def model_all_alias(model: Any) -> dict[str, Any]:
+    # `model.all()` is nnsight 0.8's deprecated alias of `tracer.all()`.
+    with model.generate(PROMPT, max_new_tokens=3, min_new_tokens=3):
+        norms = list().save()
+        with model.all():
+            norms.append(model.transformer.h[1].output[0, -1].norm())
+    return {"norms": norms}
+
+
+def stop_skips_the_rest_of_the_block(model: Any) -> dict[str, Any]:
+    after = "never reached"
+    with model.trace(PROMPT) as tracer:
+        h = model.transformer.h[0].output.save()
+        tracer.stop()
+        after = "reached"  # not run: stop() ends the block's Python too
+    return {"h": h, "after": after}
+
+
+def session_python_between_blocks(model: Any) -> dict[str, Any]:
+    with model.session():
+        kept = [].save()  # `.save()` on a plain object outside the session's traces
+        for i in range(3):
+            if i == 1:
+                continue
+            with model.trace(PROMPT):
+                kept.append(i)
+                kept.append(model.transformer.h[1].output[0, -1].sum())
+    return {"kept": kept}
+
+
+def setting_inputs_swaps_them(model: Any) -> dict[str, Any]:
+    import torch
+
+    # Setting a module's inputs replaces them: the earlier module's output they alias is left as it was.
+    with model.trace(PROMPT):
+        before = model.transformer.h[0].output.save()
+        model.transformer.h[1].inputs = (torch.zeros_like(model.transformer.h[1].input),) + model.transformer.h[1].inputs[1:]
+        model.transformer.h[1].skip(before)
+        after = model.transformer.h[1].output.save()
+    with model.trace(PROMPT):
+        first = model.transformer.h[0].output.save()
+        model.transformer.h[1].input = torch.zeros_like(model.transformer.h[1].input)
+        logits = model.lm_head.output.save()
+    return {"before": before, "after": after, "first": first, "logits": logits}
+
+
+def calling_the_model_outside_a_block(model: Any) -> dict[str, Any]:
+    encoded = model.tokenizer(PROMPT, return_tensors="pt")
+    return {"logits": model(**encoded)["logits"]}
+
+
 BLOCKS = {
     f.__name__: f
     for f in (
@@ -130,5 +205,12 @@ BLOCKS = {
         sync_inside_generation,
         sync_inside_a_session,
         out_of_order_after_a_sync,
+        with_form_loop_appends_per_step,
+        with_form_branch_on_the_step,
+        model_all_alias,
+        stop_skips_the_rest_of_the_block,
+        session_python_between_blocks,
+        setting_inputs_swaps_them,
+        calling_the_model_outside_a_block,
     )
 }

@@ -73,3 +73,20 @@ def test_the_out_of_order_block_does_fail(pair):
     ours, ref = pair
     assert ref["out_of_order_after_a_sync"] == {"error": "OutOfOrderError"}
     assert compat_blocks.out_of_order_after_a_sync(ours) == {"error": "OutOfOrderError"}
+
+
+def test_an_nnsight_module_moved_with_to_runs_on_the_daemon(daemon):
+    # nnsight's `NNsight(net).to(device)`: the handle comes back and traces on the daemon match torch here.
+    from collections import OrderedDict
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(OrderedDict([("first", torch.nn.Linear(5, 10)), ("second", torch.nn.Linear(10, 2))]))
+    wrapped = nnd.NNsight(net, address=daemon.address)
+    assert wrapped.to("cpu") is wrapped
+    x = torch.rand(1, 5)
+    with wrapped.trace(x):
+        hidden = wrapped.first.output.save()
+        out = wrapped.output.save()
+    with torch.no_grad():
+        torch.testing.assert_close(hidden, net.first(x), atol=ATOL, rtol=0)
+        torch.testing.assert_close(out, net(x), atol=ATOL, rtol=0)

@@ -464,16 +464,22 @@ class Executor:
     def write_pre(self, node: PlanNode, state: list[Any], value: Any) -> None:
         args, kwargs = state
         assert node.target is not None
+        # An invoke that owns the whole batch swaps the arguments, as nnsight does: writing into them in
+        # place would also change the earlier module's output they alias (a saved `h[0].output`).
+        whole = node.invoke is None or self.rows[node.invoke] == (0, self.batch_size)
         if node.target.point == graph_pb2.INPUTS:
             if not (isinstance(value, (tuple, list)) and len(value) == 2):
                 raise errors.InvalidArgument(f"{where(node.proto)}\n.inputs must be set to an (args, kwargs) pair")
-            if node.invoke is None:
-                state[0], state[1] = list(value[0]), dict(value[1])
+            if whole:
+                new_args = value[0]
+                # `(h,) + block.inputs[1:]` gives the tensor itself as the args: it is the first argument.
+                state[0] = [new_args] if isinstance(new_args, torch.Tensor) else list(new_args)
+                state[1] = dict(value[1])
                 return
             start, stop = self.rows[node.invoke]
             self.guard(node, lambda: rows.write_rows((args, kwargs), value, start, stop, self.batch_size))
             return
-        if node.invoke is not None:
+        if not whole:
             start, stop = self.rows[node.invoke]
             current = args[0] if args else next(iter(kwargs.values()), None)
             self.guard(node, lambda: rows.write_rows(current, value, start, stop, self.batch_size))

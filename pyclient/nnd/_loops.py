@@ -8,15 +8,19 @@ sync points inside the body behave as in nnsight. A step the generation never
 reaches (it stopped early) runs nothing; the block warns, as nnsight does.
 
 `with tracer.all():` / `with tracer.iter[...]:` (nnsight's deprecated form)
-records its body once into a scope the daemon runs at every selected step.
+runs its body once per step too, as nnsight does (see _withbody.py); where the
+body's source cannot be found it is recorded once into a scope the daemon runs
+at every selected step.
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from nnd import _withbody
 from nnd._usage import value_not_known
 from nnd.v1 import graph_pb2, values_pb2
 
@@ -87,6 +91,8 @@ class Loop:
         self._tracer = tracer
         self._steps = steps
         self._scope = 0
+        self._per_step = False
+        self._trace_before: Any = None
 
     def __iter__(self) -> Iterator[Any]:
         tracer = self._tracer
@@ -107,18 +113,29 @@ class Loop:
             finally:
                 tracer._builder.pop_scope()
 
-    def __enter__(self) -> Step:
+    def __enter__(self) -> Any:
         warnings.warn(
             "The `with tracer.iter[...]:` / `with tracer.all():` block form is deprecated; use "
             "`for step in tracer.iter[...]:` instead.",
             FutureWarning,  # nnsight's deprecations are FutureWarnings, shown by default
             stacklevel=2,
         )
+        self._per_step = False
+        if self._tracer._unroll_loops:
+            # As nnsight: the body runs once per step (see _withbody.py); Python then skips it.
+            frame = sys._getframe(1)
+            self._per_step, self._trace_before = _withbody.run_per_step(frame, iter(self))
+            if self._per_step:
+                return None
         self._scope = self._tracer._builder.push_scope(self._steps)
         return Step(self._scope)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> bool:
+        if self._per_step:
+            self._per_step = False
+            return _withbody.finish(exc_type, self._trace_before)
         self._tracer._builder.pop_scope()
+        return False
 
 
 def steps_of(sel: graph_pb2.StepSelector, total: int) -> list[int]:

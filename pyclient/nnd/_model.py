@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from nnd import _concrete, _envoy, _generation, _placement, _tokenizer, _tracer
+from nnd import _concrete, _context, _envoy, _generation, _placement, _tokenizer, _tracer
+from nnd._proxy import Proxy
 from nnd._results import StepToken
 from nnd.connection import Connection, connect
 from nnd.v1 import nnd_pb2
@@ -203,6 +205,55 @@ class TransformersModel(_envoy.Envoy):
         """Inside `model.generate(...)`: `.output` (generated ids) and
         `.streamer.output` (per-step tokens)."""
         return _generation.Generator()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Inside a block: the model called on traced values (recorded). Outside one, as
+        nnsight's `model(**inputs)`: one forward pass on the daemon, returning its output."""
+        if _context.current_or_none() is not None:
+            return super().__call__(*args, **kwargs)
+        with self.trace(*args, **kwargs):
+            output = self.output.save()
+        return output.value if isinstance(output, Proxy) else output
+
+    def to(self, *args: Any, **kwargs: Any) -> TransformersModel:
+        """nnsight's `model.to(device)` (`NNsight(net).to("cuda")`): the device the
+        daemon dispatches the weights to, and this handle. A dtype argument is left
+        to `dtype=` at load; a model dispatched elsewhere must be released first."""
+        device = kwargs.get("device", args[0] if args else None)
+        if device is None or not isinstance(device, str) and type(device).__name__ != "device":
+            return self  # `.to(dtype)` / `.to(tensor)`: the daemon's placement decides
+        wanted = str(device)
+        placement = nnd_pb2.Placement()
+        if self._placement is not None:
+            placement.CopyFrom(self._placement)
+        if placement.device == wanted:
+            return self
+        if not self.__dict__.get("_deferred") and self.dispatched:
+            current = str(self.device)
+            if current == wanted or current.split(":")[0] == wanted:
+                return self
+            raise RuntimeError(
+                f"{self._name} is dispatched on {current}; release() it before moving it to {wanted} "
+                "(the daemon holds one copy of the weights for every client)"
+            )
+        placement.device = wanted
+        placement.ClearField("device_map")
+        self._placement = placement
+        pending = self.__dict__.get("_deferred_request")
+        if pending is not None:  # an NNsight module not yet sent: it loads with this placement
+            pending.placement.CopyFrom(placement)
+        return self
+
+    @property
+    def iter(self) -> Any:
+        """Deprecated alias of `tracer.iter` (as nnsight 0.8's `model.iter`)."""
+        warnings.warn("model.iter is deprecated; use tracer.iter instead.", FutureWarning, stacklevel=2)
+        return _context.current("`model.iter`").iter
+
+    def all(self) -> Any:
+        """Deprecated alias of `tracer.all()` (as nnsight 0.8's `model.all()`)."""
+        warnings.warn("model.all() is deprecated; use tracer.all() instead.", FutureWarning, stacklevel=2)
+        return _context.current("`model.all()`").all()
 
     # -- lifecycle
     def dispatch(self, progress: Callable[[nnd_pb2.DispatchProgress], None] | None = None) -> TransformersModel:

@@ -38,6 +38,8 @@ def save_any(self: Any) -> Any:
     """`obj.save()` inside a block: keep `obj`, and the block's values inside it, after the block."""
     tracer = _context.current_or_none()
     if tracer is None:
+        if _context.innermost_session() is not None:  # a session's own Python (between its blocks): plain values stay as they are
+            return self
         raise ValueError("`.save()` marks a value to return from a `with model.trace(...):` block; call it inside one")
     tracer._saved_objects.append(self)
     return self

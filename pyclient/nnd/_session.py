@@ -12,7 +12,7 @@ from collections.abc import Hashable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from nnd import _backends, _context, _interact, _results
+from nnd import _backends, _context, _interact, _objects, _results
 from nnd._graph import GraphBuilder
 from nnd.v1 import nnd_pb2
 
@@ -45,6 +45,7 @@ class Session:
             raise RuntimeError("this session is already open")
         self.recording = True
         _context.push(self)
+        _objects.mount()  # `[].save()` between the session's blocks, as in nnsight
         return self
 
     # -- what its blocks' backends use (_backends.SessionMember)
@@ -94,6 +95,8 @@ class Session:
     ) -> None:
         __tracebackhide__ = True  # noqa: F841
         _context.pop(self)
+        if self.recording:
+            _objects.unmount()
         self.recording = False
         if exc_type is not None or not self.blocks:
             if self._interaction is not None:

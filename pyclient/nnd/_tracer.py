@@ -55,6 +55,10 @@ class _Barrier:
         return None
 
 
+class StopBlock(Exception):  # noqa: N818 - a control signal, swallowed by the block's __exit__
+    """Raised by `tracer.stop()`: the rest of the block's Python is skipped, as in nnsight."""
+
+
 class Tracer:
     """A `with` block being recorded. On a clean exit the graph goes to the
     daemon; saved values come back and the block's names are rebound to them.
@@ -145,8 +149,10 @@ class Tracer:
         return self._module("", graph_pb2.RESULT)
 
     def stop(self) -> None:
-        """Stop the forward pass once everything recorded has run."""
+        """Stop the forward pass once everything recorded has run. As in nnsight,
+        the rest of the block does not run (names it would bind stay unbound)."""
         self._builder.stop()
+        raise StopBlock
 
     def cache(
         self,
@@ -285,8 +291,11 @@ class Tracer:
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    ) -> bool | None:
         __tracebackhide__ = True  # noqa: F841  (pytest/IPython hide this frame)
+        if exc_type is not None and issubclass(exc_type, StopBlock):  # tracer.stop(): the block still runs
+            self.__exit__(None, None, None)
+            return True
         _objects.unmount()
         self.holders = self._saved_objects + self._outer  # filled after the block (a session's: after the session)
         self._outer = []

@@ -68,13 +68,29 @@ def test_step_selectors(model, fake):
         for _ in tracer.iter[[0, 2]]:
             model.lm_head.output.save()
         with pytest.warns(FutureWarning, match="deprecated; use `for step in tracer.iter"):
-            with tracer.all():  # nnsight's deprecated form: recorded once, runs at every step
+            with tracer.all():  # nnsight's deprecated form: its body too runs once per step
                 model.lm_head.output.save()
         for _ in tracer.iter[-1:]:
             model.lm_head.output.save()
     scopes = last_generate(fake).graph.scopes
     picked = [list(s.steps.steps.steps) if s.steps.HasField("steps") else "all" for s in scopes]
-    assert picked == [[0], [1], [2], [0], [2], "all", [2]]
+    assert picked == [[0], [1], [2], [0], [2], [0], [1], [2], [2]]
+
+
+def test_with_form_without_source_records_its_body_once(model, fake):
+    # Code whose source Python cannot show (built from a string): the body cannot be re-run per step,
+    # so it runs once, as Python runs it, recorded into one scope the daemon runs at every step.
+    fake[0].reply = gen_reply()
+    namespace = {"model": model}
+    code = (
+        "with model.generate('hi', max_new_tokens=3) as tracer:\n"
+        "    with tracer.iter[0:2]:\n"
+        "        model.lm_head.output.save()\n"
+    )
+    with pytest.warns(FutureWarning):
+        exec(compile(code, "<no source>", "exec"), namespace)  # noqa: S102 - the test's own literal
+    scopes = last_generate(fake).graph.scopes
+    assert [s.steps.WhichOneof("kind") for s in scopes] == ["range"]
 
 
 def test_branching_on_a_step_number_is_plain_python(model, fake):

@@ -1,0 +1,134 @@
+"""Running the body of a `with tracer.iter[...]:` block once per step, as nnsight does.
+
+Python runs a `with` body once, but nnsight 0.8 runs the deprecated
+`with tracer.iter[...]:` / `with tracer.all():` body once per selected step
+(appends collect one value per step, `if step == 1:` branches per step). The
+loop's `__enter__` finds the body in the caller's source (ast of the file
+linecache holds), runs it per step itself in a namespace built from the
+caller's names, copies the names it set back into the caller's frame, and
+makes Python skip the body it would have run once (a trace function raises
+`SkipBody` on the body's first line; `__exit__` swallows it). This is the
+client's own code running in the client; nothing here reaches the daemon.
+
+When the source cannot be found (code typed at a bare `python` prompt) or the
+body cannot run outside its statement (`break`, `return`, `yield`), the body
+runs once as before, recorded into a scope the daemon runs at every step.
+"""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import linecache
+import sys
+from collections.abc import Iterable
+from types import CodeType, FrameType
+from typing import Any
+
+_CO_OPTIMIZED = 0x0001
+
+
+class SkipBody(Exception):  # noqa: N818 - a control signal, not an error the user sees
+    """Raised on the first line of a `with` body that has already run per step."""
+
+
+def _with_node(frame: FrameType) -> ast.With | None:
+    """The innermost `with` statement whose header holds the frame's current line."""
+    lines = linecache.getlines(frame.f_code.co_filename, frame.f_globals)
+    if not lines:
+        return None
+    try:
+        tree = ast.parse("".join(lines))
+    except SyntaxError:
+        return None
+    line = frame.f_lineno
+    found: ast.With | None = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.With) and node.body and node.lineno <= line < node.body[0].lineno:
+            if found is None or node.lineno >= found.lineno:
+                found = node
+    return found
+
+
+def _target(node: ast.With, frame: FrameType) -> str | None:
+    """The `as` name of the loop's item (the one on the frame's line), if a plain name."""
+    for item in node.items:
+        if item.context_expr.lineno <= frame.f_lineno <= (item.context_expr.end_lineno or item.context_expr.lineno):
+            var = item.optional_vars
+            return var.id if isinstance(var, ast.Name) else None
+    return None
+
+
+def _compile(node: ast.With, filename: str) -> CodeType | None:
+    module = ast.Module(body=node.body, type_ignores=[])
+    try:
+        return compile(module, filename, "exec")
+    except SyntaxError:  # break/continue/return/yield only mean something inside the original statement
+        return None
+
+
+def run_per_step(frame: FrameType, steps: Iterable[Any]) -> tuple[bool, Any]:
+    """Run the `with` body at `frame`'s line once per item of `steps` (a generator that
+    opens each step's scope around the yield). (False, None): the body could not be found and
+    nothing ran; else (True, the trace function to give back to `finish`)."""
+    node = _with_node(frame)
+    # A one-line `with x: body` gives Python no new line to stop the body on: it runs once, as before.
+    if node is None or len(node.items) != 1 or node.body[0].lineno == frame.f_lineno:
+        return False, None
+    code = _compile(node, frame.f_code.co_filename)
+    if code is None:
+        return False, None
+    target = _target(node, frame)
+    function = bool(frame.f_code.co_flags & _CO_OPTIMIZED)
+    before = dict(frame.f_locals) if function else {}
+    # A function's names join its globals in one namespace, so comprehensions and lambdas in the body see them.
+    namespace: dict[str, Any] = {**frame.f_globals, **before} if function else frame.f_globals
+    iterator = iter(steps)
+    try:
+        for step in iterator:
+            if target is not None:
+                namespace[target] = step
+            exec(code, namespace)  # noqa: S102 - the user's own block, in the user's process, as Python would run it
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()  # a step's scope is closed even when the body raised
+    if function:
+        _write_back(frame, namespace, before)
+    return True, _skip_body(frame)
+
+
+def _write_back(frame: FrameType, namespace: dict[str, Any], before: dict[str, Any]) -> None:
+    """Copy the names the body (re)bound into the function's frame."""
+    local_names = set(frame.f_code.co_varnames) | set(frame.f_code.co_cellvars) | set(frame.f_code.co_freevars)
+    changed = {k: v for k, v in namespace.items() if k in local_names and (k not in before or before[k] is not v)}
+    if not changed:
+        return
+    if sys.version_info >= (3, 13):  # PEP 667: f_locals writes through to the fast locals
+        for name, value in changed.items():
+            frame.f_locals[name] = value
+        return
+    snapshot = frame.f_locals
+    snapshot.update(changed)
+    ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
+
+
+def _skip_body(frame: FrameType) -> Any:
+    """Make the frame raise SkipBody on its next line (the body's first); returns the trace
+    function that was set before, for `finish`."""
+    previous = sys.gettrace()
+
+    def skip(_frame: FrameType, _event: str, _arg: Any) -> Any:
+        raise SkipBody
+
+    if previous is None:
+        sys.settrace(lambda *_: None)  # frame-local trace functions run only while some trace is set
+    frame.f_trace = skip
+    return previous
+
+
+def finish(exc_type: type[BaseException] | None, previous: Any) -> bool:
+    """In the loop's `__exit__` after run_per_step: restore tracing; True to swallow the skip signal."""
+    if previous is None:
+        sys.settrace(None)
+    return exc_type is SkipBody
