@@ -194,8 +194,17 @@ for _ in call:
 """
 
 
+@pytest.fixture(scope="module")
+def long_trace_s(stub: nnd_pb2_grpc.NndStub, long_gpt2: str) -> float:
+    """How long the long trace takes to run to the end on this box now: the yardstick for
+    "stopped early" below, so a loaded box (where everything is slower) is not a failure."""
+    started = time.monotonic()
+    list(stub.Trace(_long_trace(long_gpt2), timeout=300))
+    return time.monotonic() - started
+
+
 @pytest.mark.parametrize("kind", ["generate", "trace"])
-def test_a_killed_client_frees_the_worker_at_once(faulty, stub, long_gpt2, kind):
+def test_a_killed_client_frees_the_worker_at_once(faulty, stub, long_gpt2, long_trace_s, kind):
     """The daemon cancels the worker's call when its client goes away, even a
     Trace that has sent nothing yet; the engine stops at its next hook."""
     model = long_gpt2
@@ -222,7 +231,10 @@ def test_a_killed_client_frees_the_worker_at_once(faulty, stub, long_gpt2, kind)
     _logits(stub, model)  # waits for the model: only as long as the cancelled request takes to stop
     waited = time.monotonic() - started
     print(f"\n{kind}: the worker was free {waited:.2f} s after its client was killed")
-    assert waited < 1.5, f"the worker went on with a dead client's {kind} for {waited:.1f} s"
+    # A generation stops at its next step (1000 steps take ten seconds or more); a trace at its next
+    # hook: well before the rest of its forward (a third of a whole one, measured on this box now).
+    bound = 1.5 if kind == "generate" else max(1.5, long_trace_s / 3)
+    assert waited < bound, f"the worker went on with a dead client's {kind} for {waited:.1f} s (bound {bound:.1f} s)"
     assert faulty.proc.poll() is None
 
 
