@@ -291,16 +291,69 @@ def _encodable(x: Any) -> bool:
 
 def saved_messages(
     node: int, value: values_pb2.Value, blobs: Iterable[tuple[int, bytes | memoryview]], value_blob: int = 0
-) -> Iterable[nnd_pb2.TraceResponse]:
+) -> Iterable[nnd_pb2.TraceResponse | ChunkResponse]:
     """The Saved message for `node` followed by the chunks of its blobs, in order (`value_blob`: the
     first of them is the value itself, serialized; `value` is then empty)."""
     saved = nnd_pb2.Saved(node=node, value_blob=value_blob) if value_blob else nnd_pb2.Saved(node=node, value=value)
     yield nnd_pb2.TraceResponse(saved=saved)
     for blob, raw in blobs:
-        view = memoryview(raw)
+        view = memoryview(raw).cast("B")
         for start in range(0, len(view), CHUNK_SIZE):
-            # Fields set in place: a Chunk built apart would be copied once more into the response.
-            msg = nnd_pb2.TraceResponse()
-            msg.chunk.blob = blob
-            msg.chunk.data = view[start : start + CHUNK_SIZE].tobytes()
-            yield msg
+            yield ChunkResponse(blob, view[start : start + CHUNK_SIZE])
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _tag(descriptor: Any, name: str, wire_type: int) -> bytes:
+    return _varint(descriptor.fields_by_name[name].number << 3 | wire_type)
+
+
+_CHUNK_TAG = _tag(nnd_pb2.TraceResponse.DESCRIPTOR, "chunk", 2)
+_BLOB_TAG = _tag(nnd_pb2.Chunk.DESCRIPTOR, "blob", 0)
+_DATA_TAG = _tag(nnd_pb2.Chunk.DESCRIPTOR, "data", 2)
+
+
+class ChunkResponse:
+    """A `TraceResponse{chunk}` whose wire bytes are written straight from the saved tensor's memory.
+
+    Building the message would copy each chunk three times (a `bytes` of it, the
+    message's field, the serialized message), each into fresh memory; this makes
+    the serialized message in one copy (gRPC's own copy follows). It answers the
+    few questions the worker asks of a response (`WhichOneof`, `chunk.blob`, which
+    batching renumbers); `message()` is the real thing, for any other use."""
+
+    __slots__ = ("blob", "data")
+
+    def __init__(self, blob: int, data: memoryview) -> None:
+        self.blob = blob
+        self.data = data  # a view of the saved tensor's bytes (valid while the run's saved values are)
+
+    @property
+    def chunk(self) -> ChunkResponse:
+        return self
+
+    def WhichOneof(self, group: str) -> str | None:  # noqa: N802 - the protobuf message's method
+        return "chunk" if group == "kind" else None
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 - the protobuf message's method
+        size = len(self.data)
+        inner = _BLOB_TAG + _varint(self.blob) + _DATA_TAG + _varint(size) if self.blob else _DATA_TAG + _varint(size)
+        return b"".join((_CHUNK_TAG, _varint(len(inner) + size), inner, self.data))
+
+    def message(self) -> nnd_pb2.TraceResponse:
+        msg = nnd_pb2.TraceResponse()
+        msg.chunk.blob = self.blob
+        msg.chunk.data = self.data.tobytes()
+        return msg
+
+
+def as_message(response: Any) -> Any:
+    """`response` as a protobuf message (a ChunkResponse becomes a TraceResponse)."""
+    return response.message() if isinstance(response, ChunkResponse) else response

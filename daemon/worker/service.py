@@ -69,7 +69,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     # -- Run ----------------------------------------------------------------
     def Run(self, request: worker_pb2.WorkerRunRequest, context: grpc.ServicerContext) -> Iterator[Any]:
-        yield from self.run(request, context)
+        from nnd_daemon.engine import wire
+
+        # This service's serializer takes messages only (the data path's takes chunks as they are: gateway.py).
+        for response in self.run(request, context):
+            yield wire.as_message(response)
 
     def run(
         self,

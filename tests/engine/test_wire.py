@@ -54,3 +54,35 @@ def test_unknown_dtype():
     v.tensor.dtype = 99
     with pytest.raises(errors.InvalidArgument, match="dtype"):
         wire.decode_value(v)
+
+
+def test_a_chunk_is_written_as_protobuf_writes_it_and_the_client_reads_it_back():
+    from nnd import _chunks
+    from nnd.v1 import nnd_pb2
+
+    data = bytes(range(256)) * 300
+    for blob in (1, 300, 2**32 - 1):
+        ours = wire.ChunkResponse(blob, memoryview(data))
+        raw = ours.SerializeToString()
+        assert raw == ours.message().SerializeToString()
+        assert nnd_pb2.TraceResponse.FromString(raw).chunk == nnd_pb2.Chunk(blob=blob, data=data)
+        got = _chunks.response(raw)
+        assert isinstance(got, _chunks.Chunk) and got.WhichOneof("kind") == "chunk"
+        assert got.chunk.blob == blob and bytes(got.chunk.data) == data
+
+
+def test_the_client_reads_any_other_layout_with_protobuf():
+    from nnd import _chunks
+    from nnd.v1 import nnd_pb2
+
+    data = b"\x01\x02\x03" * 1000
+    # Fields in another order (valid protobuf a server in another language may write), and an unknown field.
+    inner = b"\x12\xb8\x17" + data + b"\x08\x07"
+    reordered = b"\x12" + bytes([(len(inner) & 0x7F) | 0x80, len(inner) >> 7]) + inner
+    unknown = nnd_pb2.TraceResponse(chunk=nnd_pb2.Chunk(blob=7, data=data)).SerializeToString() + b"\x98\x06\x01"
+    saved = nnd_pb2.TraceResponse(saved=nnd_pb2.Saved(node=3)).SerializeToString()
+    for raw in (reordered, unknown):
+        got = _chunks.response(raw)
+        assert isinstance(got, nnd_pb2.TraceResponse)
+        assert got.chunk.blob == 7 and got.chunk.data == data
+    assert _chunks.response(saved) == nnd_pb2.TraceResponse(saved=nnd_pb2.Saved(node=3))
