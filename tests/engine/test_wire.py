@@ -86,3 +86,34 @@ def test_the_client_reads_any_other_layout_with_protobuf():
         assert isinstance(got, nnd_pb2.TraceResponse)
         assert got.chunk.blob == 7 and got.chunk.data == data
     assert _chunks.response(saved) == nnd_pb2.TraceResponse(saved=nnd_pb2.Saved(node=3))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(3, 5)[1, 2].expand(3_000_000),  # one element, 12 MB
+        lambda: torch.randn(40, 1000, 60).transpose(0, 2),  # rows of 40 000 values
+        lambda: torch.randn(3, 1_100_000)[:, ::2],  # rows of 550 000 values: more than a chunk holds (1 032 192)
+        lambda: torch.randn(2, 1_200_001)[:, 1:],  # rows just over a chunk
+        lambda: torch.randn(3, 700_000, dtype=torch.float64).t(),
+        lambda: (torch.randn(3000, 3000) > 0).t(),
+        lambda: torch.randn(1500, 1500).bfloat16().t(),
+    ],
+)
+def test_a_strided_result_is_sent_as_its_contiguous_bytes(make):
+    from nnd import _chunks
+
+    t = make()
+    assert not t.is_contiguous()
+    encoder = wire.Encoder()
+    msg = encoder.value(t)
+    assert msg.tensor.blob and len(encoder.blobs) == 1
+    responses = list(wire.saved_messages(1, msg, encoder.blobs))[1:]
+    assert len(responses) > 1 and all(len(r.chunk.data) <= wire.CHUNK_SIZE for r in responses)
+    want = wire_results.tensor_bytes(t.contiguous())
+    # As the client receives them (one after the other: strided chunks share one staging buffer) ...
+    received = b"".join(bytes(_chunks.response(r.SerializeToString()).chunk.data) for r in responses)
+    assert received == want
+    # ... and as in-process readers of the responses see them.
+    assert b"".join(bytes(r.chunk.data) for r in responses) == want
+    assert wire.decode_tensor(msg.tensor, want).equal(t)
