@@ -28,7 +28,7 @@ import harness  # noqa: E402
 SAMPLER = pathlib.Path(__file__).resolve().parent / "sampler"
 NND_PATHS = ("/nnd/", "nnd_daemon", "/daemon/", "/pyclient/")
 # A thread is serving a request when its stack passes through one of these.
-HANDLERS = {"daemon": "control/servicer.py", "worker": "worker/service.py"}
+HANDLERS = {"daemon": "control/servicer.py", "worker": "worker/"}
 
 
 def _short(key: str) -> str:

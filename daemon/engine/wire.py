@@ -9,7 +9,7 @@ the wire bytes.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,8 +174,9 @@ class Encoder:
     before its messages are built."""
 
     next_blob: int = 1
-    # Blob id -> a view of the saved tensor's bytes (valid while the run's saved values stay unchanged).
-    blobs: list[tuple[int, memoryview]] = field(default_factory=list)
+    # Blob id -> a view of the saved tensor's bytes, or the strided tensor itself (valid while the run's
+    # saved values stay unchanged).
+    blobs: list[tuple[int, memoryview | torch.Tensor]] = field(default_factory=list)
     total_bytes: int = 0
     max_bytes: int = 0
     inline: bool = False  # every tensor inline (inside a value that travels serialized: `saved`)
@@ -205,13 +206,15 @@ class Encoder:
                 msg.shm, msg.shm_offset = place
                 self.placed += 1
                 return msg
-        raw = tensor_view(t)
-        if len(raw) < INLINE_LIMIT or self.inline:
-            msg.data = raw.tobytes()
-        else:
+        if nbytes >= INLINE_LIMIT and not self.inline:
             msg.blob = self.next_blob
-            self.blobs.append((self.next_blob, raw))
+            # A strided CPU view (a slice, an expand) is copied chunk by chunk as it is sent, not first
+            # into a contiguous copy of its own (fresh memory: a page fault per 4 KiB).
+            strided = t.device.type == "cpu" and not t.is_contiguous()
+            self.blobs.append((self.next_blob, t.detach() if strided else tensor_view(t)))
             self.next_blob += 1
+        else:
+            msg.data = tensor_view(t).tobytes()
         return msg
 
     def saved(self, x: Any) -> tuple[values_pb2.Value, bytes | None]:
@@ -290,17 +293,146 @@ def _encodable(x: Any) -> bool:
 
 
 def saved_messages(
-    node: int, value: values_pb2.Value, blobs: Iterable[tuple[int, bytes | memoryview]], value_blob: int = 0
-) -> Iterable[nnd_pb2.TraceResponse]:
+    node: int,
+    value: values_pb2.Value,
+    blobs: Iterable[tuple[int, bytes | memoryview | torch.Tensor]],
+    value_blob: int = 0,
+) -> Iterable[nnd_pb2.TraceResponse | ChunkResponse]:
     """The Saved message for `node` followed by the chunks of its blobs, in order (`value_blob`: the
     first of them is the value itself, serialized; `value` is then empty)."""
     saved = nnd_pb2.Saved(node=node, value_blob=value_blob) if value_blob else nnd_pb2.Saved(node=node, value=value)
     yield nnd_pb2.TraceResponse(saved=saved)
     for blob, raw in blobs:
-        view = memoryview(raw)
+        if isinstance(raw, torch.Tensor):
+            staging = _Staging()
+            for pieces in _chunked(raw, CHUNK_SIZE // raw.element_size()):
+                yield ChunkResponse(blob, _Strided(pieces, staging))
+            continue
+        view = memoryview(raw).cast("B")
         for start in range(0, len(view), CHUNK_SIZE):
-            # Fields set in place: a Chunk built apart would be copied once more into the response.
-            msg = nnd_pb2.TraceResponse()
-            msg.chunk.blob = blob
-            msg.chunk.data = view[start : start + CHUNK_SIZE].tobytes()
-            yield msg
+            yield ChunkResponse(blob, view[start : start + CHUNK_SIZE])
+
+
+def _pieces(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
+    """Views of `t` of at most `limit` elements each, covering it in row-major order."""
+    if t.numel() <= limit:
+        yield t
+    elif t.dim() == 1:
+        for start in range(0, t.shape[0], limit):
+            yield t[start : start + limit]
+    elif t[0].numel() <= limit:
+        rows = limit // t[0].numel()
+        for start in range(0, t.shape[0], rows):
+            yield t[start : start + rows]
+    else:
+        for row in t:
+            yield from _pieces(row, limit)
+
+
+def _chunked(t: torch.Tensor, limit: int) -> Iterator[list[torch.Tensor]]:
+    """`t`'s pieces grouped into chunks of at most `limit` elements."""
+    group: list[torch.Tensor] = []
+    size = 0
+    for piece in _pieces(t, limit):
+        if size + piece.numel() > limit:
+            yield group
+            group, size = [], 0
+        group.append(piece)
+        size += piece.numel()
+    if group:
+        yield group
+
+
+class _Staging:
+    """One chunk's worth of memory, reused for every chunk of a strided blob: its chunks are
+    serialized one after the other, on the thread that sends them."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor:
+        if self.buffer is None:
+            self.buffer = torch.empty(CHUNK_SIZE, dtype=torch.uint8)
+        return self.buffer
+
+
+class _Strided:
+    """The bytes of a few views of a strided tensor, in order, gathered when serialized."""
+
+    def __init__(self, pieces: list[torch.Tensor], staging: _Staging) -> None:
+        self.pieces = pieces
+        self.staging = staging
+        self.nbytes = sum(p.numel() for p in pieces) * pieces[0].element_size()
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def view(self) -> memoryview:
+        """The bytes, in the staging buffer (valid until the next chunk of the blob is gathered)."""
+        buffer = self.staging.get()[: self.nbytes]
+        typed = buffer.view(self.pieces[0].dtype)
+        at = 0
+        for p in self.pieces:
+            typed[at : at + p.numel()].view(p.shape).copy_(p)
+            at += p.numel()
+        return memoryview(buffer.numpy())
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _tag(descriptor: Any, name: str, wire_type: int) -> bytes:
+    return _varint(descriptor.fields_by_name[name].number << 3 | wire_type)
+
+
+_CHUNK_TAG = _tag(nnd_pb2.TraceResponse.DESCRIPTOR, "chunk", 2)
+_BLOB_TAG = _tag(nnd_pb2.Chunk.DESCRIPTOR, "blob", 0)
+_DATA_TAG = _tag(nnd_pb2.Chunk.DESCRIPTOR, "data", 2)
+
+
+class ChunkResponse:
+    """A `TraceResponse{chunk}` whose wire bytes are written straight from the saved tensor's memory.
+
+    Building the message would copy each chunk three times (a `bytes` of it, the
+    message's field, the serialized message), each into fresh memory; this makes
+    the serialized message in one copy (gRPC's own copy follows). It answers the
+    few questions the worker asks of a response (`WhichOneof`, `chunk.blob`, which
+    batching renumbers); `message()` is the real thing, for any other use."""
+
+    __slots__ = ("_data", "blob")
+
+    def __init__(self, blob: int, data: memoryview | _Strided) -> None:
+        self.blob = blob
+        self._data = data  # the saved tensor's bytes, read when sent (the run's saved values are final by then)
+
+    @property
+    def data(self) -> memoryview | bytes:
+        """The chunk's bytes, as `Chunk.data` (a copy of its own for a strided tensor's)."""
+        return self._data.view().tobytes() if isinstance(self._data, _Strided) else self._data
+
+    def _bytes(self) -> memoryview:
+        """The chunk's bytes, to send at once (a strided tensor's lie in the blob's staging buffer)."""
+        return self._data.view() if isinstance(self._data, _Strided) else self._data
+
+    @property
+    def chunk(self) -> ChunkResponse:
+        return self
+
+    def WhichOneof(self, group: str) -> str | None:  # noqa: N802 - the protobuf message's method
+        return "chunk" if group == "kind" else None
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 - the protobuf message's method
+        size = len(self._data)
+        inner = _BLOB_TAG + _varint(self.blob) + _DATA_TAG + _varint(size) if self.blob else _DATA_TAG + _varint(size)
+        return b"".join((_CHUNK_TAG, _varint(len(inner) + size), inner, self._bytes()))
+
+    def message(self) -> nnd_pb2.TraceResponse:
+        msg = nnd_pb2.TraceResponse()
+        msg.chunk.blob = self.blob
+        msg.chunk.data = self._bytes().tobytes()
+        return msg

@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from nnd import _chunks
 from nnd.errors import DaemonUnavailable
 from nnd.v1 import nnd_pb2, nnd_pb2_grpc
 
@@ -38,7 +39,7 @@ class Route:
     address: str
     epoch: int
     channel: grpc.Channel
-    stub: nnd_pb2_grpc.NndStub
+    stub: _chunks.DataStub
 
 
 class Router:
@@ -132,7 +133,7 @@ class Router:
             if (model, answer.epoch) in self._unreachable:
                 return None
         channel = grpc.insecure_channel(answer.address, options=self._options)
-        route = Route(answer.address, answer.epoch, channel, nnd_pb2_grpc.NndStub(channel))
+        route = Route(answer.address, answer.epoch, channel, _chunks.DataStub(channel))
         with self._lock:
             old = self._routes.get(model)
             if old is not None and old.epoch == route.epoch:

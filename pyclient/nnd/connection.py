@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from nnd import _address, _route
+from nnd import _address, _chunks, _route
 from nnd.errors import DaemonUnavailable, NndError, from_rpc_error
 from nnd.v1 import nnd_pb2_grpc
 
@@ -102,6 +102,7 @@ class Connection:
         else:
             self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self.stub = nnd_pb2_grpc.NndStub(self.channel)
+        self.data = _chunks.DataStub(self.channel)  # the streams that carry results
         self.direct = (
             not self.tls and _address.unix_path(self.address) is not None and os.environ.get("NND_DIRECT") != "0"
         )
@@ -129,7 +130,8 @@ class Connection:
         yield from self._stream(method, request, timeout)
 
     def _stream(self, method: str, request: Any, timeout: float | None) -> Iterator[Any]:
-        call = getattr(self.stub, method)(request, timeout=timeout, metadata=self._metadata())
+        stub = self.data if hasattr(self.data, method) else self.stub
+        call = getattr(stub, method)(request, timeout=timeout, metadata=self._metadata())
         try:
             yield from call
         except grpc.RpcError as err:
@@ -152,7 +154,7 @@ class Connection:
         yield from self._bidi(method, requests(), timeout)
 
     def _bidi(self, method: str, requests: Iterator[Any], timeout: float | None) -> Iterator[Any]:
-        call = getattr(self.stub, method)(requests, timeout=timeout, metadata=self._metadata())
+        call = getattr(self.data, method)(requests, timeout=timeout, metadata=self._metadata())
         try:
             yield from call
         except grpc.RpcError as err:

@@ -54,3 +54,66 @@ def test_unknown_dtype():
     v.tensor.dtype = 99
     with pytest.raises(errors.InvalidArgument, match="dtype"):
         wire.decode_value(v)
+
+
+def test_a_chunk_is_written_as_protobuf_writes_it_and_the_client_reads_it_back():
+    from nnd import _chunks
+    from nnd.v1 import nnd_pb2
+
+    data = bytes(range(256)) * 300
+    for blob in (1, 300, 2**32 - 1):
+        ours = wire.ChunkResponse(blob, memoryview(data))
+        raw = ours.SerializeToString()
+        assert raw == ours.message().SerializeToString()
+        assert nnd_pb2.TraceResponse.FromString(raw).chunk == nnd_pb2.Chunk(blob=blob, data=data)
+        got = _chunks.response(raw)
+        assert isinstance(got, _chunks.Chunk) and got.WhichOneof("kind") == "chunk"
+        assert got.chunk.blob == blob and bytes(got.chunk.data) == data
+
+
+def test_the_client_reads_any_other_layout_with_protobuf():
+    from nnd import _chunks
+    from nnd.v1 import nnd_pb2
+
+    data = b"\x01\x02\x03" * 1000
+    # Fields in another order (valid protobuf a server in another language may write), and an unknown field.
+    inner = b"\x12\xb8\x17" + data + b"\x08\x07"
+    reordered = b"\x12" + bytes([(len(inner) & 0x7F) | 0x80, len(inner) >> 7]) + inner
+    unknown = nnd_pb2.TraceResponse(chunk=nnd_pb2.Chunk(blob=7, data=data)).SerializeToString() + b"\x98\x06\x01"
+    saved = nnd_pb2.TraceResponse(saved=nnd_pb2.Saved(node=3)).SerializeToString()
+    for raw in (reordered, unknown):
+        got = _chunks.response(raw)
+        assert isinstance(got, nnd_pb2.TraceResponse)
+        assert got.chunk.blob == 7 and got.chunk.data == data
+    assert _chunks.response(saved) == nnd_pb2.TraceResponse(saved=nnd_pb2.Saved(node=3))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(3, 5)[1, 2].expand(3_000_000),  # one element, 12 MB
+        lambda: torch.randn(40, 1000, 60).transpose(0, 2),  # rows of 40 000 values
+        lambda: torch.randn(3, 1_100_000)[:, ::2],  # rows of 550 000 values: more than a chunk holds (1 032 192)
+        lambda: torch.randn(2, 1_200_001)[:, 1:],  # rows just over a chunk
+        lambda: torch.randn(3, 700_000, dtype=torch.float64).t(),
+        lambda: (torch.randn(3000, 3000) > 0).t(),
+        lambda: torch.randn(1500, 1500).bfloat16().t(),
+    ],
+)
+def test_a_strided_result_is_sent_as_its_contiguous_bytes(make):
+    from nnd import _chunks
+
+    t = make()
+    assert not t.is_contiguous()
+    encoder = wire.Encoder()
+    msg = encoder.value(t)
+    assert msg.tensor.blob and len(encoder.blobs) == 1
+    responses = list(wire.saved_messages(1, msg, encoder.blobs))[1:]
+    assert len(responses) > 1 and all(len(r.chunk.data) <= wire.CHUNK_SIZE for r in responses)
+    want = wire_results.tensor_bytes(t.contiguous())
+    # As the client receives them (one after the other: strided chunks share one staging buffer) ...
+    received = b"".join(bytes(_chunks.response(r.SerializeToString()).chunk.data) for r in responses)
+    assert received == want
+    # ... and as in-process readers of the responses see them.
+    assert b"".join(bytes(r.chunk.data) for r in responses) == want
+    assert wire.decode_tensor(msg.tensor, want).equal(t)

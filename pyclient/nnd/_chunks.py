@@ -1,0 +1,113 @@
+"""Data-method stubs whose responses skip protobuf for result chunks.
+
+A big result streams as `TraceResponse{chunk}` messages of a few MiB. Parsing
+one with protobuf copies its data twice more (into the message, then out as
+`bytes`), each time into fresh memory; here the chunk's data is a view of the
+bytes gRPC received, which the client copies once, into the result's buffer
+(_results.py). Every other response is parsed by protobuf as before, and so is
+any chunk laid out otherwise than the two fields in order (another server's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from nnd.v1 import nnd_pb2
+
+
+def _number(descriptor: Any, name: str) -> int:
+    return int(descriptor.fields_by_name[name].number)
+
+
+_CHUNK = _number(nnd_pb2.TraceResponse.DESCRIPTOR, "chunk")
+_BLOB = _number(nnd_pb2.Chunk.DESCRIPTOR, "blob")
+_DATA = _number(nnd_pb2.Chunk.DESCRIPTOR, "data")
+_VARINT, _LEN = 0, 2
+
+
+class Chunk:
+    """A `TraceResponse{chunk}` read without protobuf; answers what readers of responses ask
+    (`WhichOneof("kind")`, `chunk.blob`, `chunk.data`)."""
+
+    __slots__ = ("blob", "data")
+
+    def __init__(self, blob: int, data: memoryview) -> None:
+        self.blob = blob
+        self.data = data  # a view of the received message
+
+    @property
+    def chunk(self) -> Chunk:
+        return self
+
+    def WhichOneof(self, group: str) -> str | None:  # noqa: N802 - the protobuf message's method
+        return "chunk" if group == "kind" else None
+
+
+def _varint(buf: memoryview, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if at >= len(buf) or shift > 63:
+            raise ValueError("truncated varint")
+        byte = buf[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, at
+        shift += 7
+
+
+def _chunk(raw: bytes) -> Chunk | None:
+    """The chunk in `raw` when it is exactly `chunk {blob; data}` (or `chunk {data}`), else None."""
+    buf = memoryview(raw)
+    tag, at = _varint(buf, 0)
+    if tag != (_CHUNK << 3 | _LEN):
+        return None
+    size, at = _varint(buf, at)
+    if at + size != len(buf):
+        return None
+    blob = 0
+    tag, at = _varint(buf, at)
+    if tag == (_BLOB << 3 | _VARINT):
+        blob, at = _varint(buf, at)
+        tag, at = _varint(buf, at)
+    if tag != (_DATA << 3 | _LEN):
+        return None
+    size, at = _varint(buf, at)
+    if at + size != len(buf):
+        return None
+    return Chunk(blob, buf[at:])
+
+
+def response(raw: bytes) -> nnd_pb2.TraceResponse | Chunk:
+    """A data method's response: a `Chunk` for a result chunk, else the parsed message."""
+    try:
+        chunk = _chunk(raw)
+    except ValueError:
+        chunk = None
+    return chunk if chunk is not None else nnd_pb2.TraceResponse.FromString(raw)
+
+
+class DataStub:
+    """Trace, Generate, Session and Interact of nnd.v1.Nnd on `channel` (as `NndStub` has them),
+    their responses read by `response`."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        def stream(method: str, request: Any) -> Any:
+            return channel.unary_stream(
+                f"/nnd.v1.Nnd/{method}",
+                request_serializer=request.SerializeToString,
+                response_deserializer=response,
+                _registered_method=True,
+            )
+
+        self.Trace = stream("Trace", nnd_pb2.TraceRequest)
+        self.Generate = stream("Generate", nnd_pb2.TraceRequest)
+        self.Session = stream("Session", nnd_pb2.SessionRequest)
+        self.Interact = channel.stream_stream(
+            "/nnd.v1.Nnd/Interact",
+            request_serializer=nnd_pb2.InteractRequest.SerializeToString,
+            response_deserializer=response,
+            _registered_method=True,
+        )
