@@ -121,7 +121,7 @@ class Loop:
             stacklevel=2,
         )
         self._per_step = False
-        if self._tracer._unroll_loops:
+        if self._tracer.backend.unroll_loops:
             # As nnsight: the body runs once per step (see _withbody.py); Python then skips it.
             frame = sys._getframe(1)
             self._per_step, self._trace_before = _withbody.run_per_step(frame, iter(self))
