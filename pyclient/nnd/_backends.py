@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from nnd import _context, _interact, _objects, _rebind, _results, _source
+from nnd._generation import GENERATE_OPTIONS
 from nnd._graph import GraphBuilder
 from nnd.errors import NndError
 from nnd.v1 import nnd_pb2
@@ -32,22 +33,8 @@ if TYPE_CHECKING:
 # shm=True: big saved tensors come back through shared memory (same host, unix socket; _shm.py).
 # pause_timeout: seconds the daemon keeps a run paused at a sync point waiting for this client.
 _TRACE_OPTIONS = frozenset({"keep_alive", "shm", "timeout", "pause_timeout"})
-_GENERATE_OPTIONS = _TRACE_OPTIONS | frozenset(
-    {
-        "max_new_tokens",
-        "min_new_tokens",
-        "do_sample",
-        "temperature",
-        "top_k",
-        "top_p",
-        "seed",
-        "stream_text",
-        "on_token",
-        "num_beams",
-        "num_return_sequences",
-        "generation_config",
-    }
-)
+# on_token: called with each step's token as it arrives (the stream API has its own iterator).
+_GENERATE_OPTIONS = _TRACE_OPTIONS | GENERATE_OPTIONS | {"on_token"}
 
 
 class Backend:
