@@ -33,7 +33,7 @@ from typing import Any
 import psutil
 
 from nnd.v1 import helper_pb2, nnd_pb2, worker_pb2
-from nnd_daemon import errors, loadoptions, requests
+from nnd_daemon import errors, intake, loadoptions
 from nnd_daemon.control import gpus, metamodel, statefile, tplaunch, uploads
 from nnd_daemon.control.helper import Helper
 from nnd_daemon.control.settings import Settings, parse_duration
@@ -167,8 +167,8 @@ class Registry:
             log_dir=self.log_dir,
             public_dir=self.run_dir,
             start_timeout_s=settings.worker_start_timeout_s,
-            limits=requests.pick(lim, requests.ENGINE_LIMIT_FIELDS),
-            request_limits=requests.pick(lim, requests.REQUEST_LIMIT_FIELDS),
+            limits=intake.pick(lim, intake.ENGINE_LIMIT_FIELDS),
+            request_limits=intake.pick(lim, intake.REQUEST_LIMIT_FIELDS),
             batch_window_ms=settings.batch_window_ms,
             token=token,  # workers ask clients for the daemon's token too
         )

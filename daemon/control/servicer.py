@@ -19,7 +19,7 @@ import grpc
 
 from nnd import __version__
 from nnd.v1 import graph_pb2, helper_pb2, nnd_pb2, worker_pb2
-from nnd_daemon import aliases, errors, requests, shared
+from nnd_daemon import aliases, errors, intake, shared
 from nnd_daemon.control import forward
 from nnd_daemon.control.inflight import InflightBudget
 from nnd_daemon.control.registry import Registry
@@ -149,7 +149,7 @@ class NndServicer:
         every message to the model's worker as bytes, and its answers back (worker/gateway.py
         parses, checks and completes them, as for a forwarded Trace)."""
         raw = next(raws, None)
-        first = requests.parse(nnd_pb2.InteractRequest, raw or b"")
+        first = intake.parse(nnd_pb2.InteractRequest, raw or b"")
         if first.WhichOneof("kind") != "start":
             raise errors.InvalidArgument("an Interact stream starts with an InteractStart")
         start = first.start
@@ -208,7 +208,7 @@ class NndServicer:
     # -- edits --------------------------------------------------------------
     def CreateEdit(self, request: nnd_pb2.CreateEditRequest, context: grpc.ServicerContext) -> nnd_pb2.EditInfo:
         entry = self.registry.get(request.model)
-        requests.check_nodes(request.graph, "the edit")
+        intake.check_nodes(request.graph, "the edit")
         graph = graph_pb2.Graph()
         graph.CopyFrom(request.graph)
         _resolve_aliases(entry.meta, [graph])
@@ -217,7 +217,7 @@ class NndServicer:
                 f"the edit is {graph.ByteSize()} bytes, over the limit max_request_bytes="
                 f"{self.settings.limits.max_request_bytes}"
             )
-        requests.check_depth(graph, "the edit")
+        intake.check_depth(graph, "the edit")
         check = helper_pb2.HelperEditRequest(model=entry.meta.ref, graph=graph)
         self.registry.helper.call("CheckEdit", check, what="this edit's check", client=context)
         edit = entry.meta.edits.create(

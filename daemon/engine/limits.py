@@ -1,5 +1,5 @@
 """Per-request limits the engine enforces while a request runs (0 = unlimited). What can be checked
-from the request alone (its size, its number of invokes) is checked before it runs: daemon/requests.py."""
+from the request alone (its size, its number of invokes) is checked before it runs: daemon/intake.py."""
 
 from __future__ import annotations
 

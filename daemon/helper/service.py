@@ -61,7 +61,7 @@ class HelperService(helper_pb2_grpc.HelperServicer):
         return meta.describe(self._model(request))
 
     def Scan(self, request: helper_pb2.HelperScanRequest, context: grpc.ServicerContext) -> Any:
-        from nnd_daemon import aliases, engine, requests
+        from nnd_daemon import aliases, engine, intake
 
         built = self._model(request.model)
         limits = SimpleNamespace(**json.loads(request.limits_json or "{}"))
@@ -75,7 +75,7 @@ class HelperService(helper_pb2_grpc.HelperServicer):
                 raise errors.NndError(f"internal error: edit {missing[0]!r} was not attached to the scan")
             return dict(request.edits)
 
-        run = requests.prepare(
+        run = intake.prepare(
             "Session" if request.session else "Scan",
             request.request,
             limits,
@@ -83,7 +83,7 @@ class HelperService(helper_pb2_grpc.HelperServicer):
             stacks=stacks,
             scan=True,
         )
-        engine_limits = requests.engine_limits(limits)
+        engine_limits = intake.engine_limits(limits)
         out = helper_pb2.HelperScanResponse()
         common = dict(
             emit=out.responses.append, cancelled=lambda: not context.is_active(), limits=engine_limits, edits=run.edits

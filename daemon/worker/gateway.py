@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from nnd.v1 import nnd_pb2, worker_pb2
-from nnd_daemon import aliases, errors, requests, shared
+from nnd_daemon import aliases, errors, intake, shared
 
 _SERVICE = "nnd.v1.Nnd"
 
@@ -32,8 +32,8 @@ class Gateway:
         self.service = service
         self.name = name
         self.epoch = epoch
-        # The request limits the daemon passed at start (requests.REQUEST_LIMIT_FIELDS).
-        self.limits = SimpleNamespace(**{f: limits.get(f, 0) for f in requests.REQUEST_LIMIT_FIELDS})
+        # The request limits the daemon passed at start (intake.REQUEST_LIMIT_FIELDS).
+        self.limits = SimpleNamespace(**{f: limits.get(f, 0) for f in intake.REQUEST_LIMIT_FIELDS})
         self._lock = threading.Lock()
         self._bindings: list[worker_pb2.AliasBinding] = []
         self._table: aliases.AliasTable | None = None
@@ -115,7 +115,7 @@ class Gateway:
         Trace is; later ones add nodes (their alias paths rewritten here). A malformed later
         message ends the stream, as the client going away does."""
         self._check_epoch(context)
-        first = requests.parse(nnd_pb2.InteractRequest, next(raws, b""))
+        first = intake.parse(nnd_pb2.InteractRequest, next(raws, b""))
         if first.WhichOneof("kind") != "start":
             raise errors.InvalidArgument("an Interact stream starts with an InteractStart")
         start = first.start
@@ -130,7 +130,7 @@ class Gateway:
             keep_alive = session.keep_alive
         else:
             request = start.request
-            requests.check(request, self.limits, generate=start.generate)
+            intake.check(request, self.limits, generate=start.generate)
             aliases.rewrite_graphs([request.graph], self._aliases())
             run = worker_pb2.WorkerRunRequest(
                 request=request, generate=start.generate, edits=self._stacks(list(request.edits))
@@ -171,11 +171,11 @@ class Gateway:
             self.service.activity.end()
 
     def _complete(self, model: str, traces: Any) -> None:
-        """A session's traces, checked and with alias paths rewritten (as `requests.prepare` does)."""
+        """A session's traces, checked and with alias paths rewritten (as `intake.prepare` does)."""
         for trace in traces:
             if not trace.request.model:
                 trace.request.model = model
-            requests.check(trace.request, self.limits, generate=trace.generate)
+            intake.check(trace.request, self.limits, generate=trace.generate)
         aliases.rewrite_graphs([t.request.graph for t in traces], self._aliases())
 
     def _run(
@@ -209,7 +209,7 @@ class Gateway:
                 timer.cancel()
 
     def _prepare(self, method: str, raw: bytes) -> worker_pb2.WorkerRunRequest:
-        return requests.prepare(
+        return intake.prepare(
             method,
             raw,
             self.limits,

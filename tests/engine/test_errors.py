@@ -9,7 +9,7 @@ import torch
 from graphs import Graph, N, S, idx
 
 from nnd.v1 import values_pb2
-from nnd_daemon import errors, requests
+from nnd_daemon import errors, intake
 from nnd_daemon.engine import EngineLimits
 
 PROMPT = "The Eiffel Tower is in the city of"
@@ -160,10 +160,10 @@ def test_limits(gpt2):
     with pytest.raises(errors.ResourceExhausted, match="max_saved_bytes=100"):
         gpt2.run(g.request(PROMPT), limits=EngineLimits(max_saved_bytes=100))
     # The number of invokes is the request's own: checked once, before it runs (not by the engine).
-    request_limits = SimpleNamespace(**{**dict.fromkeys(requests.REQUEST_LIMIT_FIELDS, 0), "max_invokes": 1})
+    request_limits = SimpleNamespace(**{**dict.fromkeys(intake.REQUEST_LIMIT_FIELDS, 0), "max_invokes": 1})
     with pytest.raises(errors.ResourceExhausted, match="max_invokes=1"):
-        requests.check(g.request(PROMPT, PROMPT), request_limits, generate=False)
-    assert "max_invokes" not in requests.ENGINE_LIMIT_FIELDS
+        intake.check(g.request(PROMPT, PROMPT), request_limits, generate=False)
+    assert "max_invokes" not in intake.ENGINE_LIMIT_FIELDS
     with pytest.raises(errors.ResourceExhausted, match="max_sequence_length=3"):
         gpt2.run(g.request(PROMPT), limits=EngineLimits(max_sequence_length=3))
     g.save(g.const(torch.zeros(100)))

@@ -1,6 +1,7 @@
-"""Checks of a trace request against the daemon's limits, before any work
-(in the worker for data requests, in the daemon for scans and edits; no torch here:
-the control plane imports it)."""
+"""A request's intake, before any work: its bytes parsed, checked against the daemon's limits
+(size, depth, nodes, invokes), alias paths rewritten and stored edits attached (`prepare`).
+The worker takes in data requests, the helper scans, the daemon edits; no torch here:
+the control plane imports it."""
 
 from __future__ import annotations
 
