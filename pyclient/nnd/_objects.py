@@ -2,17 +2,23 @@
 
 nnsight gives every object a `.save()` while it is imported (`[].save()`,
 `dict().save()`), and delivers the values a block places into containers that
-existed before it (`results["h"] = h`) without `.save()`. nnd does both for
-the duration of a block: `save` is mounted on `object` while any block is open
-(removed when the last one closes), and at a block's end the proxies found in
-saved objects and in the containers its frame held when it opened are saved,
-then replaced by their values in place.
+existed before it (`results["h"] = h`) without `.save()`. nnd does both. `save`
+is mounted on `object` when a block opens. Once torch is in the process it stays
+mounted, as nnsight's stays while nnsight is imported: mounting invalidates every
+class's method cache, ~1 ms per block with torch loaded. Before that, the last
+block to close takes it off again, so torch's own import (whose extension defines
+`save`s of its own) finds nothing in its way. Outside a block it raises, as
+nnsight's does, or hands the object to the `save` mounted before nnd's (nnsight's,
+when a process uses both). At a block's end the proxies found in saved objects
+and in the containers its frame held when it opened are saved, then replaced by
+their values in place.
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
+import sys
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -30,16 +36,19 @@ _MAX_ITEMS = 100_000  # as _rebind: a container this big holds data, not a block
 _CONTAINERS = (list, dict, tuple)
 _lock = threading.Lock()
 _open = 0
-_previous: list[Any] = []  # what `object.save` was before nnd mounted its own (nnsight's, or nothing)
-_MISSING: Any = object()
+_previous: Any = None  # the `object.save` nnd's replaced (nnsight's), called outside nnd's blocks
 
 
-def save_any(self: Any) -> Any:
-    """`obj.save()` inside a block: keep `obj`, and the block's values inside it, after the block."""
+def save_any(self: Any, _: Any = None) -> Any:
+    """`obj.save()` inside a block: keep `obj`, and the block's values inside it, after the block.
+    (The unused default argument is for code that reads the signatures of every method a class
+    lists, as torch's inductor does: a method with only `self` would make it generate bad code.)"""
     tracer = _context.current_or_none()
     if tracer is None:
         if _context.innermost_session() is not None:  # a session's own Python (between its blocks): plain values stay as they are
             return self
+        if _previous is not None:  # nnsight's, in a process that uses both: its blocks' values
+            return _previous(self)
         raise ValueError("`.save()` marks a value to return from a `with model.trace(...):` block; call it inside one")
     tracer._saved_objects.append(self)
     return self
@@ -51,34 +60,35 @@ def _object_dict() -> dict[str, Any]:
 
 
 def mount() -> None:
-    """A block opens: `object.save` exists until the last open block closes."""
-    global _open
+    """A block opens: `object.save` is nnd's while it is open (see the module's docstring)."""
+    global _open, _previous
     with _lock:
         _open += 1
-        if _open > 1:
+        namespace = _object_dict()
+        current = namespace.get("save")
+        if current is save_any:
             return
         # `nnd.save` is a lazy module attribute: bind it first, or `object.save` would answer for it.
         import nnd
 
         nnd.__getattr__("save")
-        namespace = _object_dict()
-        _previous.append(namespace.get("save", _MISSING))
+        _previous = current if callable(current) else None  # another library's, mounted since
         namespace["save"] = save_any
         ctypes.pythonapi.PyType_Modified(ctypes.py_object(object))
 
 
 def unmount() -> None:
+    """A block closes: the last one takes `save` off `object` again while torch is not loaded."""
     global _open
     with _lock:
         _open = max(0, _open - 1)
-        if _open or not _previous:
-            return
         namespace = _object_dict()
-        before = _previous.pop()
-        if before is _MISSING:
+        if _open or "torch" in sys.modules or namespace.get("save") is not save_any:
+            return
+        if _previous is None:
             namespace.pop("save", None)
         else:
-            namespace["save"] = before
+            namespace["save"] = _previous
         ctypes.pythonapi.PyType_Modified(ctypes.py_object(object))
 
 
