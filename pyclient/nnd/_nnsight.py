@@ -52,7 +52,9 @@ def export(module: Any, example_inputs: Any, *, dynamic: bool = True) -> bytes:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"NNsight wraps a torch.nn.Module, not a {type(module).__name__}")
     args = _as_args(example_inputs)
-    placed = {t.device.type for t in [*module.parameters(), *module.buffers()]}
+    # Under the lock: another thread's export of the same module swaps its parameters while it traces.
+    with _EXPORT_LOCK:
+        placed = {t.device.type for t in [*module.parameters(), *module.buffers()]}
     placed |= {a.device.type for a in args if isinstance(a, torch.Tensor)}
     if placed - {"cpu"}:
         raise ExportError(
