@@ -147,6 +147,17 @@ class Gateway:
                 if msg.WhichOneof("kind") != "more":
                     return
                 more = msg.more
+                try:  # each continuation is held to the limits the stream's first message was
+                    limit = int(self.limits.max_request_bytes)
+                    if limit and len(raw) > limit:
+                        raise errors.ResourceExhausted(
+                            f"a continuation of {len(raw)} bytes is over the daemon's limit max_request_bytes={limit}"
+                        )
+                    intake.check_nodes(more.graph, "a continuation")
+                    intake.check_depth(more, "a continuation")
+                except errors.NndError as err:  # the paused run fails with it
+                    yield err
+                    return
                 aliases.rewrite_graphs([more.graph], self._aliases())
                 if more.traces:
                     if not run.HasField("session"):
