@@ -123,7 +123,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     try:
         from nnd_daemon.control import cli_serve
     except ImportError as exc:
-        print(f"nnd: the daemon needs the server extra: pip install 'nnd[daemon]' ({exc})", file=sys.stderr)
+        print(f"nnd: the daemon needs the server extra: pip install 'nnd-daemon[daemon]' ({exc})", file=sys.stderr)
         return 1
     return cli_serve.run(ns)
 
