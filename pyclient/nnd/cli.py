@@ -299,6 +299,18 @@ def cmd_trace(ns: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- parser
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions keep their line breaks; every option with a real default says it in --help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        shown = not (default is None or default is False or default is argparse.SUPPRESS or isinstance(default, list))
+        if shown and "%(default)" not in text and (action.option_strings or action.nargs in ("?", "*")):
+            text += " (default: %(default)s)"
+        return text
+
+
 def _placement_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help='where the weights go: "cpu", "cuda", "cuda:1" or a GPU index')
     p.add_argument("--device-map", help='"auto", "balanced", "cuda", or a JSON object {module: device}')
@@ -318,8 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="nnd",
         description="nnd: a daemon that keeps models loaded and lets any client look inside them.",
         epilog=QUICKSTART,
-        formatter_class=argparse.RawDescriptionHelpFormatter,  # the quickstart keeps its line breaks
+        formatter_class=_HelpFormatter,
     )
+    from nnd import __version__
+
+    parser.add_argument("--version", action="version", version=f"nnd {__version__}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--address", default=None, help="daemon address: unix:///path, a socket path, or host:port")
     common.add_argument("--token", default=None, help="bearer token for a TCP daemon (default: $NND_TOKEN)")
@@ -327,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     def add(name: str, fn: Callable[[argparse.Namespace], int], help_: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, parents=[common], help=help_, description=help_)
+        p = sub.add_parser(name, parents=[common], help=help_, description=help_, formatter_class=_HelpFormatter)
         p.set_defaults(fn=fn)
         return p
 
@@ -373,12 +388,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("generate", cmd_generate, "generate text, printed as it comes")
     p.add_argument("model")
     p.add_argument("prompt")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--do-sample", action="store_true")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate")
+    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: the model's default)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
+    p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold (0: off)")
+    p.add_argument("--seed", type=int, help="seed for sampling, for reproducible text")
 
     p = add("trace", cmd_trace, "run a graph from a file (protobuf text format or JSON) and print what it saved")
     p.add_argument("model")
