@@ -395,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold (0: off)")
     p.add_argument("--seed", type=int, help="seed for sampling, for reproducible text")
 
+    p = add("completion", cmd_completion, "print the shell completion script: eval \"$(nnd completion bash)\"")
+    p.add_argument("shell", choices=["bash", "zsh", "fish"], help="the shell to complete in")
+
     p = add("trace", cmd_trace, "run a graph from a file (protobuf text format or JSON) and print what it saved")
     p.add_argument("model")
     p.add_argument("--graph", required=True, help="a TraceRequest or Graph in text format (.txtpb/.textproto) or JSON")
@@ -403,8 +406,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def cmd_completion(ns: argparse.Namespace) -> int:
+    import argcomplete
+
+    print(argcomplete.shellcode(["nnd"], shell=ns.shell))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    if "_ARGCOMPLETE" in os.environ:  # a shell asking for completions (nnd completion SHELL installed the hook)
+        import argcomplete
+
+        argcomplete.autocomplete(parser)
     ns = parser.parse_args(argv)
     if ns.address is not None:
         ns.address = _address.normalize(ns.address)
