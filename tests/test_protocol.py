@@ -378,6 +378,18 @@ def test_worked_example_file_runs_through_the_cli(daemon, gpt2):
     assert from_cli.shape == from_python.shape == (1, 14, 320)
     np.testing.assert_allclose(from_cli, from_python, atol=1e-5, rtol=0)
     assert np.abs(plain[0, -1] - from_python[0, -1]).max() > 1e-2
+    # Without --json: one summary line per saved value (shape, dtype, first values, statistics), not 4,480 numbers.
+    (line,) = daemon.cli("trace", model, "--graph", str(GRAPH_FILE)).stdout.splitlines()
+    assert line.startswith("node 7: [1, 14, 320] float32  [") and len(line) < 300, line
+    assert f"min {from_cli.min():.4g}  max {from_cli.max():.4g}  mean {from_cli.mean():.4g}" in line, line
+
+
+def test_json_output_keeps_numbers_numbers(daemon, gpt2):
+    """`--json` is for programs: 64-bit counts and config values are numbers, not the strings protobuf's
+    JSON mapping makes of them."""
+    (info,) = [m for m in json.loads(daemon.cli("ps", "--json").stdout) if m["name"] == gpt2]
+    assert isinstance(info["num_parameters"], int) and info["num_parameters"] > 0
+    assert isinstance(info["config"]["n_layer"], int) and info["config"]["model_type"] == "gpt2"
 
 
 def test_the_documented_worked_example_is_that_graph_for_gpt2_small():

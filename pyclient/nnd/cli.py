@@ -80,9 +80,9 @@ def _placement(ns: argparse.Namespace) -> Any:
 
 
 def _model_dict(m: Any) -> dict[str, Any]:
-    from google.protobuf import json_format
+    from nnd import clitools
 
-    return json_format.MessageToDict(m, preserving_proto_field_name=True)
+    return clitools.plain_message(m)
 
 
 def _print_json(obj: Any) -> None:

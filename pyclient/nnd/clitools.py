@@ -33,6 +33,50 @@ def describe(value: values_pb2.Value) -> str:
     return repr(getattr(value, kind)) if kind else "?"
 
 
+def _number(text: str) -> Any:
+    """A config summary value ("768", "1e-05", "True") as the number or bool it spells; other text as is."""
+    if text in ("True", "False"):
+        return text == "True"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def plain_message(msg: Any) -> dict[str, Any]:
+    """A protobuf message as JSON-able Python for `--json`: like protobuf's JSON mapping (set fields only,
+    enum names, field names as in the .proto), except that 64-bit integers stay numbers (the mapping makes
+    them strings) and the config summary's values are numbers where they spell one."""
+    import base64
+
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    def one(field: Any, value: Any) -> Any:
+        if field.type == F.TYPE_MESSAGE:
+            return plain_message(value)
+        if field.type == F.TYPE_ENUM:
+            return field.enum_type.values_by_number[value].name if value in field.enum_type.values_by_number else value
+        if field.type == F.TYPE_BYTES:
+            return base64.b64encode(value).decode()
+        return value
+
+    out: dict[str, Any] = {}
+    for field, value in msg.ListFields():
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            vfield = field.message_type.fields_by_name["value"]
+            items = {str(k): one(vfield, v) for k, v in value.items()}
+            if field.name == "config" and vfield.type == F.TYPE_STRING:
+                items = {k: _number(v) for k, v in items.items()}
+            out[field.name] = items
+        elif field.is_repeated:
+            out[field.name] = [one(field, v) for v in value]
+        else:
+            out[field.name] = one(field, value)
+    return out
+
+
 def collect(stream: Any) -> tuple[dict[int, values_pb2.Value], dict[int, bytearray], list[nnd_pb2.StepTokens]]:
     """Saved values by node id, chunk bytes by blob id, streamed steps."""
     saved: dict[int, values_pb2.Value] = {}
@@ -68,21 +112,27 @@ _NUMPY = {
 }
 
 
-def to_plain(value: values_pb2.Value, blobs: dict[int, bytearray]) -> Any:
-    """A saved value as JSON-able Python: tensors become nested lists."""
+def _array(t: values_pb2.Tensor, blobs: dict[int, bytearray]) -> Any:
     import numpy as np
 
+    data = bytes(blobs.get(t.blob, b"")) if t.blob else t.data
+    if t.dtype == values_pb2.BFLOAT16:  # widen to float32: the upper half of its bits
+        arr = (np.frombuffer(data, "<u2").astype("<u4") << 16).view("<f4")
+    elif t.dtype in _NUMPY:
+        arr = np.frombuffer(data, _NUMPY[t.dtype])
+    else:
+        raise SystemExit(f"nnd: cannot show a {_DTYPE_NAMES.get(t.dtype, '?')} tensor here; use the Python client")
+    return arr.reshape(list(t.shape))
+
+
+def to_plain(value: values_pb2.Value, blobs: dict[int, bytearray]) -> Any:
+    """A saved value as JSON-able Python: tensors become nested lists."""
     kind = value.WhichOneof("kind")
     if kind == "tensor":
         t = value.tensor
         if t.meta:
             return {"shape": list(t.shape), "dtype": _DTYPE_NAMES.get(t.dtype, "?")}
-        data = bytes(blobs.get(t.blob, b"")) if t.blob else t.data
-        if t.dtype == values_pb2.BFLOAT16:  # widen to float32: the upper half of its bits
-            arr = (np.frombuffer(data, "<u2").astype("<u4") << 16).view("<f4")
-        else:
-            arr = np.frombuffer(data, _NUMPY[t.dtype])
-        return arr.reshape(list(t.shape)).tolist()
+        return _array(t, blobs).tolist()
     if kind in ("list", "tuple"):
         return [to_plain(v, blobs) for v in getattr(value, kind).items]
     if kind == "map":
@@ -175,10 +225,29 @@ def trace_graph_file(conn: Any, model: str, ns: argparse.Namespace) -> int:
         req.invokes.extend(nnd_pb2.Invoke(text=p) for p in ns.prompt)
     generate = req.HasField("generate") and req.generate.max_new_tokens > 0
     saved, blobs, _ = collect(conn.stream("Generate" if generate else "Trace", req))
-    out = {str(node): to_plain(value, blobs) for node, value in sorted(saved.items())}
     if ns.json:
-        print(json.dumps(out, indent=2))
+        print(json.dumps({str(node): to_plain(value, blobs) for node, value in sorted(saved.items())}, indent=2))
     else:
-        for node, value in out.items():
-            print(f"node {node}: {json.dumps(value)}")
+        for node, value in sorted(saved.items()):
+            print(f"node {node}: {summarize(value, blobs)}")
     return 0
+
+
+def summarize(value: values_pb2.Value, blobs: dict[int, bytearray], *, head: int = 6) -> str:
+    """One line for a saved value: a tensor's shape, dtype, first values and statistics (the whole tensor
+    is what `--json` prints); anything else as its short description or value."""
+    import numpy as np
+
+    kind = value.WhichOneof("kind")
+    if kind != "tensor" or value.tensor.meta:
+        return json.dumps(to_plain(value, blobs)) if kind not in ("list", "tuple", "map") else describe(value)
+    t = value.tensor
+    arr = _array(t, blobs)
+    flat = arr.reshape(-1)
+    first = ", ".join(f"{v:.4g}" if flat.dtype.kind == "f" else str(v) for v in flat[:head].tolist())
+    more = ", ..." if flat.size > head else ""
+    text = f"{describe(value)}  [{first}{more}]"
+    if flat.size and flat.dtype.kind in "fiub":
+        x = flat.astype(np.float64)
+        text += f"  min {x.min():.4g}  max {x.max():.4g}  mean {x.mean():.4g}  std {x.std():.4g}"
+    return text
