@@ -133,6 +133,14 @@ def test_cli_generate_prints_text(daemon, tiny_models):
     assert out.startswith(PROMPT) and len(out.strip()) > len(PROMPT)
 
 
+def test_cli_generate_refused_prints_no_prompt(daemon, tiny_models):
+    """A refused generation is one error line, not the prompt echoed as if text were coming."""
+    path = tiny_models["gpt2"]
+    daemon.cli("load", path)
+    res = daemon.cli("generate", path, PROMPT, "--max-new-tokens", "500", check=False)
+    assert res.returncode == 1 and res.stdout == "" and "learned positions" in res.stderr, res
+
+
 def test_min_new_tokens_outlasts_an_early_end_of_sequence(gpt2):
     with gpt2.generate(PROMPT, max_new_tokens=12, min_new_tokens=12) as tracer:
         ids = tracer.result.save()

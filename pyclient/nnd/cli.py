@@ -173,6 +173,11 @@ def _dispatch(ns: argparse.Namespace, model: str) -> int:
             bar.update(msg.stage, msg.done, msg.total, msg.unit, msg.message)
             if msg.HasField("model"):
                 final = msg.model
+    except KeyboardInterrupt:
+        bar.close()
+        # Cancelling the stream makes the daemon stop the half-started worker (registry.dispatch).
+        print(f"nnd: dispatch of {model} interrupted; the daemon stopped loading it (it stays META)", file=sys.stderr)
+        return 130
     finally:
         bar.close()
     if final is not None:

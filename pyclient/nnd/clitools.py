@@ -186,13 +186,15 @@ def generate_text(conn: Any, model: str, prompt: str, ns: argparse.Namespace) ->
     if ns.seed is not None:
         opts.seed = ns.seed
     req = nnd_pb2.TraceRequest(model=model, invokes=[nnd_pb2.Invoke(text=prompt)], generate=opts)
-    sys.stdout.write(prompt)
-    sys.stdout.flush()
+    echoed = False  # the prompt is echoed once the daemon has accepted the request, never before a refusal
     for msg in conn.stream("Generate", req):
+        if not echoed:
+            sys.stdout.write(prompt)
+            echoed = True
         if msg.WhichOneof("kind") == "step" and msg.step.text:
             sys.stdout.write(msg.step.text[0])
-            sys.stdout.flush()
-    sys.stdout.write("\n")
+        sys.stdout.flush()
+    sys.stdout.write("\n" if echoed else "")
     return 0
 
 
