@@ -34,7 +34,7 @@ import psutil
 
 from nnd.v1 import helper_pb2, nnd_pb2, worker_pb2
 from nnd_daemon import errors, intake, loadoptions
-from nnd_daemon.control import gpus, metamodel, statefile, tplaunch, uploads
+from nnd_daemon.control import gpus, metamodel, modelroots, statefile, tplaunch, uploads
 from nnd_daemon.control.helper import Helper
 from nnd_daemon.control.settings import Settings, parse_duration
 from nnd_daemon.control.supervisor import Launcher, WorkerFactory, WorkerHandle, WorkerOrder
@@ -253,6 +253,7 @@ class Registry:
         allow = self.settings.allow_models
         if allow and not any(_allows(a, name) for a in allow):
             raise errors.PermissionDenied(f"model {name!r} is not in this daemon's allow-list")
+        modelroots.check_folder(self.settings, name)
 
     def unload(self, name: str) -> None:
         entry = self.get(name)
