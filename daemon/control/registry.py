@@ -206,6 +206,7 @@ class Registry:
         if req.keep_alive:
             _keep_alive_seconds(req.keep_alive)
         loadoptions.check(req.options)
+        loadoptions.check_placement(req.placement)
         while True:
             with self._lock:
                 if name in self._entries:
@@ -288,6 +289,7 @@ class Registry:
         if again is not None:
             override = again.placement
         placement = _merge(entry.placement, override)
+        loadoptions.check_placement(placement)
         # Refuse a tensor-parallel degree this model or machine cannot run, before any process starts.
         tplaunch.check(entry.meta.config, placement, self.gpus.count())
         _check_gpus_visible(placement, self.gpus.count())
