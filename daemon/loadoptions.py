@@ -43,7 +43,7 @@ def check(options: nnd_pb2.LoadOptions) -> None:
     if options.attn_implementation:
         check_attention(options.attn_implementation, "options.attn_implementation")
     if options.config_json:
-        _check_attention_keys(_config_dict(options.config_json))
+        _check_config_values(_config_dict(options.config_json))
 
 
 def check_attention(value: object, where: str) -> None:
@@ -68,9 +68,10 @@ def check_attention(value: object, where: str) -> None:
         )
 
 
-def _check_attention_keys(data: dict[str, Any]) -> None:
+def _check_config_values(data: dict[str, Any]) -> None:
     # Every spelling transformers reads (attn_implementation, _attn_implementation,
-    # _attn_implementation_internal), at any level: text_config, vision_config, ...
+    # _attn_implementation_internal), at any level: text_config, vision_config, ...; and the
+    # dtypes transformers turns into torch attributes (getattr(torch, name)).
     stack: list[tuple[str, Any]] = [("config_json", data)]
     while stack:
         where, node = stack.pop()
@@ -82,8 +83,16 @@ def _check_attention_keys(data: dict[str, Any]) -> None:
                 if name.endswith("_autoset") and isinstance(value, bool):
                     continue
                 check_attention(value, f"options.{here}")
+            elif isinstance(node, dict) and name in ("dtype", "torch_dtype"):
+                _check_config_dtype(value, f"options.{here}")
             elif isinstance(value, (dict, list)):
                 stack.append((here, value))
+
+
+def _check_config_dtype(value: object, where: str) -> None:
+    if value is None or (isinstance(value, str) and value.removeprefix("torch.") in (*FLOAT_DTYPES, "auto")):
+        return
+    raise errors.InvalidArgument(f"{where} is {str(value)[:80]!r}: use one of {', '.join(FLOAT_DTYPES)} or 'auto'")
 
 
 def _too_deep(data: Any) -> bool:

@@ -119,8 +119,11 @@ def vet(folder: str, policy: Policy) -> list[_Entry]:
     seen = 0
     while dirs:
         rel_dir, real_dir, depth = dirs.pop()
-        with os.scandir(real_dir) as it:
-            names = sorted(e.name for e in it)
+        try:
+            with os.scandir(real_dir) as it:
+                names = sorted(e.name for e in it)
+        except OSError as exc:
+            raise errors.PermissionDenied(f"{os.path.join(folder, rel_dir)} cannot be listed: {exc.strerror}") from None
         for name in names:
             if name.startswith("."):
                 continue
@@ -162,7 +165,10 @@ def _check_file(shown: str, real: str, policy: Policy) -> None:
     if policy.allow and not any(admits(p, real) for p in policy.allow):
         raise errors.PermissionDenied(f"{shown} ({real}) is not in this daemon's allow-list")
     if policy.public and not policy.roots:
-        why = _not_public(real)
+        try:
+            why = _not_public(real)
+        except OSError as exc:
+            why = exc.strerror or "cannot be checked"
         if why:
             raise errors.PermissionDenied(
                 f"{shown} is not readable by every user ({why}); this daemon serves several users and names no "

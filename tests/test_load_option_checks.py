@@ -81,6 +81,9 @@ def test_client_mistakes_in_load_options_are_invalid_argument(served, tiny_model
     )
     _invalid(stub, model, "os.system", placement=nnd_pb2.Placement(dtype="os.system"))
     _invalid(stub, model, "os.system", placement=nnd_pb2.Placement(compute_dtype="os.system"))
+    for config in ({"dtype": "os.system"}, {"torch_dtype": {"a": 1}}, {"text_config": {"dtype": "os.system"}}):
+        body = json.dumps({"model_type": "gpt2", **config})
+        _invalid(stub, model, "dtype", options=nnd_pb2.LoadOptions(config_json=body))
     if not _installed("flash_attn"):
         _invalid(stub, model, "flash_attn", options=nnd_pb2.LoadOptions(attn_implementation="flash_attention_2"))
     _invalid(stub, model, "../../tmp", placement=nnd_pb2.Placement(device_map=json.dumps({"": "../../tmp"})))
@@ -154,7 +157,12 @@ def test_a_route_call_needs_its_epoch_and_its_own_model(served, tiny_models):
 # ---------------------------------------------------------------- the fuzzer
 
 _json_scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=40)
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False),
+    st.text(max_size=40),
+    st.sampled_from(["os.system", "float16", "auto", "torch.bfloat16", "sdpa", "org/repo", "../../etc/passwd"]),
 )
 _attn_values = st.one_of(
     st.sampled_from(["eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "org/repo"]),

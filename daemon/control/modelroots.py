@@ -3,9 +3,7 @@ policy its helper and workers apply to every file (daemon/modelfiles.py)."""
 
 from __future__ import annotations
 
-import grp
 import os
-import pwd
 
 from nnd_daemon import errors, modelfiles
 from nnd_daemon.control.auth import Access
@@ -23,22 +21,11 @@ def policy(settings: Settings, access: Access) -> modelfiles.Policy:
 
 
 def others_can_call(settings: Settings, access: Access) -> bool:
-    """Whether a user other than the daemon's own may call it: over TCP, or through a socket group
-    that has other members (gRPC does not tell a server its caller's uid)."""
-    if access.listen:
-        return True
-    try:
-        group = grp.getgrnam(settings.socket_group) if settings.socket_group else grp.getgrgid(os.getegid())
-    except KeyError:
-        return False  # a gid without a name has no members by name
-    me = os.geteuid()
-    members = {m for m in group.gr_mem}
-    try:
-        members |= {p.pw_name for p in pwd.getpwall() if p.pw_gid == group.gr_gid}
-        members.discard(pwd.getpwuid(me).pw_name)
-    except KeyError:
-        pass
-    return bool(members)
+    """Whether the daemon is set up for users other than its own: a TCP listener, or a socket group
+    named for them (gRPC does not tell a server its caller's uid). The default socket belongs to
+    the daemon's own primary group; counting that group's members instead would depend on what
+    /etc/passwd happens to list (gid 0 has `operator` on some systems)."""
+    return bool(access.listen) or bool(settings.socket_group)
 
 
 def check_folder(settings: Settings, name: str) -> None:

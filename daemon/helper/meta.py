@@ -69,10 +69,10 @@ def build(ref: helper_pb2.HelperModel) -> Built:
     kwargs: dict[str, Any] = {"trust_remote_code": ref.trust_remote_code}
     if ref.revision:
         kwargs["revision"] = ref.revision
-    if os.path.isdir(source):
-        check_config_file(source)
     # Only the folder's vetted files, pinned open while transformers reads them (modelfiles.py).
     with modelfiles.opened(source) as path:
+        if os.path.isdir(path):
+            check_config_file(path)
         try:
             config = AutoConfig.from_pretrained(path, **kwargs)
         except OSError as exc:
