@@ -197,9 +197,7 @@ class Gateway:
 
         try:
             yield from self._run(
-                run,
-                context,
-                lambda stop, on_error: self.service.interact(run, start, messages(), context, stop, on_error),
+                run, context, lambda stop, on_error: self.service.interact(run, start, messages(), context, stop, on_error)
             )
         finally:
             self.service.activity.end()
