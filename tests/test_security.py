@@ -176,17 +176,22 @@ def plain(tmp_path_factory, tiny_models) -> tuple[Daemon, int, grp.struct_group]
         "--insecure",
         "--allow-model",
         tiny_models["gpt2"],
+        # Others in the socket group may call it: without a root it would read only world-readable files.
+        "--model-root",
+        os.path.dirname(tiny_models["gpt2"]),
     )
     yield d, port, group
     d.stop()
 
 
 @pytest.fixture(scope="module")
-def guarded(tmp_path_factory) -> tuple[Daemon, int]:
+def guarded(tmp_path_factory, tiny_models) -> tuple[Daemon, int]:
     """A token on loopback TCP (and so on the socket too); remote code allowed."""
     tmp = tmp_path_factory.mktemp("guarded")
     port = _free_port()
-    d = _serve(tmp, "--listen", f"127.0.0.1:{port}", "--token-file", _token_file(tmp), "--allow-remote-code")
+    root = os.path.dirname(tiny_models["gpt2"])
+    args = ["--token-file", _token_file(tmp), "--allow-remote-code", "--model-root", root]
+    d = _serve(tmp, "--listen", f"127.0.0.1:{port}", *args)
     yield d, port
     d.stop()
 
@@ -407,3 +412,31 @@ def test_refused_token_is_logged_without_the_secret(guarded):
         time.sleep(0.05)
     assert "refused /nnd.v1.Nnd/ListModels" in d.log()
     assert "leaked-guess" not in d.log() and TOKEN not in d.log()
+
+
+# ---------------------------------------------------------------- the state directory
+
+
+def test_a_second_daemon_on_one_state_directory_refuses_and_a_killed_one_blocks_nothing(tmp_path):
+    for sub in ("a", "b", "c"):
+        (tmp_path / sub).mkdir()
+    first = _serve(tmp_path / "a")
+    state = first.state_dir
+    registry = pathlib.Path(state) / "registry.json"
+    before = registry.read_bytes() if registry.exists() else None
+    sock = tmp_path / "b" / "run" / "nnd.sock"
+    res = _nnd("serve", "--address", f"unix://{sock}", "--state-dir", state, timeout=60)
+    assert res.returncode != 0
+    err = res.stderr.strip()
+    assert err.startswith("nnd: ") and len(err.splitlines()) == 1, err
+    assert f"pid {first.proc.pid}" in err and first.address in err, err
+    assert not sock.exists()
+    assert (registry.read_bytes() if registry.exists() else None) == before
+    assert _health(first.address) == 1
+    first.proc.kill()  # SIGKILL: no cleanup ran; the kernel drops the lock with the process
+    first.proc.wait()
+    again = _serve(tmp_path / "c", "--state-dir", state)
+    try:
+        assert _health(again.address) == 1
+    finally:
+        again.stop()

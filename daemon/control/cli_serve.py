@@ -53,6 +53,7 @@ def settings_from_args(ns: argparse.Namespace) -> Settings:
         max_memory=max_memory,
         allow_remote_code=ns.allow_remote_code,
         allow_models=ns.allow_model or [],
+        model_roots=getattr(ns, "model_root", None) or [],
         socket_group=ns.socket_group,
         watchdog_interval_s=ns.watchdog_interval,
         watchdog_timeout_s=ns.watchdog_timeout,

@@ -34,7 +34,7 @@ import psutil
 
 from nnd.v1 import helper_pb2, nnd_pb2, worker_pb2
 from nnd_daemon import errors, intake, loadoptions
-from nnd_daemon.control import gpus, metamodel, statefile, tplaunch, uploads
+from nnd_daemon.control import gpus, metamodel, modelroots, statefile, tplaunch, uploads
 from nnd_daemon.control.helper import Helper
 from nnd_daemon.control.settings import Settings, parse_duration
 from nnd_daemon.control.supervisor import Launcher, WorkerFactory, WorkerHandle, WorkerOrder
@@ -206,6 +206,7 @@ class Registry:
         if req.keep_alive:
             _keep_alive_seconds(req.keep_alive)
         loadoptions.check(req.options)
+        loadoptions.check_placement(req.placement)
         while True:
             with self._lock:
                 if name in self._entries:
@@ -253,6 +254,7 @@ class Registry:
         allow = self.settings.allow_models
         if allow and not any(_allows(a, name) for a in allow):
             raise errors.PermissionDenied(f"model {name!r} is not in this daemon's allow-list")
+        modelroots.check_folder(self.settings, name)
 
     def unload(self, name: str) -> None:
         entry = self.get(name)
@@ -287,6 +289,7 @@ class Registry:
         if again is not None:
             override = again.placement
         placement = _merge(entry.placement, override)
+        loadoptions.check_placement(placement)
         # Refuse a tensor-parallel degree this model or machine cannot run, before any process starts.
         tplaunch.check(entry.meta.config, placement, self.gpus.count())
         _check_gpus_visible(placement, self.gpus.count())

@@ -19,8 +19,8 @@ from google.protobuf.message import DecodeError
 
 from nnd.v1 import address as _address
 from nnd.v1 import nnd_pb2
-from nnd_daemon import errors, shared
-from nnd_daemon.control import health, statedir
+from nnd_daemon import errors, modelfiles, shared
+from nnd_daemon.control import health, modelroots, statedir
 from nnd_daemon.control.admission import Admission
 from nnd_daemon.control.auth import Access
 from nnd_daemon.control.registry import Registry
@@ -136,8 +136,12 @@ class Daemon:
         self.access = access or Access()
         try:
             statedir.prepare(settings.state_dir)
+            # One daemon per state directory: a second one would re-dispatch the first's models and,
+            # on exit, overwrite its registry. Held until this process ends.
+            self._state_lock = statedir.lock(settings.state_dir, settings.address)
         except (statedir.StateDirError, OSError) as exc:
             raise SystemExit(f"nnd: {exc}") from None
+        os.environ[modelfiles.ENV] = modelroots.policy(settings, self.access).to_json()
         self.registry = Registry(settings, token=self.access.token)
         self.servicer = NndServicer(settings, self.registry)
         self.admission = Admission(

@@ -55,6 +55,8 @@ class Settings:
     allow_remote_code: bool = False
     # Repo ids / path prefixes a LoadModel may name; empty: anything.
     allow_models: list[str] = field(default_factory=list)
+    # Folders local models may be read from (--model-root); empty: any folder (daemon/modelfiles.py).
+    model_roots: list[str] = field(default_factory=list)
     socket_group: str | None = None
     worker_start_timeout_s: float = 120.0
     # The worker watchdog: every `watchdog_interval_s` the daemon asks each

@@ -63,3 +63,29 @@ def open_log(path: str) -> int:
     """A worker log opened for appending: created 0640, never through a link."""
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
     return os.open(path, flags, 0o640)
+
+
+LOCK_FILE = "serve.lock"
+
+
+def lock(state_dir: str, address: str) -> int:
+    """Hold the state directory for this process: an flock on `serve.lock`, which the kernel drops when
+    the process ends however it ends (a killed daemon never blocks the next one). Another live daemon
+    holding it stops this one, with its pid and socket, before this one reads or writes anything else."""
+    import fcntl
+
+    path = os.path.join(os.path.abspath(state_dir), LOCK_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").split()
+        os.close(fd)
+        pid, where = (holder + ["?", "?"])[:2]
+        raise StateDirError(
+            f"the state directory {state_dir} is in use by another nnd serve (pid {pid}, socket {where}); "
+            "stop it or give this one another --state-dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} {address}\n".encode(), 0)
+    return fd

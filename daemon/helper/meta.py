@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nnd.v1 import helper_pb2, nnd_pb2
-from nnd_daemon import errors, loadoptions
+from nnd_daemon import errors, loadoptions, modelfiles
 from nnd_daemon.shared import (
     BYTES_PER_PARAM,
     DIVIDED_FIELDS,
@@ -69,21 +69,24 @@ def build(ref: helper_pb2.HelperModel) -> Built:
     kwargs: dict[str, Any] = {"trust_remote_code": ref.trust_remote_code}
     if ref.revision:
         kwargs["revision"] = ref.revision
-    if os.path.isdir(source):
-        check_config_file(source)
-    try:
-        config = AutoConfig.from_pretrained(source, **kwargs)
-    except OSError as exc:
-        where = "directory" if os.path.isdir(source) else "repo id or local path"
-        raise errors.NotFound(f"cannot load model {source!r}: no config found for this {where} ({exc})") from None
-    except ValueError as exc:
-        raise errors.InvalidArgument(f"cannot load model {source!r}: {exc}") from None
-    config = loadoptions.apply(config, ref.options)
-    task = ref.task or infer_task(getattr(config, "architectures", None))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-    except Exception:  # noqa: BLE001 - a model without a tokenizer still traces with token ids
-        tokenizer = None
+    # Only the folder's vetted files, pinned open while transformers reads them (modelfiles.py).
+    with modelfiles.opened(source) as path:
+        if os.path.isdir(path):
+            check_config_file(path)
+        try:
+            config = AutoConfig.from_pretrained(path, **kwargs)
+        except OSError as exc:
+            where = "directory" if os.path.isdir(source) else "repo id or local path"
+            raise errors.NotFound(f"cannot load model {source!r}: no config found for this {where} ({exc})") from None
+        except ValueError as exc:
+            raise errors.InvalidArgument(f"cannot load model {source!r}: {exc}") from None
+        config = loadoptions.apply(config, ref.options)
+        task = ref.task or infer_task(getattr(config, "architectures", None))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        except Exception:  # noqa: BLE001 - a model without a tokenizer still traces with token ids
+            tokenizer = None
+    modelfiles.restore_names(source, config, tokenizer)
     cls = model_class(config, task)
     meta_safe_experts(config)
     module = build_on_meta(cls, config, ref.trust_remote_code)

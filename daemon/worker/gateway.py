@@ -12,6 +12,7 @@ change). Activity is counted for the daemon's keep-alive, LRU and `nnd ps`.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -70,28 +71,37 @@ class Gateway:
             return {i: self._edits[i] for i in dict.fromkeys(ids)}
 
     # -- requests ----------------------------------------------------------------
-    def handler(self) -> grpc.GenericRpcHandler:
+    def handler(self, route: bool = False) -> grpc.GenericRpcHandler:
         """Trace, Generate and Session: bytes in (parsed here, so malformed ones get
-        INVALID_ARGUMENT), TraceResponse out."""
+        INVALID_ARGUMENT), TraceResponse out. `route`: the public socket clients reach by the
+        model's route, where a call must carry the route's epoch and name this worker's model."""
         handlers = {
             method: grpc.unary_stream_rpc_method_handler(
-                self._method(method), request_deserializer=None, response_serializer=_serialize
+                self._method(method, route), request_deserializer=None, response_serializer=_serialize
             )
             for method in shared.DATA_METHODS
         }
         handlers["Interact"] = grpc.stream_stream_rpc_method_handler(
-            self.interact, request_deserializer=None, response_serializer=_serialize
+            lambda raws, context: self.interact(raws, context, route=route),
+            request_deserializer=None,
+            response_serializer=_serialize,
         )
         return grpc.method_handlers_generic_handler(_SERVICE, handlers)
 
-    def _method(self, method: str) -> Callable[[bytes, grpc.ServicerContext], Iterator[Any]]:
+    def _method(self, method: str, route: bool) -> Callable[[bytes, grpc.ServicerContext], Iterator[Any]]:
         def serve(raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
-            yield from self.serve(method, raw, context)
+            yield from self.serve(method, raw, context, route=route)
 
         return serve
 
-    def _check_epoch(self, context: grpc.ServicerContext) -> None:
+    def _check_epoch(self, context: grpc.ServicerContext, route: bool = False) -> None:
         sent = dict(context.invocation_metadata()).get(shared.EPOCH_KEY)
+        if sent is None and route:
+            # Without it a restarted worker on a reused socket would run a call meant for its predecessor.
+            raise errors.FailedPrecondition(
+                f"a call on a model's route must send the route's epoch as `{shared.EPOCH_KEY}` metadata "
+                "(GetRoute's epoch); nothing ran"
+            )
         if sent is not None and sent != str(self.epoch):
             # Nothing ran: the client fetches the route again and resends (nnd.proto, Route).
             raise errors.FailedPrecondition(
@@ -100,9 +110,19 @@ class Gateway:
                 trailers=((shared.ROUTE_KEY, shared.STALE),),
             )
 
-    def serve(self, method: str, raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
-        self._check_epoch(context)
+    def _check_model(self, model: str, route: bool) -> None:
+        """On the route, a request names this worker's model (clients send the name LoadModel answered)."""
+        if not route or model == self.name or (os.path.isabs(model) and os.path.realpath(model) == self.name):
+            return
+        raise errors.NotFound(
+            f"model {model[:200]!r} is not the model of this route (it serves {self.name!r}); "
+            "ask the daemon for that model's route (GetRoute)"
+        )
+
+    def serve(self, method: str, raw: bytes, context: grpc.ServicerContext, route: bool = False) -> Iterator[Any]:
+        self._check_epoch(context, route)
         run = self._prepare(method, raw)
+        self._check_model(run.session.model if run.HasField("session") else run.request.model, route)
         keep_alive = run.session.keep_alive if run.HasField("session") else run.request.keep_alive
         self.service.activity.begin(keep_alive, int(self.limits.max_queue_depth), self.name)
         try:
@@ -110,15 +130,16 @@ class Gateway:
         finally:
             self.service.activity.end()
 
-    def interact(self, raws: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
+    def interact(self, raws: Iterator[bytes], context: grpc.ServicerContext, route: bool = False) -> Iterator[Any]:
         """Interact (sync points): the first message starts the run, checked and completed as a
         Trace is; later ones add nodes (their alias paths rewritten here). A malformed later
         message ends the stream, as the client going away does."""
-        self._check_epoch(context)
+        self._check_epoch(context, route)
         first = intake.parse(nnd_pb2.InteractRequest, next(raws, b""))
         if first.WhichOneof("kind") != "start":
             raise errors.InvalidArgument("an Interact stream starts with an InteractStart")
         start = first.start
+        self._check_model(start.session.model if start.HasField("session") else start.request.model, route)
         if start.HasField("session"):
             session = start.session
             if not session.traces or session.scan:
@@ -209,7 +230,7 @@ class Gateway:
             if expired.is_set():
                 return errors.DeadlineExceeded(
                     f"the request ran past the daemon's default deadline ({default:g} s); "
-                    "pass a timeout or raise --default-deadline"
+                    "pass a timeout or raise `nnd serve --deadline`"
                 )
             return exc
 

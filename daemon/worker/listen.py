@@ -48,7 +48,7 @@ def start(service: Any, ns: argparse.Namespace, add_worker: Callable[[Any, grpc.
         public = grpc.server(
             futures.ThreadPoolExecutor(max_workers=RPC_THREADS), options=shared.GRPC_OPTIONS, interceptors=interceptors
         )
-        public.add_generic_rpc_handlers((gateway.handler(),))
+        public.add_generic_rpc_handlers((gateway.handler(route=True),))
         old = os.umask(0o117)  # 0660: the daemon's group may connect, as to the daemon's own socket
         try:
             public.add_insecure_port("unix://" + ns.public)

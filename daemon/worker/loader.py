@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from nnd.v1 import nnd_pb2, worker_pb2
-from nnd_daemon import errors, loadoptions
+from nnd_daemon import errors, loadoptions, modelfiles
 from nnd_daemon.shared import QUANTIZED, infer_task, model_class
 
 Report = Callable[[int, int, str], None]
@@ -109,13 +109,22 @@ def load(req: worker_pb2.WorkerLoadRequest, report: Report) -> tuple[torch.nn.Mo
 
     if exported.is_program_dir(req.model):  # an uploaded torch.export program (control/uploads.py)
         return exported.load(req, report)
-    from transformers import AutoConfig, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
     common: dict[str, Any] = {"trust_remote_code": req.trust_remote_code}
     if req.revision:
         common["revision"] = req.revision
-    config = loadoptions.apply(AutoConfig.from_pretrained(req.model, **common), req.options)
+    # Only the folder's vetted files, pinned open while transformers reads them (modelfiles.py).
+    with modelfiles.opened(req.model) as path:
+        model, tokenizer = _load(req, path, common, report)
+    modelfiles.restore_names(req.model, model, tokenizer)
+    dtype = req.placement.dtype if req.placement.dtype in QUANTIZED else str(model.dtype).removeprefix("torch.")
+    return model, tokenizer, dtype
+
+
+def _load(req: worker_pb2.WorkerLoadRequest, path: str, common: dict[str, Any], report: Report) -> tuple[Any, Any]:
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    config = loadoptions.apply(AutoConfig.from_pretrained(path, **common), req.options)
     cls = model_class(config, req.task or infer_task(getattr(config, "architectures", None)))
     kwargs = from_pretrained_kwargs(req.placement)
     if req.options.attn_implementation:  # the config carries it too; from_pretrained checks it here
@@ -127,18 +136,17 @@ def load(req: worker_pb2.WorkerLoadRequest, report: Report) -> tuple[torch.nn.Mo
 
     previous = hf_logging.set_tqdm_hook(hook) if hasattr(hf_logging, "set_tqdm_hook") else None
     try:
-        model = cls.from_pretrained(req.model, config=config, **common, **kwargs)
+        model = cls.from_pretrained(path, config=config, **common, **kwargs)
     finally:
         if hasattr(hf_logging, "set_tqdm_hook"):
             hf_logging.set_tqdm_hook(previous)
     model.eval()
     model.requires_grad_(False)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(req.model, **common)
+        tokenizer = AutoTokenizer.from_pretrained(path, **common)
     except Exception:  # noqa: BLE001 - token ids still work without one
         tokenizer = None
-    dtype = req.placement.dtype if req.placement.dtype in QUANTIZED else str(model.dtype).removeprefix("torch.")
-    return model, tokenizer, dtype
+    return model, tokenizer
 
 
 def weight_bytes(model: torch.nn.Module) -> dict[str, int]:

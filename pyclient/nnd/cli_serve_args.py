@@ -60,6 +60,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="restrict LoadModel to these repo ids/paths (a trailing * matches a prefix; repeatable)",
     )
+    p.add_argument(
+        "--model-root",
+        action="append",
+        metavar="DIR",
+        help="read local models only from inside these folders, every file resolved (repeatable; "
+        "recommended on a daemon several users share)",
+    )
     p.add_argument("--allow-remote-code", action="store_true", help="let clients load models with trust_remote_code")
     p.add_argument(
         "--max-upload-bytes",
