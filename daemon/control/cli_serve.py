@@ -8,8 +8,8 @@ import os
 import sys
 
 from nnd.v1 import address as _address
-from nnd_daemon import shared
-from nnd_daemon.control import config, logfmt
+from nnd_daemon import logfmt, shared
+from nnd_daemon.control import config
 from nnd_daemon.control.auth import Access, AccessError
 from nnd_daemon.control.settings import Limits, Settings, UserLimits, parse_bytes
 

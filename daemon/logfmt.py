@@ -26,9 +26,25 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
-def setup(level: str, fmt: str = "text") -> None:
+def setup(level: str, fmt: str = "text", text: str = TEXT, **fields: str) -> None:
+    """Log to stderr at `level`; `fields` go into every JSON line (a worker's model)."""
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT))
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+        if fields:
+            handler.addFilter(_Fields(fields))
+    else:
+        handler.setFormatter(logging.Formatter(text))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+class _Fields(logging.Filter):
+    def __init__(self, fields: dict[str, str]) -> None:
+        super().__init__()
+        self.fields = fields
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.nnd = {**self.fields, **(getattr(record, "nnd", None) or {})}
+        return True
