@@ -152,6 +152,8 @@ def test_metrics_and_logs_follow_loads_traces_a_generation_a_refusal_and_a_kille
     with pytest.raises(nnd.NndError) as refused:  # the client's own connection: it names its user
         list(Connection(d.address).stream("Trace", _trace_request(path, invokes=5), timeout=60))
     assert "max_invokes=4" in str(refused.value)
+    edit = Connection(d.address).call("CreateEdit", nnd_pb2.CreateEditRequest(model=path, graph=graph_pb2.Graph()))
+    assert edit.created_by == ME  # edits record their user too
 
     m = _metrics(port)
     assert _value(m, "nnd_requests_total", model=path, kind="trace", status="ok") == 2

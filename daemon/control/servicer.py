@@ -251,6 +251,7 @@ class NndServicer:
             base=request.base,
             replace=request.replace,
             max_bytes=self.settings.limits.max_request_bytes,
+            user=self._user(context),
         )
         change = worker_pb2.WorkerConfig()
         change.edits[edit.id].CopyFrom(edit.stack())
