@@ -302,10 +302,10 @@ class Registry:
 
     # -- dispatch / release -------------------------------------------------
     def dispatch(
-        self, name: str, override: nnd_pb2.Placement | None = None, keep_alive: str = "", user: str = ""
+        self, name: str, override: nnd_pb2.Placement | None = None, keep_alive: str = "", user: str | None = ""
     ) -> Iterator[Any]:
-        """Start the model's worker for `user`; yields DispatchProgress. Waits if another
-        caller is already dispatching it."""
+        """Start the model's worker for `user` (None: the daemon itself, restoring its registry);
+        yields DispatchProgress. Waits if another caller is already dispatching it."""
         entry = self.get(name)
         if keep_alive:
             _keep_alive_seconds(keep_alive)
@@ -330,7 +330,7 @@ class Registry:
                     return
                 self._release_locked(entry)  # a new placement: start over
             self._check_budget(entry, placement)
-            self._check_user(entry, placement, user)
+            self._check_user(entry, placement, user or "")
             self._make_room(entry)
             entry.state = DISPATCHING
             began = time.monotonic()
@@ -382,7 +382,7 @@ class Registry:
                 entry.dispatched_placement = placement
                 entry.dtype = status.dtype if status else ""
                 entry.last_used = self._clock()
-                entry.dispatched_by, entry.dispatched_at = user, time.time()
+                entry.dispatched_by, entry.dispatched_at = user or "", time.time()
             self._changed.notify_all()
         if orphan:
             worker.stop()
@@ -834,8 +834,10 @@ class Registry:
                 threading.Thread(target=self._redispatch, args=(rec.name, on_error), daemon=True).start()
 
     def _redispatch(self, name: str, on_error: Callable[[str, Exception], None]) -> None:
+        # Restored models are the daemon's: any user may release them once idle (owners are not persisted,
+        # so that registry.json stays readable by the versions before them).
         try:
-            for _ in self.dispatch(name):
+            for _ in self.dispatch(name, user=None):
                 pass
         except Exception as exc:  # noqa: BLE001
             on_error(name, exc)
