@@ -17,6 +17,7 @@ timeout); it takes no registry lock for longer than a copy, so gRPC handling nev
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -196,8 +197,14 @@ class MetricsServer:
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - scrapes are not news
                 pass
 
+        server_class = ThreadingHTTPServer
+        if ":" in host:  # an IPv6 address ("[::1]:9464" arrives as "::1")
+
+            class server_class(ThreadingHTTPServer):  # noqa: N801 - a local stand-in
+                address_family = socket.AF_INET6
+
         try:
-            self.httpd = ThreadingHTTPServer((host, int(port)), Handler)
+            self.httpd = server_class((host, int(port)), Handler)
         except OSError as exc:
             raise SystemExit(f"nnd: cannot serve metrics on {address}: {exc.strerror}") from None
         self.httpd.daemon_threads = True
