@@ -6,6 +6,7 @@ file's values hold and flags override them."""
 from __future__ import annotations
 
 import getpass
+import json
 import os
 import signal
 import socket
@@ -42,6 +43,7 @@ def ops(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, int]
     config.write_text(
         f'metrics = "127.0.0.1:{port}"\n'
         "log-requests = true\n"
+        'log-format = "json"\n'
         "max_invokes = 4\n"
         "max-queue-depth = 9  # the command line overrides this one\n"
         'keep-alive = "-1"\n'
@@ -175,6 +177,8 @@ def test_metrics_and_logs_follow_loads_traces_a_generation_a_refusal_and_a_kille
     helper = {dict(k[1])["method"]: v for k, v in m.items() if k[0] == "nnd_helper_calls_total"}
     assert helper.get("Describe", 0) >= 1, helper  # the load's meta build ran in the helper
     assert _value(m, "nnd_worker_deaths_total", model=path) == 0
+    assert ("nnd_uploads_stored", ()) in m and ("nnd_helper_kills_total", ()) in m  # present, at 0 here
+    assert _value(m, "nnd_uploads_stored") == 0 and _value(m, "nnd_helper_kills_total") == 0
     assert info.dispatched_by == ME and info.loaded_by == ME
 
     # The worker's log, through the daemon: one line per finished request, with the user.
@@ -202,6 +206,14 @@ def test_metrics_and_logs_follow_loads_traces_a_generation_a_refusal_and_a_kille
 
     d.cli("release", path)
     _wait_for("the release line", lambda: f"released {path} for {ME} (dispatched by {ME})" in d.log())
+    # --log-format json: every line an object; lifecycle lines carry event, model and user as fields.
+    lines = [json.loads(line) for line in d.log().splitlines() if line.startswith("{")]
+    events = {(e.get("event"), e.get("model"), e.get("user")) for e in lines}
+    for event in ("load", "dispatch", "worker_death", "release"):
+        assert (event, path, ME) in events, (event, sorted(map(str, events)))
+    assert all({"time", "level", "logger", "message"} <= set(e) for e in lines)
+    worker = [json.loads(line) for line in d.cli("logs", path).stdout.splitlines() if line.startswith("{")]
+    assert any(e.get("event") == "request" and e.get("user") == ME and e.get("model") == path for e in worker)
     m = _metrics(port)
     assert _value(m, "nnd_releases_total", model=path, reason="request") == 1
     assert _value(m, "nnd_requests_total", model=path, kind="trace", status="ok") == 3
