@@ -80,3 +80,42 @@ def test_json_log_lines_carry_the_event_fields():
     assert line["message"] == "released m" and line["level"] == "WARNING"
     assert (line["event"], line["model"], line["user"]) == ("release", "m", "alice")
     assert line["time"].endswith("Z")
+
+
+class _Context:
+    def __init__(self, peer: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        self._peer, self._metadata = peer, metadata
+
+    def peer(self) -> str:
+        return self._peer
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+
+def test_the_who_socket_names_the_peers_uid_and_only_genuine_tickets_count(tmp_path):
+    import getpass
+
+    from nnd import _identity
+    from nnd_daemon import identity
+
+    tickets = identity.Tickets()
+    server = identity.WhoServer(str(tmp_path / "nnd.sock") + identity.SUFFIX, tickets)
+    server.start()
+    try:
+        ticket = _identity.fetch_ticket(f"unix://{tmp_path / 'nnd.sock'}")
+    finally:
+        server.close()
+    assert ticket and tickets.verify(ticket) == getpass.getuser()  # the kernel's word for this process's uid
+    unix = "unix:"
+    assert identity.who(_Context(unix, ((identity.USER_KEY, ticket),)), tickets) == getpass.getuser()
+    forged = ticket.replace(getpass.getuser(), "alice", 1)
+    assert identity.who(_Context(unix, ((identity.USER_KEY, forged),)), tickets) == ""  # unknown, owns nothing
+    other_key = identity.Tickets()  # another daemon's ticket
+    assert other_key.verify(ticket) is None
+    stale = tickets.mint("bob", ttl_s=-1)
+    assert tickets.verify(stale) is None
+    assert tickets.verify(tickets.mint("bob", ttl_s=60)) == "bob"
+    assert identity.who(_Context("ipv4:10.0.0.7:51234"), tickets, token=True) == "token@10.0.0.7"
+    assert identity.who(_Context("ipv6:[::1]:51234"), tickets) == "[::1]"
+    assert not os.path.exists(server.path)  # closed: the socket is gone
