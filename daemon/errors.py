@@ -77,6 +77,15 @@ class PermissionDenied(NndError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+def limit_name(message: str) -> str:
+    """The limit a RESOURCE_EXHAUSTED message names (they say `max_queue_depth=64`), for the
+    refusals metric; "other" where none is named (a full helper, a memory budget)."""
+    import re
+
+    m = re.search(r"\b((?:max|helper)_[a-z_]+)=", message)
+    return m.group(1) if m else "other"
+
+
 class Malformed:
     """What a server's deserializer returns for bytes that do not parse (gRPC answers
     INTERNAL when a deserializer raises; a client's garbage is its own error). A method
@@ -132,10 +141,13 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         *,
         internal: str = "internal error",
         translate: Callable[[BaseException], NndError | None] = lambda exc: None,
+        on_error: Callable[[str, NndError], None] | None = None,
     ) -> None:
         self._log = log
         self._internal = internal
         self._translate = translate
+        # Told of every failure as it becomes a status (the daemon's metrics count refusals).
+        self._on_error = on_error
 
     def intercept_service(
         self,
@@ -175,6 +187,11 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         if err is None:
             self._log.error("%s failed", method, exc_info=exc)
             err = NndError(f"{self._internal}: {type(exc).__name__}: {exc}")
+        if self._on_error is not None:
+            try:
+                self._on_error(method, err)
+            except Exception:  # noqa: BLE001 - counting must never change the answer
+                self._log.exception("error hook failed")
         abort(context, err)
 
 

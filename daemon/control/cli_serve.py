@@ -8,10 +8,10 @@ import os
 import sys
 
 from nnd.v1 import address as _address
-from nnd_daemon import shared
+from nnd_daemon import logfmt, shared
+from nnd_daemon.control import config
 from nnd_daemon.control.auth import Access, AccessError
-from nnd_daemon.control.server import serve
-from nnd_daemon.control.settings import Limits, Settings, parse_bytes
+from nnd_daemon.control.settings import Limits, Settings, UserLimits, parse_bytes
 
 
 def default_state_dir() -> str:
@@ -61,7 +61,29 @@ def settings_from_args(ns: argparse.Namespace) -> Settings:
         restart_limit=max(0, ns.restart_limit),
         batch_window_ms=max(0.0, getattr(ns, "batch_window_ms", 2.0)),
         upload_idle_timeout_s=max(0.0, getattr(ns, "upload_idle_timeout", 60.0)),
+        metrics=metrics_address(getattr(ns, "metrics", None) or ""),
+        log_requests=bool(getattr(ns, "log_requests", False)),
+        log_format=getattr(ns, "log_format", "text"),
+        worker_log_bytes=parse_bytes(getattr(ns, "worker_log_bytes", "16MiB")),
+        users=UserLimits(
+            max_models=max(0, getattr(ns, "max_models_per_user", 0)),
+            max_memory_bytes=parse_bytes(getattr(ns, "max_memory_per_user", "0")),
+            max_queue_share=min(1.0, max(0.0, getattr(ns, "max_queue_share", 0.0))),
+        ),
     )
+
+
+def metrics_address(text: str) -> str:
+    """HOST:PORT for the metrics listener; a bare port (or ':PORT') binds loopback only."""
+    text = text.strip()
+    if not text:
+        return ""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "", text
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"--metrics takes HOST:PORT or PORT, not {text!r}")
+    return f"{host.strip('[]') or '127.0.0.1'}:{port}"
 
 
 def access_from_args(ns: argparse.Namespace) -> Access:
@@ -76,7 +98,21 @@ def access_from_args(ns: argparse.Namespace) -> Access:
 
 
 def run(ns: argparse.Namespace) -> int:
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        sources = config.resolve(ns)
+        if ns.address is not None:
+            ns.address = _address.normalize(ns.address)
+        settings_from_args(ns)  # every value checked before anything starts (or is printed)
+    except (config.ConfigError, ValueError) as exc:
+        print(f"nnd: {exc}", file=sys.stderr)
+        return 1
+    if ns.print_config:
+        # What the daemon would use where nothing was set, so the output is the whole configuration.
+        ns.address = ns.address or _address.default_address(serving=True)
+        ns.state_dir = ns.state_dir or default_state_dir()
+        print(config.render(ns, sources))
+        return 0
+    logfmt.setup(ns.log_level, ns.log_format)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Whatever the caller's umask: nothing the daemon or its workers create is writable by others.
     os.umask(0o077)
@@ -90,6 +126,8 @@ def run(ns: argparse.Namespace) -> int:
         return 1
     settings = settings_from_args(ns)
     shared.remove_segments()  # shared memory of workers gone with an earlier daemon (SIGKILL, older versions)
+    from nnd_daemon.control.server import serve
+
     serve(settings, access, grace=ns.grace)
     # Calls are drained, workers ended, state saved. Skip interpreter teardown:
     # with torch and transformers imported its garbage collection alone takes

@@ -27,6 +27,8 @@ class Edit:
     id: str
     graphs: tuple[graph_pb2.Graph, ...]
     named: bool
+    # Who created it (identity.py's user name; "" when not known).
+    created_by: str = ""
 
     def stack(self) -> worker_pb2.EditStack:
         """The edit's graphs as a worker (and the helper) receives them."""
@@ -39,6 +41,7 @@ class Edit:
             graphs=len(self.graphs),
             nodes=sum(len(g.nodes) for g in self.graphs),
             named=self.named,
+            created_by=self.created_by,
         )
 
 
@@ -65,6 +68,7 @@ class EditStore:
         base: Iterable[str] = (),
         replace: bool = False,
         max_bytes: int = 0,
+        user: str = "",
     ) -> Edit:
         base = list(base)
         if len(set(base)) != len(base):
@@ -94,7 +98,7 @@ class EditStore:
                 edit_id = f"edit-{next(self._serial)}"
                 while edit_id in self._edits:
                     edit_id = f"edit-{next(self._serial)}"
-            edit = Edit(edit_id, tuple(graphs), bool(name))
+            edit = Edit(edit_id, tuple(graphs), bool(name), user)
             self._edits[edit_id] = edit
         return edit
 

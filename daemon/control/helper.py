@@ -74,6 +74,8 @@ class Helper:
         self._channel: grpc.Channel | None = None
         self._stub: helper_pb2_grpc.HelperStub | None = None
         self.restarts = 0
+        # Helper processes killed (over helper_cpu_s, half-dead...): nnd_helper_kills_total.
+        self.kills = 0
         self._closed = False
         self._capabilities: helper_pb2.HelperCapabilities | None = None
 
@@ -143,6 +145,7 @@ class Helper:
 
     def _kill(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
+            self.kills += 1
             self._proc.kill()
             self._proc.wait()
 

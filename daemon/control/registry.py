@@ -33,11 +33,11 @@ from typing import Any
 import psutil
 
 from nnd.v1 import helper_pb2, nnd_pb2, worker_pb2
-from nnd_daemon import errors, intake, loadoptions
-from nnd_daemon.control import gpus, metamodel, modelroots, statefile, tplaunch, uploads
+from nnd_daemon import errors, identity, intake, loadoptions
+from nnd_daemon.control import events, gpus, metamodel, modelroots, statedir, statefile, tplaunch, uploads
 from nnd_daemon.control.helper import Helper
 from nnd_daemon.control.settings import Settings, parse_duration
-from nnd_daemon.control.supervisor import Launcher, WorkerFactory, WorkerHandle, WorkerOrder
+from nnd_daemon.control.supervisor import Launcher, WorkerFactory, WorkerHandle, WorkerOrder, log_name
 
 log = logging.getLogger("nnd.registry")
 
@@ -79,6 +79,10 @@ class Entry:
     restarts: list[float] = field(default_factory=list)
     # Unloaded: no dispatch may start a worker for it any more (one would be an orphan nobody lists or reaps).
     gone: bool = False
+    # Who loaded it and who dispatched its worker, when (identity.py's user names; "": the daemon itself).
+    loaded_by: str = ""
+    dispatched_by: str = ""
+    dispatched_at: float = 0.0
 
 
 def _same_options(entry: Entry, options: nnd_pb2.LoadOptions) -> Entry:
@@ -128,6 +132,8 @@ class Registry:
         reap_every_s: float = 0.5,
     ) -> None:
         self.settings = settings
+        # Over TCP a caller is known by the token it sent (identity.who).
+        self.token_required = token is not None
         self.gpus = gpu_query
         self._clock = clock
         # Epochs differ across daemon restarts too, so a stale route can never match a new worker.
@@ -150,15 +156,18 @@ class Registry:
         os.mkdir(self.private_dir, 0o700)
         self.log_dir = os.path.join(settings.state_dir, "logs")
         os.makedirs(self.log_dir, mode=0o750, exist_ok=True)
+        # What the metrics count as it happens (control/events.py), and the users' tickets (identity.py).
+        self.events = events.Events()
+        self.tickets = identity.Tickets()
         # Meta builds, scans, tokenizing, edit and upload checks: never in this process (control/helper.py).
-        self.helper = helper or Helper(
+        self.helper = helper or events.count_helper_calls(Helper(
             self.run_dir,
             self.log_dir,
             memory_bytes=settings.helper_memory_bytes,
             cpu_s=settings.helper_cpu_s,
             start_timeout_s=settings.worker_start_timeout_s,
             call_timeout_s=settings.limits.default_deadline_s,
-        )
+        ), self.events)
         # Uploaded models' files (control/uploads.py), checked in the helper process.
         self.uploads = uploads.UploadStore(settings, check=self.helper.check_upload)
         lim = settings.limits
@@ -168,9 +177,16 @@ class Registry:
             public_dir=self.run_dir,
             start_timeout_s=settings.worker_start_timeout_s,
             limits=intake.pick(lim, intake.ENGINE_LIMIT_FIELDS),
-            request_limits=intake.pick(lim, intake.REQUEST_LIMIT_FIELDS),
+            request_limits={
+                **intake.pick(lim, intake.REQUEST_LIMIT_FIELDS),
+                "max_queue_share": settings.users.max_queue_share,
+            },
             batch_window_ms=settings.batch_window_ms,
             token=token,  # workers ask clients for the daemon's token too
+            identity_key=self.tickets.key.hex(),
+            log_requests=settings.log_requests,
+            log_format=settings.log_format,
+            log_bytes=settings.worker_log_bytes,
         )
         self._stop = threading.Event()
         if reap_every_s > 0:
@@ -194,7 +210,7 @@ class Registry:
             return list(self._entries.values())
 
     # -- load / unload ------------------------------------------------------
-    def load(self, req: nnd_pb2.LoadModelRequest) -> Entry:
+    def load(self, req: nnd_pb2.LoadModelRequest, user: str = "") -> Entry:
         name = req.model.strip()
         if not name:
             raise errors.InvalidArgument("LoadModel needs a model: a repo id or a local directory")
@@ -216,6 +232,7 @@ class Registry:
                     self._loading[name] = threading.Event()
                     break
             pending.wait()
+        began = time.monotonic()
         try:
             if req.upload:
                 meta = self.uploads.build_meta(req, lambda ref: metamodel.describe(self.helper, ref))
@@ -236,10 +253,16 @@ class Registry:
                 trust_remote_code=req.trust_remote_code,
                 keep_alive=req.keep_alive,
                 upload=req.upload,  # the registry file records it (statefile.py)
+                loaded_by=user,
             )
             with self._lock:
                 self._entries[name] = entry
             self.save()
+            log.info(
+                "loaded %s (%s, %s) for %s in %.2f s", name, meta.architecture or "?", meta.task or "?", _who(user),
+                time.monotonic() - began,
+                extra=_fields("load", name, user, duration_s=time.monotonic() - began),
+            )
             return entry
         finally:
             with self._lock:
@@ -256,15 +279,20 @@ class Registry:
             raise errors.PermissionDenied(f"model {name!r} is not in this daemon's allow-list")
         modelroots.check_folder(self.settings, name)
 
-    def unload(self, name: str) -> None:
+    def unload(self, name: str, *, user: str | None = None, force: bool = False) -> None:
+        """Forget the model (ending its worker). `user`: who asked (None: the daemon itself); a user
+        other than its dispatcher, or any while requests run, needs `force`."""
         entry = self.get(name)
+        if user is not None:
+            self._may_release(entry, user, force, "unload")
         with self._lock:
             # Gone first: a request waiting on this model's dispatch must not start a worker for it.
             entry.gone = True
             self._entries.pop(entry.name, None)
             self._changed.notify_all()
-        self.release_entry(entry)
+        self.release_entry(entry, user=user, why="unload")
         self.save()
+        log.info("unloaded %s for %s", entry.name, _who(user), extra=_fields("unload", entry.name, user))
         if entry.upload and not any(e.upload == entry.upload for e in self.entries()):
             self.uploads.forget(entry.upload)  # its files, once no loaded model uses them
 
@@ -275,9 +303,11 @@ class Registry:
         return None if entry is None else entry.upload
 
     # -- dispatch / release -------------------------------------------------
-    def dispatch(self, name: str, override: nnd_pb2.Placement | None = None, keep_alive: str = "") -> Iterator[Any]:
-        """Start the model's worker; yields DispatchProgress. Waits if another
-        caller is already dispatching it."""
+    def dispatch(
+        self, name: str, override: nnd_pb2.Placement | None = None, keep_alive: str = "", user: str | None = ""
+    ) -> Iterator[Any]:
+        """Start the model's worker for `user` (None: the daemon itself, restoring its registry);
+        yields DispatchProgress. Waits if another caller is already dispatching it."""
         entry = self.get(name)
         if keep_alive:
             _keep_alive_seconds(keep_alive)
@@ -303,8 +333,10 @@ class Registry:
                     return
                 self._release_locked(entry)  # a new placement: start over
             self._check_budget(entry, placement)
+            self._check_user(entry, placement, user or "")
             self._make_room(entry)
             entry.state = DISPATCHING
+            began = time.monotonic()
             when = time.strftime("%H:%M:%S", time.localtime(self._clock()))
             entry.last_error = f"re-dispatched {when} after: {again.reason}" if again else ""
         worker: WorkerHandle | None = None
@@ -336,6 +368,12 @@ class Registry:
                 entry.state = META
                 entry.last_error = str(exc)
                 self._changed.notify_all()
+            self.events.count(self.events.dispatches, entry.name, "failed")
+            log.warning(
+                "dispatch of %s (%s) for %s failed after %.2f s: %s", entry.name, _describe(placement), _who(user),
+                time.monotonic() - began, str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                extra=_fields("dispatch_failed", entry.name, user, duration_s=time.monotonic() - began),
+            )
             raise
         with self._lock:
             orphan = entry.gone  # unloaded while its weights loaded: nobody would list or reap this worker
@@ -347,11 +385,19 @@ class Registry:
                 entry.dispatched_placement = placement
                 entry.dtype = status.dtype if status else ""
                 entry.last_used = self._clock()
+                entry.dispatched_by, entry.dispatched_at = user or "", time.time()
             self._changed.notify_all()
         if orphan:
             worker.stop()
             _check_present(entry)
         self.save()
+        self.events.count(self.events.dispatches, entry.name, "ok")
+        took = time.monotonic() - began
+        log.info(
+            "dispatched %s on %s (%s, worker pid %s) for %s in %.2f s", entry.name, _describe(placement),
+            entry.dtype or "default dtype", ",".join(map(str, worker.pids)) or "-", _who(user), took,
+            extra=_fields("dispatch", entry.name, user, duration_s=took, placement=_describe(placement)),
+        )
 
     def _check_budget(self, entry: Entry, placement: nnd_pb2.Placement) -> None:
         need = entry.meta.estimate_bytes(placement.dtype)
@@ -386,6 +432,30 @@ class Registry:
                     + "; release a model, pick a smaller dtype (e.g. nf4) or raise the budget"
                 )
 
+    def _check_user(self, entry: Entry, placement: nnd_pb2.Placement, user: str) -> None:
+        """The per-user caps (settings.UserLimits) on what `user` has dispatched; under the lock."""
+        caps = self.settings.users
+        if not user or not (caps.max_models or caps.max_memory_bytes):
+            return
+        mine = [
+            e for e in self._entries.values()
+            if e is not entry and e.state in (DISPATCHED, DISPATCHING) and e.dispatched_by == user
+        ]
+        if caps.max_models and len(mine) >= caps.max_models:
+            raise errors.ResourceExhausted(
+                f"{user} has {len(mine)} model(s) dispatched ({', '.join(e.name for e in mine)}), the per-user cap "
+                f"(max_models_per_user={caps.max_models}); release one first"
+            )
+        if caps.max_memory_bytes:
+            held = sum(e.meta.estimate_bytes(e.dtype or e.placement.dtype) for e in mine)
+            need = entry.meta.estimate_bytes(placement.dtype)
+            if held + need > caps.max_memory_bytes:
+                raise errors.ResourceExhausted(
+                    f"dispatching {entry.name} for {user} needs about {_gib(need)} of weights; {user}'s models hold "
+                    f"{_gib(held)} and the per-user cap is {_gib(caps.max_memory_bytes)} "
+                    f"(max_memory_per_user={caps.max_memory_bytes}); release a model or pick a smaller dtype"
+                )
+
     def _make_room(self, entry: Entry) -> None:
         cap = self.settings.limits.max_dispatched_models
         live = [e for e in self._entries.values() if e is not entry and e.state in (DISPATCHED, DISPATCHING)]
@@ -400,22 +470,76 @@ class Registry:
                 f"{len(live)} models are dispatched (the cap is {cap}) and none is idle; try again later"
             )
         victim = idle[0]
-        log.info("releasing %s (least recently used) to make room for %s", victim.name, entry.name)
-        self._release_locked(victim, reason=f"released to make room for {entry.name} (cap {cap})")
+        log.info(
+            "releasing %s (least recently used, dispatched by %s) to make room for %s", victim.name,
+            _who(victim.dispatched_by), entry.name, extra=_fields("lru_eviction", victim.name, victim.dispatched_by),
+        )
+        self._release_locked(victim, reason=f"released to make room for {entry.name} (cap {cap})", why="lru")
 
-    def release(self, name: str, reason: str = "") -> Entry:
-        return self.release_entry(self.get(name), reason)
+    def release(self, name: str, reason: str = "", *, user: str | None = None, force: bool = False) -> Entry:
+        """End the model's worker. `user`: who asked (None: the daemon itself, e.g. keep-alive); a
+        user other than its dispatcher, or any while requests run, needs `force`."""
+        entry = self.get(name)
+        if user is not None:
+            self._may_release(entry, user, force, "release")
+        return self.release_entry(entry, reason, user=user, why="keep_alive" if user is None else "request")
 
-    def release_entry(self, entry: Entry, reason: str = "") -> Entry:
+    def _may_release(self, entry: Entry, user: str, force: bool, what: str) -> None:
+        """Refuse to end another user's model, or one with requests running, unless forced; log a forced one."""
+        status = self.activity(entry, ask=True) if entry.worker is not None else None
+        inflight = list(status.requests) if status is not None else []
+        busy = self.busy(entry, status)
+        owner = entry.dispatched_by if entry.worker is not None else ""
+        others = bool(owner) and owner != user
+        if not (busy or others):
+            return
+        users = sorted({r.user or r.client for r in inflight})
+        running = f"{len(inflight) or entry.active} request(s) run or wait on it" + (
+            f" (from {', '.join(users)})" if users else ""
+        )
+        why = "; ".join(
+            ([f"it was dispatched by {owner} at {_when(entry.dispatched_at)}"] if others else [])
+            + ([running] if busy else [])
+        )
+        if not force:
+            raise errors.FailedPrecondition(
+                f"not {what}ing {entry.name}: {why}; `nnd {what} --force {entry.name}` does it anyway "
+                "(those requests then fail, saying who ended them)"
+            )
+        log.warning(
+            "%s of %s forced by %s: %s", what, entry.name, _who(user), why,
+            extra=_fields(f"forced_{what}", entry.name, user, owner=owner, requests=len(inflight)),
+        )
+
+    def release_entry(self, entry: Entry, reason: str = "", *, user: str | None = None, why: str = "request") -> Entry:
+        current = entry.worker
+        if current is not None:
+            current.status()  # its latest counts, for the metrics' totals (events.retire)
         with self._lock:
             while entry.state == DISPATCHING:
                 self._changed.wait()
-            self._release_locked(entry, reason)
+            had = entry.worker is not None
+            if had and user is not None:
+                # What a client whose request dies with this worker is told (route(failed_epoch), forward.py).
+                entry.lost_epoch = entry.worker.epoch
+                entry.lost_reason = (
+                    f"was released by {_who(user)} at {_when(time.time())}"
+                    + (" (`nnd unload`)" if why == "unload" else " (`nnd release`)")
+                )
+            self._release_locked(entry, reason, why=why)
         self.save()
+        if had:
+            log.info(
+                "released %s for %s (dispatched by %s)", entry.name, _who(user), _who(entry.dispatched_by),
+                extra=_fields("release", entry.name, user, owner=entry.dispatched_by),
+            )
         return entry
 
-    def _release_locked(self, entry: Entry, reason: str = "") -> None:
+    def _release_locked(self, entry: Entry, reason: str = "", why: str = "request") -> None:
         worker, entry.worker = entry.worker, None
+        if worker is not None:
+            self.events.retire(entry.name, worker.last_status)
+            self.events.count(self.events.releases, entry.name, why)
         entry.state = META
         entry.dispatched_placement = None
         entry.dtype = ""
@@ -433,6 +557,13 @@ class Registry:
             for entry in self._entries.values():
                 if entry.worker is worker:
                     entry.worker = None
+                    self.events.retire(entry.name, worker.last_status)
+                    self.events.count(self.events.worker_deaths, entry.name)
+                    log.warning(
+                        "worker of %s (pid %s, dispatched by %s) ended: %s", entry.name,
+                        ",".join(map(str, worker.pids)) or "?", _who(entry.dispatched_by), reason,
+                        extra=_fields("worker_death", entry.name, entry.dispatched_by, reason=reason),
+                    )
                     entry.lost_epoch, entry.lost_reason = worker.epoch, reason
                     entry.last_error = f"worker {reason}" if worker.fault else f"worker died: {reason}"
                     if entry.state == DISPATCHED:
@@ -469,9 +600,13 @@ class Registry:
             with self._lock:
                 if entry.state != META or entry.redispatch is None:
                     return  # released, or dispatched by a request meanwhile
-            log.warning("re-dispatching %s (%s)", entry.name, entry.last_error)
+            log.warning(
+                "re-dispatching %s (%s)", entry.name, entry.last_error,
+                extra=_fields("worker_restart", entry.name, entry.dispatched_by),
+            )
+            self.events.count(self.events.worker_restarts, entry.name)
             try:
-                for _ in self.dispatch(entry.name):
+                for _ in self.dispatch(entry.name, user=entry.dispatched_by):
                     pass
             except Exception as exc:  # noqa: BLE001 - recorded as the model's last_error by dispatch
                 log.error("could not re-dispatch %s: %s", entry.name, exc)
@@ -548,7 +683,7 @@ class Registry:
         return entry.active > 0 or bool(status is not None and status.active)
 
     # -- requests -----------------------------------------------------------
-    def acquire(self, name: str, *, auto_dispatch: bool, keep_alive: str = "") -> Entry:
+    def acquire(self, name: str, *, auto_dispatch: bool, keep_alive: str = "", user: str = "") -> Entry:
         """The entry, dispatched (dispatching it first if allowed), counted as busy."""
         entry = self.get(name)
         if keep_alive:
@@ -559,7 +694,7 @@ class Registry:
                 raise errors.FailedPrecondition(
                     f"model {entry.name} is not dispatched; dispatch it first (`nnd dispatch {entry.name}`)"
                 )
-            for _ in self.dispatch(entry.name):
+            for _ in self.dispatch(entry.name, user=user):
                 pass
         with self._lock:
             depth = self.settings.limits.max_queue_depth
@@ -594,6 +729,35 @@ class Registry:
     def _reap_every(self, interval: float) -> None:
         while not self._stop.wait(interval):
             self.reap()
+            self.rotate_logs()
+
+    # -- logs ---------------------------------------------------------------
+    def log_path(self, name: str) -> str:
+        """The worker log of the model `name` (loaded or not: a released model's log stays); "" or
+        "helper": the helper's."""
+        if name in ("", "helper"):
+            return os.path.join(self.log_dir, "helper.log")
+        try:
+            name = self.get(name).name
+        except errors.NotFound:
+            name = local_key(name)
+        return os.path.join(self.log_dir, log_name(name))
+
+    def rotate_logs(self) -> None:
+        """Keep every log in the state directory under --worker-log-bytes (3 old files kept)."""
+        limit = self.settings.worker_log_bytes
+        if limit <= 0:
+            return
+        try:
+            names = [n for n in os.listdir(self.log_dir) if n.endswith(".log")]
+        except OSError:
+            return
+        for n in names:
+            try:
+                if statedir.rotate_log(os.path.join(self.log_dir, n), limit):
+                    log.info("rotated %s (over %d bytes)", n, limit)
+            except OSError as exc:
+                log.warning("cannot rotate %s: %s", n, exc)
 
     def reap(self) -> None:
         """Release every model whose keep-alive has run out and that has no request in flight."""
@@ -605,7 +769,11 @@ class Registry:
             status = self.activity(entry, ask=bool(asked))
             exp = self.expires_at(entry)
             if exp and not self.busy(entry, status) and now >= exp:
-                log.info("keep-alive of %s expired; releasing", entry.name)
+                log.info(
+                    "keep-alive of %s expired (%s idle, dispatched by %s); releasing", entry.name,
+                    entry.keep_alive or self.settings.keep_alive, _who(entry.dispatched_by),
+                    extra=_fields("keep_alive_expiry", entry.name, entry.dispatched_by),
+                )
                 try:
                     self.release(entry.name, reason="")
                 except errors.NndError:
@@ -627,7 +795,10 @@ class Registry:
             last_error=entry.last_error,
             dtype=entry.dtype,
             estimated_bytes=entry.meta.estimate_bytes(entry.placement.dtype),
+            loaded_by=entry.loaded_by,
         )
+        if entry.worker is not None:
+            out.dispatched_by, out.dispatched_at = entry.dispatched_by, entry.dispatched_at
         if entry.dispatched_placement is not None:
             out.dispatched_placement.CopyFrom(entry.dispatched_placement)
         if entry.worker is not None:
@@ -666,8 +837,10 @@ class Registry:
                 threading.Thread(target=self._redispatch, args=(rec.name, on_error), daemon=True).start()
 
     def _redispatch(self, name: str, on_error: Callable[[str, Exception], None]) -> None:
+        # Restored models are the daemon's: any user may release them once idle (owners are not persisted,
+        # so that registry.json stays readable by the versions before them).
         try:
-            for _ in self.dispatch(name):
+            for _ in self.dispatch(name, user=None):
                 pass
         except Exception as exc:  # noqa: BLE001
             on_error(name, exc)
@@ -690,6 +863,26 @@ def _idle_s(entry: Entry, status: worker_pb2.WorkerStatus | None, now: float) ->
     if Registry.busy(entry, status) or (status is not None and status.requests):
         return 0.0
     return now - entry.last_used if entry.last_used else 0.0
+
+
+def _who(user: str | None) -> str:
+    if user is None:
+        return "the daemon"
+    return user or "an unknown user"
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t)) if t else "an unknown time"
+
+
+def _describe(placement: nnd_pb2.Placement) -> str:
+    parts = [f"{fd.name}={value}" for fd, value in placement.ListFields() if fd.name != "max_memory"]
+    return ", ".join(parts) or "the default placement"
+
+
+def _fields(event: str, model: str, user: str | None, **more: Any) -> dict[str, Any]:
+    """A lifecycle line's fields, as `--log-format json` prints them (logfmt.py)."""
+    return {"nnd": {"event": event, "model": model, "user": user or "", **more}}
 
 
 def _check_present(entry: Entry) -> None:

@@ -19,7 +19,7 @@ from google.protobuf.message import DecodeError
 
 from nnd.v1 import address as _address
 from nnd.v1 import nnd_pb2
-from nnd_daemon import errors, modelfiles, shared
+from nnd_daemon import errors, identity, modelfiles, shared
 from nnd_daemon.control import health, modelroots, statedir
 from nnd_daemon.control.admission import Admission
 from nnd_daemon.control.auth import Access
@@ -154,12 +154,39 @@ class Daemon:
             futures.ThreadPoolExecutor(max_workers=workers),
             options=OPTIONS,
             # The token check first: a refused call never reaches a method (errors.ErrorInterceptor).
-            interceptors=[*self.access.interceptors(), errors.ErrorInterceptor(logging.getLogger("nnd.servicer"))],
+            interceptors=[
+                *self.access.interceptors(),
+                errors.ErrorInterceptor(logging.getLogger("nnd.servicer"), on_error=self.registry.events.on_error),
+            ],
         )
         self.tcp_port = 0
         self.server.add_generic_rpc_handlers((_handlers(self.servicer, self.admission),))
         self._add_health_and_reflection()
         self._stopped = threading.Event()
+        self.who: identity.WhoServer | None = None
+        self.metrics: Any = None
+
+    def _start_metrics(self) -> None:
+        """--metrics HOST:PORT: Prometheus text and /healthz, on a thread of their own (control/metrics.py)."""
+        if not self.settings.metrics:
+            return
+        from nnd_daemon.control import metrics
+
+        collector = metrics.Collector(self.registry, self.registry.events)
+        self.metrics = metrics.MetricsServer(self.settings.metrics, collector, lambda: not self._stopped.is_set())
+        self.metrics.start()
+        host = self.settings.metrics.rpartition(":")[0]
+        log.info("metrics on http://%s:%d/metrics (and /healthz)", host, self.metrics.port)
+
+    def _start_who(self, path: str) -> None:
+        """The `.who` socket beside the daemon's (identity.py): how a local client learns its ticket."""
+        gid = grp.getgrnam(self.settings.socket_group).gr_gid if self.settings.socket_group else -1
+        self.who = identity.WhoServer(path + identity.SUFFIX, self.registry.tickets)
+        try:
+            self.who.start(0o660, gid)
+        except OSError as exc:  # requests still work; they are then logged without their user
+            log.warning("cannot serve %s%s (requests will not name their user): %s", path, identity.SUFFIX, exc)
+            self.who = None
 
     def _add_health_and_reflection(self) -> None:
         self.health = health.add(self.server, (SERVICE,))  # None without the optional extras
@@ -224,12 +251,15 @@ class Daemon:
         # first call is answered; their re-dispatch runs in the background.
         try:
             address = self.bind()
+            self._start_metrics()  # a metrics port that cannot be bound stops the start here too
         except BaseException:
             self.registry.shutdown()
             raise
         self.registry.restore(lambda name, exc: log.error("could not restore %s: %s", name, exc))
-        self.server.start()
         path = _address.unix_path(address)
+        if path:
+            self._start_who(path)  # before the first call is answered: a client's first call has its ticket
+        self.server.start()
         if path:
             os.chmod(path, 0o660)  # whatever umask other threads saw meanwhile
             if self.settings.socket_group:
@@ -256,6 +286,10 @@ class Daemon:
         if self.health is not None:
             self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+        if self.metrics is not None:
+            self.metrics.stop()
+        if self.who is not None:
+            self.who.close()
         workers = sum(1 for e in self.registry.entries() if e.worker is not None)
         log.info("no calls left; stopping %d worker(s)", workers)
         self.registry.shutdown()

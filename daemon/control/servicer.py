@@ -19,8 +19,8 @@ import grpc
 
 from nnd import __version__
 from nnd.v1 import graph_pb2, helper_pb2, nnd_pb2, worker_pb2
-from nnd_daemon import aliases, errors, intake, shared
-from nnd_daemon.control import forward
+from nnd_daemon import aliases, errors, identity, intake, shared
+from nnd_daemon.control import forward, logread
 from nnd_daemon.control.inflight import InflightBudget
 from nnd_daemon.control.registry import Registry
 from nnd_daemon.control.settings import Settings
@@ -36,6 +36,19 @@ class NndServicer:
         # operators see that a client does not follow routes).
         self._forwarded: set[tuple[str, str]] = set()
         self.inflight = InflightBudget(settings.limits.max_inflight_bytes)
+
+    def _user(self, context: grpc.ServicerContext) -> str:
+        """Who is calling (identity.py): their verified user name, or what the transport tells."""
+        return identity.who(context, self.registry.tickets, token=self.registry.token_required)
+
+    def _worker_metadata(self, entry: Any, worker: Any, context: grpc.ServicerContext) -> list[tuple[str, str]]:
+        """What a forwarded request carries to the worker: the model, the epoch, and the caller's user as a
+        ticket the worker can check (it trusts no name it cannot verify)."""
+        metadata = [(shared.MODEL_KEY, entry.name), (shared.EPOCH_KEY, str(worker.epoch))]
+        user = self._user(context)
+        if user:
+            metadata.append((identity.USER_KEY, self.registry.tickets.mint(user, ttl_s=3600)))
+        return metadata
 
     # -- server -------------------------------------------------------------
     def GetServerInfo(self, request: Any, context: grpc.ServicerContext) -> nnd_pb2.ServerInfo:
@@ -55,11 +68,11 @@ class NndServicer:
     # -- models -------------------------------------------------------------
     def LoadModel(self, request: nnd_pb2.LoadModelRequest, context: grpc.ServicerContext) -> nnd_pb2.ModelInfo:
         self.registry.uploads.before_load(self.registry.upload_of, request)  # LoadModel(upload=): allowed, named
-        entry = self.registry.load(request)
+        entry = self.registry.load(request, user=self._user(context))
         # nnsight's rename=: extra module names for this handle only (checked before anything runs).
         table = entry.meta.renamed(request.rename) if request.rename else None
         if request.dispatch:
-            for _ in self.registry.dispatch(entry.name, None, request.keep_alive):
+            for _ in self.registry.dispatch(entry.name, None, request.keep_alive, user=self._user(context)):
                 pass
         info = self.registry.info(entry, modules=True)
         if table is not None:
@@ -80,15 +93,19 @@ class NndServicer:
     def Dispatch(self, request: nnd_pb2.DispatchRequest, context: grpc.ServicerContext) -> Iterator[Any]:
         entry = self.registry.get(request.model)
         override = request.placement if request.HasField("placement") else None
-        yield from self.registry.dispatch(entry.name, override, request.keep_alive)
+        yield from self.registry.dispatch(entry.name, override, request.keep_alive, user=self._user(context))
         yield nnd_pb2.DispatchProgress(stage="ready", message="dispatched", model=self.registry.info(entry))
 
     def Release(self, request: nnd_pb2.ReleaseRequest, context: grpc.ServicerContext) -> nnd_pb2.ModelInfo:
-        return self.registry.info(self.registry.release(request.model))
+        entry = self.registry.release(request.model, user=self._user(context), force=request.force)
+        return self.registry.info(entry)
 
     def Unload(self, request: nnd_pb2.UnloadRequest, context: grpc.ServicerContext) -> nnd_pb2.UnloadResponse:
-        self.registry.unload(request.model)
+        self.registry.unload(request.model, user=self._user(context), force=request.force)
         return nnd_pb2.UnloadResponse()
+
+    def ReadLogs(self, request: nnd_pb2.ReadLogsRequest, context: grpc.ServicerContext) -> Any:
+        return logread.read(self.registry.log_path(request.model), request.offset, request.max_bytes)
 
     # -- uploads (control/uploads.py) ---------------------------------------
     def Upload(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> nnd_pb2.UploadResponse:
@@ -157,13 +174,16 @@ class NndServicer:
         if not request.model:
             raise errors.InvalidArgument("the request names no model")
         entry = self.registry.acquire(
-            request.model, auto_dispatch=not request.no_auto_dispatch, keep_alive=request.keep_alive
+            request.model,
+            auto_dispatch=not request.no_auto_dispatch,
+            keep_alive=request.keep_alive,
+            user=self._user(context),
         )
         try:
             worker = entry.worker
             if worker is None:
                 raise errors.Unavailable(f"model {entry.name} lost its worker: {entry.last_error}")
-            metadata = [(shared.MODEL_KEY, entry.name), (shared.EPOCH_KEY, str(worker.epoch))]
+            metadata = self._worker_metadata(entry, worker, context)
             yield from worker.interact(
                 itertools.chain([raw], raws), timeout=self._deadline(context), client=context, metadata=metadata
             )
@@ -178,7 +198,7 @@ class NndServicer:
         if not steer.model:
             raise errors.InvalidArgument("the request names no model")
         entry = self.registry.acquire(
-            steer.model, auto_dispatch=not steer.no_auto_dispatch, keep_alive=steer.keep_alive
+            steer.model, auto_dispatch=not steer.no_auto_dispatch, keep_alive=steer.keep_alive, user=self._user(context)
         )
         try:
             worker = entry.worker
@@ -190,13 +210,18 @@ class NndServicer:
                     self._forwarded.clear()
                 self._forwarded.add(peer)
                 log.info("forwarding %s of %s for %s, a client that does not follow routes", method, *peer)
-            metadata = [(shared.MODEL_KEY, entry.name), (shared.EPOCH_KEY, str(worker.epoch))]
+            metadata = self._worker_metadata(entry, worker, context)
             # A client that goes away cancels the worker's call at once (not at its next response).
             try:
                 with self.inflight.hold(len(raw), "the request"):
                     call = worker.forward(method, raw, timeout=self._deadline(context), client=context, metadata=metadata)
                     yield from self.inflight.passing(call, "a result")
             except errors.NndError:
+                if entry.lost_epoch == worker.epoch and entry.lost_reason.startswith("was released"):
+                    # Another user released (or unloaded) it under this request: say who and when.
+                    raise errors.Unavailable(
+                        f"the worker of {entry.name} {entry.lost_reason} while this request ran"
+                    ) from None
                 if entry.gone:  # its worker was stopped under it: say why, not "Channel closed!"
                     raise errors.Unavailable(f"model {entry.name} was unloaded while this request ran") from None
                 raise
@@ -226,6 +251,7 @@ class NndServicer:
             base=request.base,
             replace=request.replace,
             max_bytes=self.settings.limits.max_request_bytes,
+            user=self._user(context),
         )
         change = worker_pb2.WorkerConfig()
         change.edits[edit.id].CopyFrom(edit.stack())

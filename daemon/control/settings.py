@@ -37,6 +37,19 @@ class Limits:
 
 
 @dataclass
+class UserLimits:
+    """What one user (a uid on the unix socket, a token or host over TCP) may hold; 0: no per-user cap.
+    They keep one person from taking a shared box: the daemon-wide caps still apply on top."""
+
+    # Models dispatched by this user at once (a request's automatic dispatch counts for its sender).
+    max_models: int = 0
+    # Estimated weight bytes of those models, all devices together.
+    max_memory_bytes: int = 0
+    # Fraction of a model's queue (max_queue_depth) one user's requests may fill.
+    max_queue_share: float = 0.0
+
+
+@dataclass
 class Settings:
     address: str
     state_dir: str
@@ -82,6 +95,14 @@ class Settings:
     max_uploads_per_client: int = 4
     max_concurrent_uploads: int = 16
     upload_idle_timeout_s: float = 60.0
+    # Prometheus metrics and /healthz on this HOST:PORT (control/metrics.py); "": off.
+    metrics: str = ""
+    # One log line per finished request (model, kind, client, queue wait, run time, status), by the worker.
+    log_requests: bool = False
+    log_format: str = "text"
+    # A worker's log is rotated at this size, 3 old files kept (supervisor.py).
+    worker_log_bytes: int = 16 * 1024 * 1024
+    users: UserLimits = field(default_factory=lambda: UserLimits())
 
     @property
     def state_file(self) -> str:

@@ -89,3 +89,37 @@ def lock(state_dir: str, address: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()} {address}\n".encode(), 0)
     return fd
+
+
+# Rotated copies of a worker log kept beside it (NAME.log.1 is the newest).
+KEEP_LOGS = 3
+
+
+def rotate_log(path: str, max_bytes: int, keep: int = KEEP_LOGS) -> bool:
+    """If `path` is over `max_bytes`, copy it to `path.1` (older copies move up, the oldest goes) and
+    empty it in place: a worker writing to it (O_APPEND) carries on at the new end. Returns whether it
+    rotated. Never follows a link."""
+    if max_bytes <= 0:
+        return False
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_size <= max_bytes:
+        return False
+    for i in range(keep - 1, 0, -1):
+        older = f"{path}.{i}"
+        if os.path.lexists(older):
+            os.replace(older, f"{path}.{i + 1}")
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        out = os.open(f"{path}.1", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        try:
+            while chunk := os.read(fd, 1 << 20):
+                os.write(out, chunk)
+        finally:
+            os.close(out)
+        os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
+    return True

@@ -40,7 +40,7 @@ import grpc
 import psutil
 
 from nnd.v1 import nnd_pb2, worker_pb2, worker_pb2_grpc
-from nnd_daemon import errors, shared
+from nnd_daemon import errors, identity, shared
 from nnd_daemon.control import gpus, statedir, tplaunch
 
 log = logging.getLogger("nnd.supervisor")
@@ -168,6 +168,12 @@ class Launcher:
     request_limits: dict[str, float] = field(default_factory=dict)
     batch_window_ms: float = 0.0
     token: str | None = None
+    # The key `nnd-user` tickets are checked with (identity.py), hex; handed over in the environment.
+    identity_key: str = ""
+    log_requests: bool = False
+    log_format: str = "text"
+    # A worker log is rotated at this size (statedir.rotate_log); 0: never.
+    log_bytes: int = 0
 
     def __call__(self, order: WorkerOrder) -> Worker:
         worker = Worker(
@@ -182,6 +188,9 @@ class Launcher:
             public_dir=self.public_dir,
             request_limits=self.request_limits,
             token=self.token,
+            identity_key=self.identity_key,
+            log_args=(["--log-requests"] if self.log_requests else []) + ["--log-format", self.log_format],
+            log_bytes=self.log_bytes,
         )
         try:
             worker.start(self.start_timeout_s)
@@ -208,8 +217,14 @@ class Worker:
         public_dir: str = "",
         request_limits: dict[str, float] | None = None,
         token: str | None = None,
+        identity_key: str = "",
+        log_args: list[str] | None = None,
+        log_bytes: int = 0,
     ) -> None:
         self.name = name
+        self._identity_key = identity_key
+        self._log_args = log_args or []
+        self.log_bytes = log_bytes
         self.run_dir = run_dir
         self.epoch = epoch
         self.request_limits = request_limits or {}
@@ -251,8 +266,9 @@ class Worker:
         for path in (self.socket, self.public):
             if path and os.path.exists(path):
                 os.unlink(path)
+        statedir.rotate_log(self.log_path, self.log_bytes)
         logf = os.fdopen(statedir.open_log(self.log_path), "ab")  # owned by the child; never through a link
-        args = ["--socket", self.socket, "--name", self.name]
+        args = ["--socket", self.socket, "--name", self.name, *self._log_args]
         args += ["--parent", str(os.getpid()), "--limits", json.dumps(self.limits)]
         args += ["--epoch", str(self.epoch), "--request-limits", json.dumps(self.request_limits)]
         if self.public:
@@ -268,6 +284,9 @@ class Worker:
         env.pop(TOKEN_ENV, None)
         if self._token:
             env[TOKEN_ENV] = self._token
+        env.pop(identity.KEY_ENV, None)
+        if self._identity_key:
+            env[identity.KEY_ENV] = self._identity_key
         # No preexec_fn: running Python between fork and exec in a threaded
         # daemon can crash the child. The worker ties its life to ours itself.
         self.proc = subprocess.Popen(

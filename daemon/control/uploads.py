@@ -196,6 +196,23 @@ class UploadStore:
         shutil.rmtree(doomed, ignore_errors=True)
         log.info("deleted upload %s", sha)
 
+    def stored(self) -> tuple[int, int]:
+        """How many uploads are kept, and their bytes (for the metrics)."""
+        count = total = 0
+        if not os.path.isdir(self.root):
+            return 0, 0
+        for name in os.listdir(self.root):
+            if name.startswith("."):
+                continue
+            count += 1
+            for folder, _dirs, files in os.walk(os.path.join(self.root, name)):
+                for f in files:
+                    try:
+                        total += os.lstat(os.path.join(folder, f)).st_size
+                    except OSError:
+                        pass
+        return count, total
+
     def clean_partial(self) -> None:
         """Remove what interrupted uploads and deletions left (at start, once the daemon owns the socket)."""
         if not os.path.isdir(self.root):

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import signal
 
 from nnd.v1 import worker_pb2_grpc
-from nnd_daemon import shared
+from nnd_daemon import logfmt, shared
 from nnd_daemon.worker import listen
 from nnd_daemon.worker.service import WorkerService
 
@@ -39,7 +38,8 @@ def main() -> None:
     if not rank:
         shared.die_with_parent(ns.parent)
     who = f"{ns.name} rank {rank}" if rank else ns.name
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{who}] %(levelname)s %(message)s")
+    text = f"%(asctime)s worker[{who}] %(levelname)s %(message)s"
+    logfmt.setup("INFO", ns.log_format, text, model=ns.name, **({"rank": rank} if rank else {}))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if ns.threads:
         import torch

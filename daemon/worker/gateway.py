@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from nnd.v1 import nnd_pb2, worker_pb2
-from nnd_daemon import aliases, errors, intake, shared
+from nnd_daemon import aliases, errors, identity, intake, shared
 
 _SERVICE = "nnd.v1.Nnd"
 
@@ -29,12 +29,18 @@ _SERVICE = "nnd.v1.Nnd"
 class Gateway:
     """Checks and completes a client's data request, then runs it on `service`."""
 
-    def __init__(self, service: Any, name: str, epoch: int, limits: dict[str, float]) -> None:
+    def __init__(
+        self, service: Any, name: str, epoch: int, limits: dict[str, float], tickets: identity.Tickets | None = None
+    ) -> None:
         self.service = service
         self.name = name
         self.epoch = epoch
         # The request limits the daemon passed at start (intake.REQUEST_LIMIT_FIELDS).
         self.limits = SimpleNamespace(**{f: limits.get(f, 0) for f in intake.REQUEST_LIMIT_FIELDS})
+        # One user's share of the queue (settings.UserLimits.max_queue_share; 0: none).
+        self.queue_share = float(limits.get("max_queue_share", 0) or 0)
+        # Verifies the `nnd-user` tickets clients (and the daemon, forwarding) send (identity.py).
+        self.tickets = tickets
         self._lock = threading.Lock()
         self._bindings: list[worker_pb2.AliasBinding] = []
         self._table: aliases.AliasTable | None = None
@@ -119,16 +125,35 @@ class Gateway:
             "ask the daemon for that model's route (GetRoute)"
         )
 
+    def user_of(self, context: grpc.ServicerContext) -> str:
+        return identity.who(context, self.tickets)
+
+    def _begin(self, kind: str, keep_alive: str, context: grpc.ServicerContext) -> str:
+        user = self.user_of(context)
+        try:
+            self.service.activity.begin(
+                keep_alive, int(self.limits.max_queue_depth), self.name, user=user, share=self.queue_share
+            )
+        except errors.NndError as exc:
+            self.service.activity.refused(kind, exc, user, client_of(context))
+            raise
+        return user
+
     def serve(self, method: str, raw: bytes, context: grpc.ServicerContext, route: bool = False) -> Iterator[Any]:
         self._check_epoch(context, route)
-        run = self._prepare(method, raw)
+        try:
+            run = self._prepare(method, raw)
+        except errors.NndError as exc:  # over a limit, malformed: counted, never run
+            self.service.activity.refused(method.lower(), exc, self.user_of(context), client_of(context))
+            raise
         self._check_model(run.session.model if run.HasField("session") else run.request.model, route)
         keep_alive = run.session.keep_alive if run.HasField("session") else run.request.keep_alive
-        self.service.activity.begin(keep_alive, int(self.limits.max_queue_depth), self.name)
+        kind = "session" if run.HasField("session") else "generate" if run.generate else "trace"
+        user = self._begin(kind, keep_alive, context)
         try:
             yield from self._run(run, context, lambda stop, on_error: self.service.run(run, context, stop, on_error))
         finally:
-            self.service.activity.end()
+            self.service.activity.end(user)
 
     def interact(self, raws: Iterator[bytes], context: grpc.ServicerContext, route: bool = False) -> Iterator[Any]:
         """Interact (sync points): the first message starts the run, checked and completed as a
@@ -157,7 +182,8 @@ class Gateway:
                 request=request, generate=start.generate, edits=self._stacks(list(request.edits))
             )
             keep_alive = request.keep_alive
-        self.service.activity.begin(keep_alive, int(self.limits.max_queue_depth), self.name)
+        kind = "session" if start.HasField("session") else "generate" if start.generate else "trace"
+        user = self._begin(kind, keep_alive, context)
 
         def messages() -> Iterator[worker_pb2.WorkerInteractContinue | errors.NndError]:
             for raw in raws:
@@ -200,7 +226,7 @@ class Gateway:
                 run, context, lambda stop, on_error: self.service.interact(run, start, messages(), context, stop, on_error)
             )
         finally:
-            self.service.activity.end()
+            self.service.activity.end(user)
 
     def _complete(self, model: str, traces: Any) -> None:
         """A session's traces, checked and with alias paths rewritten (as `intake.prepare` does)."""
@@ -248,6 +274,14 @@ class Gateway:
             rewrite=lambda graphs: aliases.rewrite_graphs(graphs, self._aliases()),
             stacks=self._stacks,
         )
+
+
+def client_of(context: grpc.ServicerContext) -> str:
+    """Who sent a request: the client's own `nnd-client` metadata (free text, shortened), else the peer."""
+    for key, value in context.invocation_metadata() or ():
+        if key == shared.CLIENT_KEY and isinstance(value, str):
+            return value[:80]
+    return context.peer() or "?"
 
 
 def _serialize(message: Any) -> bytes:

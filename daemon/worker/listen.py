@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from nnd_daemon import errors, shared
+from nnd_daemon import errors, identity, shared
 from nnd_daemon.tokens import TokenInterceptor
 from nnd_daemon.worker.gateway import Gateway
 
@@ -33,12 +33,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--public", default="", help="unix socket clients reach by the model's route")
     parser.add_argument("--epoch", type=int, default=0, help="the route's epoch (the daemon's count of workers)")
     parser.add_argument("--request-limits", default="", help="request limits as JSON (requests.REQUEST_LIMIT_FIELDS)")
+    parser.add_argument("--log-requests", action="store_true", help="log one line per finished request")
+    parser.add_argument("--log-format", default="text", choices=("text", "json"))
 
 
 def start(service: Any, ns: argparse.Namespace, add_worker: Callable[[Any, grpc.Server], None]) -> list[grpc.Server]:
     """Serve `service` (add_worker adds its Worker servicer) and its data path; returns the servers."""
-    gateway = Gateway(service, ns.name, ns.epoch, json.loads(ns.request_limits or "{}"))
+    gateway = Gateway(service, ns.name, ns.epoch, json.loads(ns.request_limits or "{}"), identity.Tickets.from_env())
     service.gateway = gateway
+    service.activity.model = ns.name
+    service.activity.log_requests = ns.log_requests
     servers = []
     token = os.environ.pop(TOKEN_ENV, "")
     # Errors become statuses in one place (behind the token check, on the public socket).

@@ -88,7 +88,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         ahead = self._run_lock.waiting() + self._run_lock.locked()
         if ahead:
             yield nnd_pb2.TraceResponse(queued=nnd_pb2.Queued(ahead=ahead))
-        with self.activity.track(kind, _client(context), steps) as tracked, _log_if_cancelled(stop, tracked):
+        who = dict(user=self._user(context), rows=max(1, len(request.request.invokes)))
+        with self.activity.track(kind, _client(context), steps, **who) as tracked, _log_if_cancelled(stop, tracked):
 
             def started() -> None:
                 tracked.running = True
@@ -231,7 +232,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
                 out.put(exc)
 
-        with self.activity.track(kind, _client(context), steps) as tracked, _log_if_cancelled(stop, tracked):
+        who = dict(user=self._user(context), rows=max(1, len(run.request.invokes)))
+        with self.activity.track(kind, _client(context), steps, **who) as tracked, _log_if_cancelled(stop, tracked):
             threading.Thread(target=read, name="interact-read", daemon=True).start()
             threading.Thread(target=work, name="interact", daemon=True).start()
             while True:
@@ -261,6 +263,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 interaction=interaction,
             )
 
+    def _user(self, context: grpc.ServicerContext) -> str:
+        return self.gateway.user_of(context) if self.gateway is not None else ""
+
     # -- Configure ----------------------------------------------------------
     def Configure(self, request: worker_pb2.WorkerConfig, context: grpc.ServicerContext) -> Any:
         self.gateway.configure(request)
@@ -287,8 +292,8 @@ def _log_if_cancelled(stop: threading.Event, tracked: activity.Request) -> Itera
         if stop.is_set():
             where = f" after {tracked.step} of {tracked.steps} steps" if tracked.steps else ""
             state = "while running" if tracked.running else "before it ran"
-            log.info("%s from %s cancelled %s%s (the client cancelled or went away)", tracked.kind, tracked.client,
-                     state, where)
+            log.info("%s from %s%s cancelled %s%s (the client cancelled or went away)", tracked.kind, tracked.client,
+                     f" ({tracked.user})" if tracked.user else "", state, where)
 
 
 def _client(context: grpc.ServicerContext) -> str:

@@ -170,7 +170,8 @@ class Router:
             when = "before this request ran (it was queued behind another one): none of it ran, so it is safe to retry"
         else:
             when = "while running this request"
-        what = reason if reason.startswith(("hung", "died")) else f"died: {reason}"
+        # "hung ...", "died: ...", or "was released by USER at TIME" (another user's `nnd release --force`).
+        what = reason if reason.startswith(("hung", "died", "was ")) else f"died: {reason}"
         lost = DaemonUnavailable(
             f"the worker of {model} {what}; this happened {when}; "
             "the next request dispatches the model again (`nnd ps` shows why it stopped)"

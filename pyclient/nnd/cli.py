@@ -190,7 +190,7 @@ def _dispatch(ns: argparse.Namespace, model: str) -> int:
 def cmd_release(ns: argparse.Namespace) -> int:
     from nnd.v1 import nnd_pb2
 
-    info = _conn(ns).call("Release", nnd_pb2.ReleaseRequest(model=_local(ns.model)))
+    info = _conn(ns).call("Release", nnd_pb2.ReleaseRequest(model=_local(ns.model), force=ns.force))
     print(f"{info.name}: {STATES[info.state]}")
     return 0
 
@@ -198,7 +198,7 @@ def cmd_release(ns: argparse.Namespace) -> int:
 def cmd_unload(ns: argparse.Namespace) -> int:
     from nnd.v1 import nnd_pb2
 
-    _conn(ns).call("Unload", nnd_pb2.UnloadRequest(model=_local(ns.model)))
+    _conn(ns).call("Unload", nnd_pb2.UnloadRequest(model=_local(ns.model), force=ns.force))
     print(f"{_local(ns.model)}: unloaded")
     return 0
 
@@ -227,6 +227,7 @@ def cmd_ps(ns: argparse.Namespace) -> int:
                 weights,
                 _human_bytes(m.worker_rss_bytes) if m.worker_rss_bytes else "-",
                 ",".join(str(p) for p in m.worker_pids if p not in ranked) or "-",
+                m.dispatched_by or m.loaded_by or "-",
                 _human_duration(m.idle_s) if m.idle_s else "-",
                 ("in " + _human_duration(max(0.0, m.expires_at - now))) if m.expires_at else "-",
                 m.last_error[:60] if m.last_error else "",
@@ -234,18 +235,39 @@ def cmd_ps(ns: argparse.Namespace) -> int:
         )
         for r in m.ranks:
             rss = _human_bytes(r.rss_bytes) if r.rss_bytes else "-"
-            rows.append([f"  rank {r.rank}", "", "", r.device, "", "", rss, str(r.pid), "", "", ""])
-    header = ["NAME", "STATE", "TP", "DEVICES", "DTYPE", "WEIGHTS", "RSS", "PID", "IDLE", "RELEASE", "NOTE"]
+            rows.append([f"  rank {r.rank}", "", "", r.device, "", "", rss, str(r.pid), "", "", "", ""])
+    # USER: who dispatched the running worker (else who loaded the model).
+    header = ["NAME", "STATE", "TP", "DEVICES", "DTYPE", "WEIGHTS", "RSS", "PID", "USER", "IDLE", "RELEASE", "NOTE"]
     print(_table(rows, header) if rows else "no models loaded")
     inflight = [
-        [m.name, r.state, r.kind, _progress(r), _human_duration(max(0.0, now - r.since)), r.client]
+        [m.name, r.state, r.kind, _progress(r), _human_duration(max(0.0, now - r.since)), r.user or "-", r.client]
         for m in resp.models
         for r in m.requests
     ]
     if inflight:
         print()
-        print(_table(inflight, ["MODEL", "REQUEST", "KIND", "PROGRESS", "FOR", "CLIENT"]))
+        print(_table(inflight, ["MODEL", "REQUEST", "KIND", "PROGRESS", "FOR", "USER", "CLIENT"]))
     return 0
+
+
+def cmd_logs(ns: argparse.Namespace) -> int:
+    """A model's worker log (or the helper's), read through the daemon; -f keeps following it."""
+    from nnd.v1 import nnd_pb2
+
+    conn = _conn(ns)
+    model = _local(ns.model) if ns.model else ""
+    offset = -abs(ns.bytes)
+    out = sys.stdout.buffer
+    while True:
+        resp = conn.call("ReadLogs", nnd_pb2.ReadLogsRequest(model=model, offset=offset, max_bytes=1 << 20))
+        out.write(resp.data)
+        out.flush()
+        offset = resp.next_offset  # (after a rotation the daemon starts the new file from its beginning)
+        if resp.next_offset < resp.size:
+            continue  # more than one answer's worth
+        if not ns.follow:
+            return 0
+        time.sleep(0.5)
 
 
 def _progress(r: object) -> str:
@@ -372,8 +394,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("release", cmd_release, "end a model's worker and free its memory; the model stays loaded (META)")
     p.add_argument("model")
+    p.add_argument(
+        "--force", action="store_true", help="also when another user dispatched it or requests run on it (they fail)"
+    )
     p = add("unload", cmd_unload, "release a model and forget it")
     p.add_argument("model")
+    p.add_argument("--force", action="store_true", help="as for release")
+
+    p = add("logs", cmd_logs, "show a model's worker log (no MODEL: the helper's), read through the daemon")
+    p.add_argument("model", nargs="?", help="a loaded (or once loaded) model; omit for the helper process's log")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing what is added (Ctrl-C ends)")
+    p.add_argument("--bytes", type=int, default=16384, metavar="N", help="start this many bytes before the end")
 
     p = add("ps", cmd_ps, "list loaded models: state, TP degree, devices, dtype, memory, worker pids (each rank's), idle time")
     p.add_argument("--json", action="store_true")

@@ -5,8 +5,58 @@ from __future__ import annotations
 
 import argparse
 
+# The file `nnd serve` reads its options from when --config is not given (a missing one is fine).
+DEFAULT_CONFIG = "/etc/nnd/nnd.toml"
+# Options that only steer the command line itself: never read from a config file.
+NOT_IN_CONFIG = frozenset({"config", "print_config", "token", "fn", "command", "help"})
+# The namespace attribute naming the options given on the command line (config.py fills the rest).
+GIVEN = "_serve_given"
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help=f"a TOML file holding any of these options (keys as the flags without '--'); flags override it "
+        f"(default: {DEFAULT_CONFIG} if it exists)",
+    )
+    p.add_argument(
+        "--print-config", action="store_true", help="print the effective configuration, each value's source, and exit"
+    )
+    p.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics and /healthz (off by default; a bare port "
+        "binds 127.0.0.1)",
+    )
+    p.add_argument(
+        "--log-format", choices=("text", "json"), default="text", help="log lines as text or one JSON object each"
+    )
+    p.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="log one line per finished request (model, kind, client, queue wait, run time, status) at INFO",
+    )
+    p.add_argument(
+        "--max-models-per-user",
+        type=int,
+        default=0,
+        metavar="N",
+        help="models one user may have dispatched at once (0: no per-user cap; --max-dispatched still applies)",
+    )
+    p.add_argument(
+        "--max-memory-per-user",
+        default="0",
+        metavar="SIZE",
+        help="estimated weight bytes one user's dispatched models may take, all devices (0: no per-user cap)",
+    )
+    p.add_argument(
+        "--max-queue-share",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="share of a model's queue (--max-queue-depth) one user's requests may take, e.g. 0.5 (0: no cap)",
+    )
     p.add_argument(
         "--listen",
         metavar="HOST:PORT",
@@ -129,3 +179,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="cancel an upload that sends nothing for this long (0: never)",
     )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    p.add_argument(
+        "--worker-log-bytes",
+        default="16MiB",
+        metavar="SIZE",
+        help="a worker log in the state directory is rotated at this size (3 old files kept)",
+    )
+    _record_given(p)
+
+
+def _record_given(p: argparse.ArgumentParser) -> None:
+    """Make every option note, when it is used, that it was given on the command line: a config file
+    fills only the others, and --print-config names each value's source."""
+    for action in p._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        base = type(action)
+
+        def call(self, parser, namespace, values, option_string=None, _base=base):  # noqa: ANN001
+            getattr(namespace, GIVEN, None) or setattr(namespace, GIVEN, set())
+            getattr(namespace, GIVEN).add(self.dest)
+            _base.__call__(self, parser, namespace, values, option_string)
+
+        action.__class__ = type(base.__name__, (base,), {"__call__": call})
+    p.set_defaults(_serve_parser=p)

@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from nnd import _address, _chunks, _route
+from nnd import _address, _chunks, _identity, _route
 from nnd.errors import DaemonUnavailable, NndError, from_rpc_error
 from nnd.v1 import nnd_pb2_grpc
 
@@ -107,9 +107,13 @@ class Connection:
             not self.tls and _address.unix_path(self.address) is not None and os.environ.get("NND_DIRECT") != "0"
         )
         self.router = _route.Router(self.stub, self._metadata, CHANNEL_OPTIONS)
+        # The daemon's word for this process's user (ownership, `nnd ps`, logs); None over TCP.
+        self._ticket = _identity.fetch_ticket(self.address) if not self.tls else None
 
     def _metadata(self) -> list[tuple[str, str]]:
         who = [("nnd-client", _CLIENT)]  # shown by `nnd ps` beside this process's requests
+        if self._ticket:
+            who.append((_identity.USER_KEY, self._ticket))
         return [("authorization", f"Bearer {self.token}"), *who] if self.token else who
 
     def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:

@@ -189,16 +189,42 @@ class DispatchProgress(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., unit: _Optional[str] = ..., message: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("model",)
+    __slots__ = ("model", "force")
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     model: str
-    def __init__(self, model: _Optional[str] = ...) -> None: ...
+    force: bool
+    def __init__(self, model: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class ReadLogsRequest(_message.Message):
+    __slots__ = ("model", "offset", "max_bytes")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    offset: int
+    max_bytes: int
+    def __init__(self, model: _Optional[str] = ..., offset: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+
+class ReadLogsResponse(_message.Message):
+    __slots__ = ("data", "next_offset", "size", "path")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    NEXT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    next_offset: int
+    size: int
+    path: str
+    def __init__(self, data: _Optional[bytes] = ..., next_offset: _Optional[int] = ..., size: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
 
 class UnloadRequest(_message.Message):
-    __slots__ = ("model",)
+    __slots__ = ("model", "force")
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     model: str
-    def __init__(self, model: _Optional[str] = ...) -> None: ...
+    force: bool
+    def __init__(self, model: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class UnloadResponse(_message.Message):
     __slots__ = ()
@@ -243,7 +269,7 @@ class DeviceMemory(_message.Message):
     def __init__(self, device: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class RequestInFlight(_message.Message):
-    __slots__ = ("kind", "client", "state", "since", "step", "steps", "position")
+    __slots__ = ("kind", "client", "state", "since", "step", "steps", "position", "user")
     KIND_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +277,7 @@ class RequestInFlight(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
     kind: str
     client: str
     state: str
@@ -258,10 +285,11 @@ class RequestInFlight(_message.Message):
     step: int
     steps: int
     position: int
-    def __init__(self, kind: _Optional[str] = ..., client: _Optional[str] = ..., state: _Optional[str] = ..., since: _Optional[float] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
+    user: str
+    def __init__(self, kind: _Optional[str] = ..., client: _Optional[str] = ..., state: _Optional[str] = ..., since: _Optional[float] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., position: _Optional[int] = ..., user: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "state", "task", "architecture", "config", "num_parameters", "placement", "dispatched_placement", "modules", "weights", "worker_rss_bytes", "worker_pids", "idle_s", "expires_at", "last_error", "dtype", "estimated_bytes", "tp_size", "ranks", "requests", "route", "worker_requests")
+    __slots__ = ("name", "state", "task", "architecture", "config", "num_parameters", "placement", "dispatched_placement", "modules", "weights", "worker_rss_bytes", "worker_pids", "idle_s", "expires_at", "last_error", "dtype", "estimated_bytes", "tp_size", "ranks", "requests", "route", "worker_requests", "loaded_by", "dispatched_by", "dispatched_at")
     class ConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +319,9 @@ class ModelInfo(_message.Message):
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     WORKER_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_BY_FIELD_NUMBER: _ClassVar[int]
+    DISPATCHED_BY_FIELD_NUMBER: _ClassVar[int]
+    DISPATCHED_AT_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: ModelState
     task: str
@@ -313,7 +344,10 @@ class ModelInfo(_message.Message):
     requests: _containers.RepeatedCompositeFieldContainer[RequestInFlight]
     route: Route
     worker_requests: int
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., task: _Optional[str] = ..., architecture: _Optional[str] = ..., config: _Optional[_Mapping[str, str]] = ..., num_parameters: _Optional[int] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., dispatched_placement: _Optional[_Union[Placement, _Mapping]] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., weights: _Optional[_Iterable[_Union[DeviceMemory, _Mapping]]] = ..., worker_rss_bytes: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., idle_s: _Optional[float] = ..., expires_at: _Optional[float] = ..., last_error: _Optional[str] = ..., dtype: _Optional[str] = ..., estimated_bytes: _Optional[int] = ..., tp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[WorkerRank, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[RequestInFlight, _Mapping]]] = ..., route: _Optional[_Union[Route, _Mapping]] = ..., worker_requests: _Optional[int] = ...) -> None: ...
+    loaded_by: str
+    dispatched_by: str
+    dispatched_at: float
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., task: _Optional[str] = ..., architecture: _Optional[str] = ..., config: _Optional[_Mapping[str, str]] = ..., num_parameters: _Optional[int] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., dispatched_placement: _Optional[_Union[Placement, _Mapping]] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., weights: _Optional[_Iterable[_Union[DeviceMemory, _Mapping]]] = ..., worker_rss_bytes: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., idle_s: _Optional[float] = ..., expires_at: _Optional[float] = ..., last_error: _Optional[str] = ..., dtype: _Optional[str] = ..., estimated_bytes: _Optional[int] = ..., tp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[WorkerRank, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[RequestInFlight, _Mapping]]] = ..., route: _Optional[_Union[Route, _Mapping]] = ..., worker_requests: _Optional[int] = ..., loaded_by: _Optional[str] = ..., dispatched_by: _Optional[str] = ..., dispatched_at: _Optional[float] = ...) -> None: ...
 
 class WorkerRank(_message.Message):
     __slots__ = ("rank", "pid", "rss_bytes", "device")
@@ -507,18 +541,20 @@ class CreateEditRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., graph: _Optional[_Union[_graph_pb2.Graph, _Mapping]] = ..., name: _Optional[str] = ..., base: _Optional[_Iterable[str]] = ..., replace: _Optional[bool] = ...) -> None: ...
 
 class EditInfo(_message.Message):
-    __slots__ = ("id", "model", "graphs", "nodes", "named")
+    __slots__ = ("id", "model", "graphs", "nodes", "named", "created_by")
     ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GRAPHS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     NAMED_FIELD_NUMBER: _ClassVar[int]
+    CREATED_BY_FIELD_NUMBER: _ClassVar[int]
     id: str
     model: str
     graphs: int
     nodes: int
     named: bool
-    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., graphs: _Optional[int] = ..., nodes: _Optional[int] = ..., named: _Optional[bool] = ...) -> None: ...
+    created_by: str
+    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., graphs: _Optional[int] = ..., nodes: _Optional[int] = ..., named: _Optional[bool] = ..., created_by: _Optional[str] = ...) -> None: ...
 
 class ListEditsRequest(_message.Message):
     __slots__ = ("model",)

@@ -74,6 +74,11 @@ class NndStub:
                 request_serializer=nnd_dot_v1_dot_nnd__pb2.UnloadRequest.SerializeToString,
                 response_deserializer=nnd_dot_v1_dot_nnd__pb2.UnloadResponse.FromString,
                 _registered_method=True)
+        self.ReadLogs = channel.unary_unary(
+                '/nnd.v1.Nnd/ReadLogs',
+                request_serializer=nnd_dot_v1_dot_nnd__pb2.ReadLogsRequest.SerializeToString,
+                response_deserializer=nnd_dot_v1_dot_nnd__pb2.ReadLogsResponse.FromString,
+                _registered_method=True)
         self.Upload = channel.stream_unary(
                 '/nnd.v1.Nnd/Upload',
                 request_serializer=nnd_dot_v1_dot_nnd__pb2.UploadRequest.SerializeToString,
@@ -206,6 +211,14 @@ class NndServicer:
     def Unload(self, request, context):
         """Release (if dispatched) and forget the model. An uploaded model's files
         are deleted too, unless another loaded model uses the same upload.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadLogs(self, request, context):
+        """A piece of a model's worker log (or the helper's), kept in the state directory and
+        rotated there; `nnd logs MODEL [-f]` reads it this way, without access to that directory.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -381,6 +394,11 @@ def add_NndServicer_to_server(servicer, server):
                     servicer.Unload,
                     request_deserializer=nnd_dot_v1_dot_nnd__pb2.UnloadRequest.FromString,
                     response_serializer=nnd_dot_v1_dot_nnd__pb2.UnloadResponse.SerializeToString,
+            ),
+            'ReadLogs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadLogs,
+                    request_deserializer=nnd_dot_v1_dot_nnd__pb2.ReadLogsRequest.FromString,
+                    response_serializer=nnd_dot_v1_dot_nnd__pb2.ReadLogsResponse.SerializeToString,
             ),
             'Upload': grpc.stream_unary_rpc_method_handler(
                     servicer.Upload,
@@ -669,6 +687,33 @@ class Nnd:
             '/nnd.v1.Nnd/Unload',
             nnd_dot_v1_dot_nnd__pb2.UnloadRequest.SerializeToString,
             nnd_dot_v1_dot_nnd__pb2.UnloadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nnd.v1.Nnd/ReadLogs',
+            nnd_dot_v1_dot_nnd__pb2.ReadLogsRequest.SerializeToString,
+            nnd_dot_v1_dot_nnd__pb2.ReadLogsResponse.FromString,
             options,
             channel_credentials,
             insecure,

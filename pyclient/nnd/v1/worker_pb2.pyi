@@ -112,7 +112,7 @@ class WorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("rss_bytes", "weights", "dtype", "devices", "ranks", "requests", "idle_since", "active", "accepted", "keep_alive")
+    __slots__ = ("rss_bytes", "weights", "dtype", "devices", "ranks", "requests", "idle_since", "active", "accepted", "keep_alive", "stats")
     class DevicesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class WorkerStatus(_message.Message):
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
     rss_bytes: int
     weights: _containers.RepeatedCompositeFieldContainer[_nnd_pb2.DeviceMemory]
     dtype: str
@@ -140,4 +141,56 @@ class WorkerStatus(_message.Message):
     active: int
     accepted: int
     keep_alive: str
-    def __init__(self, rss_bytes: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[_nnd_pb2.DeviceMemory, _Mapping]]] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Mapping[str, str]] = ..., ranks: _Optional[_Iterable[_Union[_nnd_pb2.WorkerRank, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[_nnd_pb2.RequestInFlight, _Mapping]]] = ..., idle_since: _Optional[float] = ..., active: _Optional[int] = ..., accepted: _Optional[int] = ..., keep_alive: _Optional[str] = ...) -> None: ...
+    stats: WorkerStats
+    def __init__(self, rss_bytes: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[_nnd_pb2.DeviceMemory, _Mapping]]] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Mapping[str, str]] = ..., ranks: _Optional[_Iterable[_Union[_nnd_pb2.WorkerRank, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[_nnd_pb2.RequestInFlight, _Mapping]]] = ..., idle_since: _Optional[float] = ..., active: _Optional[int] = ..., accepted: _Optional[int] = ..., keep_alive: _Optional[str] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ...) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("requests", "latency", "tokens_generated", "refusals")
+    class RefusalsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RequestCount]
+    latency: _containers.RepeatedCompositeFieldContainer[KindLatency]
+    tokens_generated: int
+    refusals: _containers.ScalarMap[str, int]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RequestCount, _Mapping]]] = ..., latency: _Optional[_Iterable[_Union[KindLatency, _Mapping]]] = ..., tokens_generated: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class RequestCount(_message.Message):
+    __slots__ = ("kind", "status", "count")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    status: str
+    count: int
+    def __init__(self, kind: _Optional[str] = ..., status: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class Histogram(_message.Message):
+    __slots__ = ("bounds", "counts", "sum", "count")
+    BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    bounds: _containers.RepeatedScalarFieldContainer[float]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    sum: float
+    count: int
+    def __init__(self, bounds: _Optional[_Iterable[float]] = ..., counts: _Optional[_Iterable[int]] = ..., sum: _Optional[float] = ..., count: _Optional[int] = ...) -> None: ...
+
+class KindLatency(_message.Message):
+    __slots__ = ("kind", "queue_wait", "run")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    queue_wait: Histogram
+    run: Histogram
+    def __init__(self, kind: _Optional[str] = ..., queue_wait: _Optional[_Union[Histogram, _Mapping]] = ..., run: _Optional[_Union[Histogram, _Mapping]] = ...) -> None: ...
