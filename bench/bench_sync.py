@@ -1,9 +1,11 @@
 """sync: what a real value inside a block costs, and loops over generation steps.
 
 One sync point (`.item()` mid-trace) beside the same trace without it, on a
-GPT-2 4×64 and 12×768: the extra should be about one round trip (measured as
-a minimal unary call to the daemon) plus the value's transfer; and the same
-block under nnsight 0.8.1 in-process. And a loop of 32 generated steps with
+GPT-2 4×64 and 12×768: the extra should be about one round trip plus the
+value's transfer (target: ≤ one round trip + 0.5 ms). The round trip is one
+16-byte message sent and echoed back on an open gRPC bidi stream between two
+Python processes (bench/floor.py's echo server), measured in the same run; and
+the same block under nnsight 0.8.1 in-process. And a loop of 32 generated steps with
 one append each, nnd against nnsight 0.8.1 in-process.
 """
 
@@ -31,12 +33,14 @@ def run(quick: bool) -> list[Row]:
 
 def _shape(d: object, layers: int, width: int, repeats: int, *, loop: bool) -> list[Row]:
     import torch
+    from floor import FloorTracer
 
     import nnd
-    from nnd.v1 import nnd_pb2
 
     path, _tok, _hf, lm = harness.gpt2_subjects(layers, width)
     ours = nnd.TransformersModel(path, address=d.address, device="cpu", dispatch=True)  # type: ignore[attr-defined]
+    floor = FloorTracer(path, str(harness.workdir() / f"echo-{layers}x{width}.sock"), layers // 2)
+    round_trip = floor.open_echo()
     mid = layers // 2
     shape = f"GPT-2 {layers}×{width}"
 
@@ -57,15 +61,15 @@ def _shape(d: object, layers: int, width: int, repeats: int, *, loop: bool) -> l
             h = lm.transformer.h[mid].output.save()
         return h
 
-    def round_trip() -> None:
-        ours._conn.call("GetModel", nnd_pb2.GetModelRequest(model=ours.name))
-
     torch.testing.assert_close(one_sync(), plain())
     torch.testing.assert_close(one_sync(), nnsight_sync(), atol=1e-4, rtol=0)
     t = harness.interleaved(
         {"plain": plain, "sync": one_sync, "rtt": round_trip, "nnsight": nnsight_sync}, warmup=2, repeats=repeats
     )
+    round_trip.close()
+    floor.close()
     extra = t["sync"] - t["plain"]
+    ok = extra <= t["rtt"] + 0.5e-3
     rows = [
         Row(
             f"one sync point (.item()) in a trace ({shape})",
@@ -73,7 +77,8 @@ def _shape(d: object, layers: int, width: int, repeats: int, *, loop: bool) -> l
             ms(t["plain"]),
             ms(t["sync"]),
             t["sync"] / t["plain"],
-            target=f"extra {harness.plus_ms(extra)} vs one round trip {ms(t['rtt'])}",
+            target=f"extra {harness.plus_ms(extra)} vs one bidi round trip {ms(t['rtt'])}; "
+            + harness.target("extra ≤ round trip + 0.5 ms", ok),
             raw={k + "_s": v for k, v in t.items()} | {"layers": layers, "width": width},
         ),
         Row(

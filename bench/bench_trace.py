@@ -3,8 +3,12 @@ per-trace overhead is most of the time) and GPT-2-small's shape 12×768 (the iss
 name both; --quick runs 4×64 alone).
 
 Plain HF forward in-process vs nnsight 0.8.1 trace in-process (same weights) vs
-the nnd client against a real daemon with the model dispatched. All three
-tokenize the same prompt; all three run torch with one thread.
+the nnd client against a real daemon with the model dispatched, and the floor:
+a minimal out-of-process tracer of the bench's own (bench/floor.py: one unary
+gRPC call, the forward with one hook, the tensor back). All four tokenize the
+same prompt, run torch with one thread, and are called in a shuffled order per
+round. The ratios: nnd's overhead ÷ nnsight's (target < 1) and ÷ the floor's
+(target ≤ 1.5).
 
 Wall time is what a user sees, but on a shared machine it moves with the
 neighbours' load (and the scheduler favours the worker, which sleeps between
@@ -23,7 +27,93 @@ NAME = "trace"
 
 def run(quick: bool) -> list[Row]:
     shapes = [(4, 64)] if quick else [(4, 64), (12, 768)]
-    return [row for layers, width in shapes for row in _run_shape(layers, width, quick)]
+    rows = [row for layers, width in shapes for row in _run_shape(layers, width, quick)]
+    return rows + _notebook_data(quick) + _planning(shapes)
+
+
+_CELL = """
+def with_nnd():
+    with ours.trace(PROMPT):
+        h = ours.transformer.h[MID].output.save()
+    return h
+"""
+
+
+def _notebook_data(quick: bool) -> list[Row]:
+    """The same trace from a notebook cell whose globals hold a list of 10^6 floats, and from one
+    that holds none: a block's cost must not follow what the user's frames hold (target within 5%)."""
+    harness.one_thread()
+    import nnd
+
+    path = harness.model("gpt2", layers=4, width=64)
+    cell = harness.workdir() / "notebook_cell.py"
+    cell.write_text(_CELL)  # a real file, as IPython's cells are: the client reads the block's source
+    code = compile(_CELL, str(cell), "exec")
+    with harness.daemon(NAME + "-globals") as d:
+        ours = nnd.TransformersModel(path, address=d.address, device="cpu", dispatch=True)
+        cells = {}
+        for name, extra in (("none", {}), ("big", {"data": [0.5] * 1_000_000, "table": {i: i for i in range(10**5)}})):
+            namespace = {"ours": ours, "PROMPT": PROMPT, "MID": 2, **extra}
+            exec(code, namespace)  # noqa: S102 - the bench's own cell
+            cells[name] = namespace["with_nnd"]
+        warmup, repeats = (2, 10) if quick else (5, 100)
+        t = harness.interleaved(cells, warmup=warmup, repeats=repeats)
+        ours.release()
+    ratio = t["big"] / t["none"]
+    return [
+        Row(
+            "trace from a cell whose globals hold 10^6 floats (and a 10^5-key dict) (GPT-2 4×64)",
+            "the same cell, no data",
+            ms(t["none"]),
+            ms(t["big"]),
+            ratio,
+            target=harness.target("≤ 1.05", ratio <= 1.05),
+            raw={k + "_s": v for k, v in t.items()},
+        )
+    ]
+
+
+def _planning(shapes: list[tuple[int, int]]) -> list[Row]:
+    """What planning one trace's graph costs in the worker, afresh and when the same graph shape was
+    planned before (the sweep: one block over many prompts), in-process on the same model."""
+    import statistics
+    import sys
+    import time
+
+    sys.path.insert(0, str(harness.TESTS / "engine"))  # the engine tests' graph builder
+    from graphs import Graph
+
+    from nnd_daemon.engine import plan, plancache
+
+    rows = []
+    for layers, width in shapes:
+        _tok, hf = harness.hf_model(harness.model("gpt2", layers=layers, width=width))
+        g = Graph()
+        g.save(g.module(f"transformer.h.{layers // 2}"))
+        graph = g.request(PROMPT).graph
+
+        def time_of(fn, n: int = 200) -> float:
+            fn()
+            samples = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t0)
+            return statistics.median(samples)
+
+        fresh = time_of(lambda graph=graph, hf=hf: plan.build(graph, hf, 1))
+        reused = time_of(lambda graph=graph, hf=hf: plancache.build(graph, hf, 1))
+        rows.append(
+            Row(
+                f"planning a trace's graph in the worker (GPT-2 {layers}×{width})",
+                "planned afresh (before)",
+                f"{fresh * 1e3:.3f} ms",
+                f"{reused * 1e3:.3f} ms (same shape seen before)",
+                reused / fresh,
+                raw={"fresh_s": fresh, "reused_s": reused},
+            )
+        )
+    return rows
 
 
 def _run_shape(layers: int, width: int, quick: bool) -> list[Row]:
@@ -46,8 +136,14 @@ def _run_shape(layers: int, width: int, quick: bool) -> list[Row]:
             h = lm.transformer.h[mid].output.save()
         return h
 
+    from floor import FloorTracer
+
     with harness.daemon(NAME) as d:
         ours = nnd.TransformersModel(path, address=d.address, device="cpu", dispatch=True)
+        floor = FloorTracer(path, str(harness.workdir() / f"floor-{layers}x{width}.sock"), mid)
+
+        def with_floor() -> torch.Tensor:
+            return floor.trace(PROMPT)
 
         def with_nnd() -> torch.Tensor:
             with ours.trace(PROMPT):
@@ -55,17 +151,16 @@ def _run_shape(layers: int, width: int, quick: bool) -> list[Row]:
             return h
 
         torch.testing.assert_close(with_nnd(), with_nnsight(), atol=1e-4, rtol=0)  # same work on both sides
-        t = harness.interleaved(
-            {"plain": plain, "nnsight": with_nnsight, "nnd": with_nnd}, warmup=warmup, repeats=repeats
-        )
+        torch.testing.assert_close(with_floor(), with_nnd(), atol=1e-4, rtol=0)
+        fns = {"plain": plain, "nnsight": with_nnsight, "nnd": with_nnd, "floor": with_floor}
+        t = harness.interleaved(fns, warmup=warmup, repeats=repeats)
         # The same in CPU time, counting the daemon and the worker for nnd.
         # (CPU times tick every 10 ms: enough calls that a process's share of ~0.3 ms shows.)
-        pids = {"nnd": {"daemon": d.proc.pid, "worker": harness.worker_pid(d)}}
-        per = harness.interleaved_cpu(
-            {"plain": plain, "nnsight": with_nnsight, "nnd": with_nnd}, repeats=max(repeats, 40), pids=pids
-        )
+        pids = {"nnd": {"daemon": d.proc.pid, "worker": harness.worker_pid(d)}, "floor": {"server": floor.proc.pid}}
+        per = harness.interleaved_cpu(fns, repeats=max(repeats, 40), pids=pids)
         split = per["nnd"]
         cpu = {k: sum(v.values()) for k, v in per.items()}
+        floor.close()
         ours.release()
 
     shape = f"GPT-2 {layers}×{width}"
@@ -75,6 +170,9 @@ def _run_shape(layers: int, width: int, quick: bool) -> list[Row]:
     cpu_ns, cpu_nnd = cpu["nnsight"] - cpu["plain"], cpu["nnd"] - cpu["plain"]
     cpu_ratio = cpu_nnd / cpu_ns if cpu_ns > 0 else None
     ratio_over = over_nnd / over_ns if over_ns > 0 else None  # nnsight's overhead can vanish in the noise
+    over_floor, cpu_floor = t["floor"] - t["plain"], cpu["floor"] - cpu["plain"]
+    floor_ratio = over_nnd / over_floor if over_floor > 0 else None
+    floor_cpu_ratio = cpu_nnd / cpu_floor if cpu_floor > 0 else None
     return [
         Row(
             f"trace ({shape}), vs plain forward",
@@ -106,5 +204,21 @@ def _run_shape(layers: int, width: int, quick: bool) -> list[Row]:
             f"{harness.plus_ms(cpu_nnd)} (client {ms(split['self'])}, daemon {ms(split['daemon'])}, worker {ms(split['worker'])})",
             cpu_ratio,
             target=harness.target("≤ 1", None if cpu_ratio is None else cpu_ratio <= 1),
+        ),
+        Row(
+            f"trace overhead over plain forward ({shape}), vs the floor",
+            "minimal out-of-process tracer (bench/floor.py) overhead",
+            harness.plus_ms(over_floor),
+            harness.plus_ms(over_nnd),
+            floor_ratio,
+            target=harness.target("≤ 1.5", None if floor_ratio is None else floor_ratio <= 1.5),
+        ),
+        Row(
+            f"trace overhead in CPU time ({shape}), vs the floor (client + its server)",
+            "minimal out-of-process tracer overhead",
+            f"{harness.plus_ms(cpu_floor)} (client {ms(per['floor']['self'])}, server {ms(per['floor']['server'])})",
+            harness.plus_ms(cpu_nnd),
+            floor_cpu_ratio,
+            target=harness.target("≤ 1.5", None if floor_cpu_ratio is None else floor_cpu_ratio <= 1.5),
         ),
     ]

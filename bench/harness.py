@@ -120,14 +120,27 @@ def interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int, repeats: int)
     return {k: statistics.median(v) for k, v in interleaved_samples(fns, warmup=warmup, repeats=repeats).items()}
 
 
+def _rounds(fns: dict[str, Callable[[], Any]], repeats: int) -> Iterator[list[tuple[str, Callable[[], Any]]]]:
+    """`repeats` rounds, each calling every function once in an order shuffled per round (seeded):
+    no function always runs right after the same other one (whose caches or sleep it would inherit)."""
+    import random
+
+    rng = random.Random(0)
+    items = list(fns.items())
+    for _ in range(repeats):
+        rng.shuffle(items)
+        yield list(items)
+
+
 def interleaved_samples(fns: dict[str, Callable[[], Any]], *, warmup: int, repeats: int) -> dict[str, list[float]]:
-    """Every call's seconds per function, the functions called round-robin (sample i of each is one round)."""
+    """Every call's seconds per function, the functions called round-robin in a shuffled order
+    (sample i of each is one round)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
+    for items in _rounds(fns, repeats):
+        for k, fn in items:
             t0 = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
@@ -154,8 +167,8 @@ def interleaved_cpu(
         return out
 
     totals: dict[str, dict[str, float]] = {fn: {} for fn in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    for items in _rounds(fns, repeats):
+        for name, fn in items:
             before = now(name)
             fn()
             after = now(name)

@@ -98,6 +98,7 @@ def main() -> int:
     saved_env = dict(os.environ)
     os.environ["NND_BENCH_SAMPLE_DIR"] = str(samples)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SAMPLER), os.environ.get("PYTHONPATH")]))
+    os.environ["NND_WORKER_SAMPLER"] = str(SAMPLER)  # workers run under `python -I`: they load it themselves
     try:
         with harness.daemon("profile") as d:
             os.environ.clear()

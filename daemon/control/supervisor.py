@@ -611,9 +611,8 @@ _RUNNING = nnd_pb2.TraceResponse(queued=nnd_pb2.Queued(running=True)).SerializeT
 
 
 def _started(call: Any) -> bool | None:
-    """Whether the worker had begun running `call`'s request when it failed (it sends
-    errors.STARTED_KEY once the request has the model)."""
+    """Whether the worker had begun running `call`'s request when it failed (errors.started_from)."""
     try:
-        return any(key == errors.STARTED_KEY for key, _ in call.initial_metadata() or ())
+        return errors.started_from(call.initial_metadata())
     except Exception:  # noqa: BLE001 - only a hint for the error message
         return None

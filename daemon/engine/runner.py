@@ -25,7 +25,7 @@ import torch
 from nnd.v1 import graph_pb2, nnd_pb2, worker_pb2
 
 from .. import errors
-from . import generation, inputs, plan, scan, wire
+from . import generation, inputs, plan, plancache, scan, wire
 from .executor import Executor, StopForward
 from .failures import where, wrap
 from .interact import Interaction
@@ -280,14 +280,19 @@ def _run(
         request.invokes,
         max_sequence_length=limits.max_sequence_length,
     )
-    the_plan = plan.build(
-        request.graph,
-        model,
-        len(request.invokes),
-        limits.max_constant_bytes,
-        edits=_edit_graphs(request, edits),
-        external=external,
-    )
+    if external is None and interaction is None:  # a plan nothing will add to: reused when seen before
+        the_plan = plancache.build(
+            request.graph, model, len(request.invokes), limits.max_constant_bytes, edits=_edit_graphs(request, edits)
+        )
+    else:
+        the_plan = plan.build(
+            request.graph,
+            model,
+            len(request.invokes),
+            limits.max_constant_bytes,
+            edits=_edit_graphs(request, edits),
+            external=external,
+        )
     if the_plan.needs_grad and mode == "generate":
         raise errors.InvalidArgument(
             "gradients need a trace: generation runs without autograd (as in transformers' generate); "

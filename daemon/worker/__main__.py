@@ -17,8 +17,32 @@ from nnd_daemon import logfmt, shared
 from nnd_daemon.worker import listen
 from nnd_daemon.worker.service import WorkerService
 
+SAMPLER_ENV = "NND_WORKER_SAMPLER"
+
+
+def _allow_sampler() -> None:
+    """Workers start under `python -I`, which ignores PYTHONPATH and so any profiler put there
+    (bench/profile_nnd.py's sampler). Whoever starts the daemon may opt in with
+    $NND_WORKER_SAMPLER=DIR: the worker runs DIR's sitecustomize.py as Python would have. It is the
+    environment of the daemon's own user, never anything a client sends."""
+    folder = os.environ.get(SAMPLER_ENV)
+    if not folder:
+        return
+    import importlib.util
+    import sys
+
+    path = os.path.join(folder, "sitecustomize.py")
+    spec = importlib.util.spec_from_file_location("sitecustomize", path)
+    if spec is None or spec.loader is None or not os.path.isfile(path):
+        logging.getLogger("nnd.worker").warning("%s=%s: no sitecustomize.py there; not sampled", SAMPLER_ENV, folder)
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module
+    spec.loader.exec_module(module)
+
 
 def main() -> None:
+    _allow_sampler()
     parser = argparse.ArgumentParser(prog="nnd-worker", description=__doc__)
     parser.add_argument("--socket", required=True, help="unix socket to serve on")
     parser.add_argument("--name", default="", help="model name, for logs and ps")

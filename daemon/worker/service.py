@@ -87,15 +87,17 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # announced by a message too (initial metadata has gone out with the first one).
         ahead = self._run_lock.waiting() + self._run_lock.locked()
         if ahead:
+            # "It waits" goes out with the message; a request that did not wait sends no header at all
+            # (errors.started_from: one write fewer per trace).
+            context.send_initial_metadata(((errors.QUEUED_KEY, "1"),))
             yield nnd_pb2.TraceResponse(queued=nnd_pb2.Queued(ahead=ahead))
         who = dict(user=self._user(context), rows=max(1, len(request.request.invokes)))
         with self.activity.track(kind, _client(context), steps, **who) as tracked, _log_if_cancelled(stop, tracked):
 
             def started() -> None:
+                # If the worker dies from here on, the daemon tells the client its request was running
+                # (a queued one hears RUNNING; one that never said nnd-queued is taken to have run).
                 tracked.running = True
-                # If the worker dies from here on, the daemon tells the client its request was running.
-                if not ahead:
-                    context.send_initial_metadata(((errors.STARTED_KEY, "1"),))
 
             if kind != "trace" or ahead:  # a queued trace streams too: its turn is a message
                 stream = self._run_streaming(request, context, stop, started, on_error, announce_turn=bool(ahead))

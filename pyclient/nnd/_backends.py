@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from nnd import _context, _interact, _objects, _rebind, _results, _source
+from nnd import _blocknames, _context, _interact, _objects, _rebind, _results, _source
 from nnd._generation import GENERATE_OPTIONS
 from nnd._graph import GraphBuilder
 from nnd.errors import NndError
@@ -309,9 +309,15 @@ def place(model: TransformersModel, kind: Backend) -> Backend:
     return SessionMember(session, kind)
 
 
-def settle(blocks: Sequence[Tracer], run: Callable[[], bool], progress: Callable[[], str]) -> None:
+def settle(
+    blocks: Sequence[Tracer],
+    run: Callable[[], bool],
+    progress: Callable[[], str],
+    names: _blocknames.BlockNames | None | bool = True,
+) -> None:
     """The end of a block or session that recorded cleanly: run it, then hand the values of `blocks` to
-    the user's names and containers. An error names the user's `with` line, not nnd's internals."""
+    the user's names and containers. An error names the user's `with` line, not nnd's internals.
+    `names`: what the session's body binds (None: unknown); True: the blocks' own."""
     __tracebackhide__ = True  # noqa: F841  (pytest/IPython hide this frame)
     try:
         delivered = run()
@@ -335,10 +341,22 @@ def settle(blocks: Sequence[Tracer], run: Callable[[], bool], progress: Callable
     for block in blocks:
         replacements.update(block.replacements())
     if frame is not None:
-        _rebind.rebind(frame, replacements)
+        _rebind.rebind(frame, replacements, _bound(blocks, names))
     for block in blocks:
         _objects.fill(block.holders, replacements)
         block.release()
+
+
+def _bound(blocks: Sequence[Tracer], names: _blocknames.BlockNames | None | bool) -> set[str] | None:
+    """The names to rebind after `blocks`; None: every name (some body's source was unknown)."""
+    if names is not True:
+        return None if names is None or names is False else set(names.bound)
+    bound: set[str] = set()
+    for block in blocks:
+        if block.names is None:
+            return None
+        bound |= block.names.bound
+    return bound
 
 
 def _user_stacklevel() -> int:

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from nnd import _context, _rebind
+from nnd import _blocknames, _context, _rebind
 from nnd._proxy import Proxy
 
 if TYPE_CHECKING:
@@ -92,18 +92,46 @@ def unmount() -> None:
         ctypes.pythonapi.PyType_Modified(ctypes.py_object(object))
 
 
-def containers_of(frame: FrameType | None) -> list[Any]:
-    """The lists and dicts the user's frame holds when a block opens (its outer containers)."""
+class Tail:
+    """An outer list the block only appends to: its items from `start` (its length when the block
+    opened) are the block's; the ones before are data it did not create, and are not walked."""
+
+    __slots__ = ("items", "start")
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+        self.start = len(items)
+
+
+def containers_of(frame: FrameType | None, names: _blocknames.BlockNames | None) -> list[Any]:
+    """The outer containers of a block opening in the user's frame: the lists and dicts its body
+    fills (`names`; None: every list and dict the frame's locals hold, the body being unknown)."""
     if frame is None:
         return []
-    names = frame.f_locals
-    return [v for v in list(names.values()) if type(v) in (list, dict)]
+    if names is None:
+        return [v for v in list(frame.f_locals.values()) if type(v) in (list, dict)]
+    if not names.filled:
+        return []
+    local_vars = frame.f_locals
+    outer: list[Any] = []
+    for name in names.filled:
+        value = local_vars[name] if name in local_vars else frame.f_globals.get(name)
+        if type(value) is list and name in names.append_only:
+            outer.append(Tail(value))
+        elif type(value) in (list, dict):
+            outer.append(value)
+    return outer
 
 
 def proxies_in(obj: Any, depth: int = 0) -> Iterator[Proxy]:
     if isinstance(obj, Proxy):
         yield obj
+    elif type(obj) is Tail:
+        _rebind.walked[0] += max(0, len(obj.items) - obj.start)
+        for item in obj.items[obj.start :]:
+            yield from proxies_in(item, depth + 1)
     elif depth < _MAX_DEPTH and type(obj) in _CONTAINERS and len(obj) <= _MAX_ITEMS:  # big data is not walked
+        _rebind.walked[0] += len(obj)
         items = obj.values() if isinstance(obj, dict) else obj
         for item in list(items):
             yield from proxies_in(item, depth + 1)
@@ -132,5 +160,7 @@ def save_held(tracer: Tracer, holders: list[Any]) -> None:
 def fill(holders: list[Any], replacements: _rebind.Replacements) -> None:
     """Replace the proxies inside `holders` by their values, in place."""
     for holder in holders:
-        if type(holder) in (list, dict):
+        if type(holder) is Tail:
+            _rebind.replace_from(holder.items, holder.start, replacements)
+        elif type(holder) in (list, dict):
             _rebind.replace_inside(holder, replacements)

@@ -29,6 +29,7 @@ EPOCH_KEY = "nnd-epoch"
 ROUTE_KEY = "nnd-route"
 STALE = "stale"
 STARTED_KEY = "nnd-started"
+QUEUED_KEY = "nnd-queued"  # a request that waited says so; one that did not had the model at once
 DATA_METHODS = frozenset({"Trace", "Generate", "Session"})
 # gRPC's words when no connection could be made: the request never left the client.
 _NOT_CONNECTED = ("failed to connect", "No such file or directory", "Connection refused", "connections to all backends")
@@ -155,7 +156,8 @@ class Router:
         started: bool | None = True
         if call is not None:
             try:
-                started = any(key == STARTED_KEY for key, _ in call.initial_metadata() or ())
+                keys = {key for key, _ in call.initial_metadata() or ()}
+                started = STARTED_KEY in keys or QUEUED_KEY not in keys
             except Exception:  # noqa: BLE001 - only a hint for the message
                 started = None
         try:

@@ -12,7 +12,7 @@ from collections.abc import Hashable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from nnd import _backends, _context, _interact, _objects, _results
+from nnd import _backends, _blocknames, _context, _interact, _objects, _results, _source
 from nnd._graph import GraphBuilder
 from nnd.v1 import nnd_pb2
 
@@ -38,12 +38,16 @@ class Session:
         self._keys: dict[int, Hashable] = {}
         self.compute_s = 0.0
         """Wall time the daemon spent running every block of the session."""
+        self._names: _blocknames.BlockNames | None = None
         self._interaction: _interact.Interaction | None = None  # open once a block needed a real value
 
     def __enter__(self) -> Session:
         if self.recording:
             raise RuntimeError("this session is already open")
         self.recording = True
+        frame = _source.user_frame()
+        # The names its body binds: those rebound when it ends (_blocknames.py).
+        self._names = _blocknames.of(frame) if frame is not None else None
         _context.push(self)
         _objects.mount()  # `[].save()` between the session's blocks, as in nnsight
         return self
@@ -102,7 +106,9 @@ class Session:
             if self._interaction is not None:
                 self._interaction.cancel()  # frees the paused model at once
             return
-        _backends.settle(self.blocks, self._run, lambda: "cancelled before its results came back")
+        _backends.settle(
+            self.blocks, self._run, lambda: "cancelled before its results came back", names=self._names
+        )
 
     def _run(self) -> bool:
         blocks = self.blocks

@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from nnd import _backends, _concrete, _context, _inputs, _meta, _objects, _results, _source
+from nnd import _backends, _blocknames, _concrete, _context, _inputs, _meta, _objects, _results, _source
 from nnd._cache import Cache, CacheView
 from nnd._loops import Loop, StepIter, every_step
 from nnd._proxy import Proxy
@@ -99,6 +99,8 @@ class Tracer:
         # the block's values inside them are delivered (_objects.py).
         self._saved_objects: list[Any] = []
         self._outer: list[Any] = []
+        self.names: _blocknames.BlockNames | None = None
+        """The names the block's body binds and fills (None: its source could not be read)."""
         self.holders: list[Any] = []
         """Saved objects and outer containers whose values are filled in once the block has run."""
         self.options = options
@@ -284,7 +286,10 @@ class Tracer:
 
         _ipython.install()  # in a notebook, the daemon's errors show the user's cell and line (once per shell)
         self._recording = True
-        self._outer = _objects.containers_of(_source.user_frame())
+        frame = _source.user_frame()
+        # What the body binds and fills, read once per call site: only those names are looked at after it.
+        self.names = _blocknames.of(frame) if frame is not None else None
+        self._outer = _objects.containers_of(frame, self.names)
         _context.push(self)
         _objects.mount()
         return self

@@ -1,0 +1,60 @@
+"""A graph shape seen before is not planned again (the sweep: one block, many prompts), and reusing a
+plan never changes a result: each run matches plain PyTorch hooks."""
+
+from __future__ import annotations
+
+import torch
+from graphs import Graph, S, idx
+from reference import capture, forward
+from torch.testing import assert_close
+
+from nnd_daemon.engine import plancache
+
+PROMPTS = ["The Eiffel Tower is in the city of", "Hello world", "A third prompt, longer than the others"]
+
+
+def _sweep_graph() -> tuple[Graph, object]:
+    g = Graph()
+    h = g.module("transformer.h.1")
+    g.op("setitem", g.module("transformer.h.0.mlp"), idx(S, -1, S), 0.0, text="model.transformer.h[0].mlp.output[:, -1] = 0")
+    return g, g.save(g.op("mul", h, 2.0))
+
+
+def test_a_repeated_graph_is_planned_once_and_each_run_is_right(gpt2):
+    plancache.clear()
+    got = []
+    before = list(plancache.hits)
+    for prompt in PROMPTS:
+        g, saved = _sweep_graph()  # a fresh graph each time, as a client sends one per block
+        got.append(gpt2.run(g.request(prompt))[saved.id])
+    assert plancache.hits[1] - before[1] == 1  # planned once
+    assert plancache.hits[0] - before[0] == len(PROMPTS) - 1  # then reused
+
+    def zero_last(mod, args, out):
+        out = out.clone()
+        out[:, -1] = 0
+        return out
+
+    for prompt, value in zip(PROMPTS, got, strict=True):
+        store: dict = {}
+        forward(
+            gpt2.model, gpt2.tokenizer, [prompt], transformer__h__0__mlp=zero_last, transformer__h__1=capture(store, "h")
+        )
+        assert_close(value, store["h"] * 2.0)
+
+
+def test_a_tensor_constant_changed_in_place_is_planned_afresh(gpt2):
+    """`c = torch.zeros(64); c += h[0, -1]`: the constant is the run's own, so every run starts from zeros."""
+    plancache.clear()
+    outs = []
+    for _ in range(3):
+        g = Graph()
+        c = g.const(torch.zeros(64))
+        row = g.op("getitem", g.module("transformer.h.0"), idx(0, -1))
+        g.op("iadd", c, row)
+        saved = g.save(c)
+        outs.append(gpt2.run(g.request(PROMPTS[0]))[saved.id])
+    store: dict = {}
+    forward(gpt2.model, gpt2.tokenizer, [PROMPTS[0]], transformer__h__0=capture(store, "h"))
+    for out in outs:
+        assert_close(out, store["h"][0, -1])
