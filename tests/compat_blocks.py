@@ -193,6 +193,57 @@ def calling_the_model_outside_a_block(model: Any) -> dict[str, Any]:
     return {"logits": model(**encoded)["logits"]}
 
 
+def barrier_turns_per_layer(model: Any) -> dict[str, Any]:
+    # The activation-patching tutorial's shape: one name rebound per layer in each invoke, a barrier
+    # per layer; each layer's patch must use that layer's clean value.
+    layers = len(model.transformer.h)
+    seen = []  # what each layer computed from the layers patched before it
+    with model.trace() as tracer:
+        barrier = tracer.barrier(2)
+        with tracer.invoke(PROMPT):
+            for layer in range(layers):
+                clean = model.transformer.h[layer].output[:, -1]
+                barrier()
+        with tracer.invoke("The Colosseum is in the city of"):
+            for layer in range(layers):
+                barrier()
+                seen.append(model.transformer.h[layer].output[:, -1].clone())
+                model.transformer.h[layer].output[:, -1] = clean * (layer + 2)
+            logits = model.lm_head.output[:, -1].save()
+    return {"logits": logits, "seen": seen}
+
+
+def barrier_then_each_invoke_reads_its_own(model: Any) -> dict[str, Any]:
+    # After a barrier each invoke waits for its next module: the appends land in forward order.
+    hs = []
+    with model.trace() as tracer:
+        barrier = tracer.barrier(2)
+        with tracer.invoke(PROMPT):
+            a = model.transformer.h[0].output.save()
+            barrier()
+            hs.append(model.transformer.h[1].output[:, -1] * 2)
+        with tracer.invoke("The Colosseum is in the city of"):
+            barrier()
+            b = model.transformer.h[0].output.save()
+            hs.append(model.transformer.h[1].output[:, -1] * 3)
+    return {"a": a, "b": b, "hs": hs}
+
+
+def many_invokes_a_sync_in_one(model: Any) -> dict[str, Any]:
+    # 230 short invokes in one trace, and a real value needed inside the fourth of them.
+    items = []
+    last = []
+    with model.trace() as tracer:
+        for i in range(230):
+            with tracer.invoke(f"Prompt {i} is"):
+                h = model.transformer.h[0].output
+                if i == 3:
+                    items.append(h[0, -1, 0].item())
+                if i in (0, 3, 229):
+                    last.append(model.lm_head.output[0, -1].save())
+    return {"items": items, "last": last}
+
+
 BLOCKS = {
     f.__name__: f
     for f in (
@@ -212,5 +263,8 @@ BLOCKS = {
         session_python_between_blocks,
         setting_inputs_swaps_them,
         calling_the_model_outside_a_block,
+        barrier_turns_per_layer,
+        barrier_then_each_invoke_reads_its_own,
+        many_invokes_a_sync_in_one,
     )
 }

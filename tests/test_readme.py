@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 
@@ -47,3 +48,49 @@ def test_grpcurl_commands_are_plaintext():
     assert commands, "the docs lost their grpcurl examples"
     for command in commands:
         assert "-plaintext" in command, command
+
+
+# Every ```python block of the README runs, in order and in one namespace, against a tiny GPT-2 (12
+# layers, as the blocks' indices need) in a real daemon. The only substitutions, each the least that
+# lets a block run here: the hub name becomes the tiny model's path, and the names the README leaves
+# to the reader (a checkpoint `path`, prompts, token ids, a matrix of directions) are bound first.
+_PRELUDE = """
+import torch
+from transformers import AutoModelForCausalLM
+path = {path!r}
+prompt = clean = "The Eiffel Tower is in the city of"
+corrupt = "The Colosseum is in the city of"
+paris_id, rome_id = 5, 7
+"""
+_AFTER_FIRST_BLOCK = "directions = torch.randn(3, hidden)\n"
+# What the blocks promise comes back as real values (not proxies).
+_CHECKS = """
+real = torch.Tensor
+assert isinstance(patched, real) and isinstance(lens, real)
+assert len(h5) == 20 and all(isinstance(h, real) and h.shape[-1] == steering.shape[0] for h in h5), h5
+assert isinstance(tokens, real) and tokens.shape[-1] >= 20
+assert len(attribution) == 12 and all(isinstance(a, real) for a in attribution)
+assert all(isinstance(v, real) for v in (norms, ids, scores, mean, proj)) and proj.shape[-1] == 3
+"""
+_DONE = "print('README-OK')\n"
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.+?)\n```", README, re.S)
+
+
+def test_every_python_block_of_the_readme_runs(daemon, tmp_path_factory):
+    import subprocess
+    import sys
+
+    import tinymodels
+
+    path = str(tinymodels.build("gpt2", tmp_path_factory.mktemp("readme") / "gpt2", layers=12))
+    blocks = python_blocks()
+    assert len(blocks) >= 6, "the README lost python blocks"
+    assert blocks[0].count('"openai-community/gpt2"') == 1
+    first = blocks[0].replace('"openai-community/gpt2"', "path")
+    script = "\n".join([_PRELUDE.format(path=path), first, _AFTER_FIRST_BLOCK, *blocks[1:], _CHECKS, _DONE])
+    env = {**os.environ, "NND_ADDRESS": daemon.address}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900, env=env)
+    assert out.returncode == 0 and "README-OK" in out.stdout, out.stderr[-4000:]

@@ -16,7 +16,10 @@ class Limits:
     max_request_bytes: int = 256 * 1024 * 1024
     max_constant_bytes: int = 256 * 1024 * 1024
     max_saved_bytes: int = 4 * 1024 * 1024 * 1024
-    max_invokes: int = 64
+    # Invokes are counted loosely (230 one-line prompts are ordinary research code); the batch's
+    # memory is bounded by tokens instead: rows x longest row <= BATCH_TOKENS_PER_LENGTH x
+    # max_sequence_length (daemon/engine/inputs.py), what 64 invokes of the longest length held before.
+    max_invokes: int = 4096
     max_sequence_length: int = 8192
     max_new_tokens: int = 1024
     default_deadline_s: float = 600.0

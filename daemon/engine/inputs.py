@@ -150,12 +150,22 @@ def _kwargs(invokes: Sequence[nnd_pb2.Invoke], rows: list[tuple[int, int]]) -> d
     return out
 
 
+# A batch's padded tokens (rows x longest row) are bounded by this many full-length rows: many short
+# invokes pass, as many long ones as the activations of 64 longest rows allow.
+BATCH_TOKENS_PER_LENGTH = 64
+
+
 def _tokens(invokes: Sequence[nnd_pb2.Invoke], tokenizer: Any, max_len: int) -> Batch:
     per_invoke = [_rows_of(inv, tokenizer, i) for i, inv in enumerate(invokes)]
     seqs = [seq for rows in per_invoke for seq in rows]
     longest = max(len(s) for s in seqs)
     if max_len and longest > max_len:
         raise errors.ResourceExhausted(f"an invoke has {longest} tokens, over the limit max_sequence_length={max_len}")
+    if max_len and len(seqs) * longest > BATCH_TOKENS_PER_LENGTH * max_len:
+        raise errors.ResourceExhausted(
+            f"the padded batch holds {len(seqs)} rows x {longest} tokens, over the limit of "
+            f"{BATCH_TOKENS_PER_LENGTH} x max_sequence_length={max_len} tokens; split the prompts into several traces"
+        )
     pad = pad_id(tokenizer)
     # Left padding (the last token of every row is at -1), built as Python lists: two tensors in all,
     # not four small tensor writes per row on every request.

@@ -479,7 +479,9 @@ class _Builder:
             node.grads = frozenset((node.id,))
             node.alias_root = node.id
             return
-        if node.kind == "save" or (node.op is not None and node.op.aliases):
+        # A mutating op writes into what its first argument aliases even when its own result does
+        # not (setitem returns None): the causality checks need that root.
+        if node.kind == "save" or (node.op is not None and (node.op.aliases or node.op.mutates)):
             first = node.args[0] if node.args else None
             if isinstance(first, Ref):
                 node.alias_root = self.nodes[first.id].alias_root

@@ -94,6 +94,9 @@ class Backend:
     def cancel(self) -> None:
         """The block failed while recording: end whatever run it started."""
 
+    def invoke_added(self, tracer: Tracer) -> None:
+        """`tracer.invoke(...)` added batch rows while the block records."""
+
 
 class RemoteTrace(Backend):
     """`model.trace(...)`: one request on exit (Trace), or an Interact stream once a sync point needs a value."""
@@ -111,6 +114,15 @@ class RemoteTrace(Backend):
     def cancel(self) -> None:
         if self.interaction is not None:
             self.interaction.cancel()
+
+    def invoke_added(self, tracer: Tracer) -> None:
+        # A run paused at a sync point has its batch fixed: a later invoke cannot join it. End it; the
+        # next sync point (or the block's end) runs the whole block again with every invoke, and the
+        # values earlier sync points gave Python come out of that run the same (the forward is replayed).
+        if self.interaction is not None:
+            self.interaction.cancel()
+            self.interaction = None
+            tracer.tokens.clear()
 
     def run(self, tracer: Tracer) -> bool:
         from nnd import _shm

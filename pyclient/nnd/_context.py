@@ -65,3 +65,13 @@ def current(what: str) -> Tracer:
             "`model.generate(...)` block; open one and access it there"
         )
     return tracer
+
+
+def snapshot() -> list[Any]:
+    """This thread's open blocks, for a thread that records into them (_interleave.py)."""
+    return list(_stack())
+
+
+def restore(blocks: list[Any]) -> None:
+    """Open `blocks` on this thread (one that records for another's block)."""
+    _local.stack = list(blocks)

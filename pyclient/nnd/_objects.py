@@ -3,13 +3,13 @@
 nnsight gives every object a `.save()` while it is imported (`[].save()`,
 `dict().save()`), and delivers the values a block places into containers that
 existed before it (`results["h"] = h`) without `.save()`. nnd does both. `save`
-is mounted on `object` when a block opens. Once torch is in the process it stays
-mounted, as nnsight's stays while nnsight is imported: mounting invalidates every
-class's method cache, ~1 ms per block with torch loaded. Before that, the last
-block to close takes it off again, so torch's own import (whose extension defines
-`save`s of its own) finds nothing in its way. Outside a block it raises, as
-nnsight's does, or hands the object to the `save` mounted before nnd's (nnsight's,
-when a process uses both). At a block's end the proxies found in saved objects
+is mounted on `object` while a block is open and taken off when the last open one
+closes: outside a block `dir(object)` is what it was before, so a library imported
+after a block that walks every attribute of its classes (anyio's `TypedAttributeSet`,
+hence httpx, huggingface_hub and transformers) finds nothing foreign. Mounting and
+unmounting stay cheap because they do not invalidate every class (`_forget`).
+Outside a block, `obj.save()` is an AttributeError (nnsight's raises ValueError), or
+the `save` mounted before nnd's answers (nnsight's, when a process uses both). At a block's end the proxies found in saved objects
 and in the containers its frame held when it opened are saved, then replaced by
 their values in place.
 """
@@ -37,12 +37,14 @@ _CONTAINERS = (list, dict, tuple)
 _lock = threading.Lock()
 _open = 0
 _previous: Any = None  # the `object.save` nnd's replaced (nnsight's), called outside nnd's blocks
+_seen: set[type] = set()  # classes whose instances' `.save()` ran while mounted (_forget)
 
 
 def save_any(self: Any, _: Any = None) -> Any:
     """`obj.save()` inside a block: keep `obj`, and the block's values inside it, after the block.
     (The unused default argument is for code that reads the signatures of every method a class
     lists, as torch's inductor does: a method with only `self` would make it generate bad code.)"""
+    _seen.add(type(self))
     tracer = _context.current_or_none()
     if tracer is None:
         if _context.innermost_session() is not None:  # a session's own Python (between its blocks): plain values stay as they are
@@ -59,8 +61,22 @@ def _object_dict() -> dict[str, Any]:
     return gc.get_referents(object.__dict__)[0]  # type: ignore[no-any-return]
 
 
+def _forget(types: set[type]) -> None:
+    """Make attribute lookups see `object`'s dict as it is now, without invalidating every class.
+
+    `PyType_Modified(object)` would reset the version tag of every class in the process (and undo
+    every specialised attribute load), ~1-2 ms with torch loaded. Adding or removing a name that
+    no class defines needs less: the global method cache (which also remembers misses) is
+    cleared, and the classes whose instances looked `save` up through `save_any` are invalidated,
+    so a call site specialised on one of them no longer finds it."""
+    for cls in types:
+        if cls is not object:
+            ctypes.pythonapi.PyType_Modified(ctypes.py_object(cls))
+    sys._clear_type_cache()
+
+
 def mount() -> None:
-    """A block opens: `object.save` is nnd's while it is open (see the module's docstring)."""
+    """A block opens: `object.save` is nnd's while any block is open (see the module's docstring)."""
     global _open, _previous
     with _lock:
         _open += 1
@@ -74,22 +90,24 @@ def mount() -> None:
         nnd.__getattr__("save")
         _previous = current if callable(current) else None  # another library's, mounted since
         namespace["save"] = save_any
-        ctypes.pythonapi.PyType_Modified(ctypes.py_object(object))
+        _forget(set())
 
 
 def unmount() -> None:
-    """A block closes: the last one takes `save` off `object` again while torch is not loaded."""
+    """A block closes: the last one open gives `object` back its `save` from before (none, or another library's)."""
     global _open
     with _lock:
         _open = max(0, _open - 1)
         namespace = _object_dict()
-        if _open or "torch" in sys.modules or namespace.get("save") is not save_any:
+        if _open or namespace.get("save") is not save_any:
             return
         if _previous is None:
             namespace.pop("save", None)
         else:
             namespace["save"] = _previous
-        ctypes.pythonapi.PyType_Modified(ctypes.py_object(object))
+        seen = set(_seen)
+        _seen.clear()
+        _forget(seen)
 
 
 class Tail:

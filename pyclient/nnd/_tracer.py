@@ -5,10 +5,23 @@ backend's, chosen once when the block is created (_backends.py)."""
 
 from __future__ import annotations
 
+import sys
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from nnd import _backends, _blocknames, _concrete, _context, _inputs, _meta, _objects, _results, _source
+from nnd import (
+    _backends,
+    _blocknames,
+    _concrete,
+    _context,
+    _inputs,
+    _interleave,
+    _meta,
+    _objects,
+    _results,
+    _source,
+    _withbody,
+)
 from nnd._cache import Cache, CacheView
 from nnd._loops import Loop, StepIter, every_step
 from nnd._proxy import Proxy
@@ -32,6 +45,8 @@ class Invoker:
         self._inputs = inputs or {}
         self._previous: int | None = None
         self.index: int | None = None
+        self._deferred = False
+        self._trace_fn: Any = None
 
     def __enter__(self) -> Invoker:
         tracer = self._tracer
@@ -40,18 +55,21 @@ class Invoker:
             # Several prompts in one invoke are one batched invoke (its rows padded with the batch).
             self.index = len(tracer._invokes)
             tracer._invokes.append(_inputs.merge(invokes))
+            tracer.backend.invoke_added(tracer)
         self._previous = tracer._invoke
         tracer._invoke = self.index
+        turns = tracer._turns
+        if turns is not None and turns.current() is None and self.index is not None:
+            # After tracer.barrier(n): the body runs later, taking turns with the other invokes' (_interleave.py).
+            self._trace_fn = turns.defer(sys._getframe(1), self.index)
+            self._deferred = True
+            tracer._invoke = self._previous
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> bool | None:
         self._tracer._invoke = self._previous
-
-
-class _Barrier:
-    """What `tracer.barrier(n)` gives: calling it inside an invoke does nothing."""
-
-    def __call__(self) -> None:
+        if self._deferred:
+            return _withbody.finish(exc_type, self._trace_fn)
         return None
 
 
@@ -88,6 +106,7 @@ class Tracer:
         self._caches: dict[int, Cache] = {}
         self._invokes: list[nnd_pb2.Invoke] = []
         self._invoke: int | None = None
+        self._turns: _interleave.Turns | None = None  # once the block has a barrier (_interleave.py)
         self._saved: dict[int, Proxy] = {}
         self._concrete_saves: list[_meta.Size] = []
         self._client_saves: list[tuple[Proxy, int]] = []
@@ -135,13 +154,18 @@ class Tracer:
         inputs, as for `model.trace(...)`."""
         return Invoker(self, data, inputs)
 
-    def barrier(self, participants: int) -> Any:
-        """nnsight's `tracer.barrier(n)`: nnd needs none (a value of one invoke
-        may be used in another anywhere: the graph runs in dataflow order), so
-        calling it does nothing."""
+    def barrier(self, participants: int) -> _interleave.Barrier:
+        """nnsight's `tracer.barrier(n)`: `barrier()` inside `n` invokes makes them
+        meet there. nnd needs no barrier to pass values between invokes (the graph
+        runs in dataflow order), but once a block has one, its invoke bodies take
+        turns as nnsight's threads do (_interleave.py), so a name one invoke
+        rebinds in a loop means in the others what it means under nnsight."""
         if not isinstance(participants, int) or participants < 1:
             raise ValueError("barrier(n) needs the number of invokes that meet at it")
-        return _Barrier()
+        if self._turns is None:
+            self._turns = _interleave.Turns(self, participants)
+        self._turns.participants = max(self._turns.participants, participants)
+        return _interleave.Barrier(self, participants)
 
     @property
     def result(self) -> Proxy:
@@ -246,13 +270,19 @@ class Tracer:
 
     # -- used by envoys and proxies
     def _module(self, path: str, point: int, *, invoke: Any = _NO_INPUT, op: str = "") -> Proxy:
+        if self._turns is not None:
+            self._turns.access(path, point)
         which = self._invoke if invoke is _NO_INPUT else invoke
         return Proxy(self, self._builder.module(path, point, which, 0, op))
 
     def _set(self, path: str, point: int, value: Any, *, op: str = "") -> None:
+        if self._turns is not None:
+            self._turns.access(path, point)
         self._builder.set(path, point, self._invoke, 0, value, op)
 
     def _skip(self, path: str, value: Any, *, op: str = "") -> None:
+        if self._turns is not None:
+            self._turns.access(path, graph_pb2.INPUT)
         self._builder.skip(path, self._invoke, 0, value, op)
 
     def _record(self, name: str, args: list[Any], kwargs: dict[str, Any], func: Any = None) -> Proxy:
@@ -301,6 +331,8 @@ class Tracer:
         if exc_type is not None and issubclass(exc_type, StopBlock):  # tracer.stop(): the block still runs
             self.__exit__(None, None, None)
             return True
+        if self._turns is not None and exc_type is None:
+            self._turns.run()  # bodies still waiting for more participants: run them (a barrier short of them fails)
         _objects.unmount()
         self.holders = self._saved_objects + self._outer  # filled after the block (a session's: after the session)
         self._outer = []

@@ -82,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="cap on models dispatched at once; the least recently used idle one is released beyond it",
     )
     p.add_argument("--max-new-tokens", type=int, default=1024, help="largest max_new_tokens a Generate may ask for")
-    p.add_argument("--max-invokes", type=int, default=64, help="invokes (prompts) per request")
+    p.add_argument("--max-invokes", type=int, default=4096, help="invokes (prompts) per request (the batch is bounded by tokens: 64 x --max-sequence-length)")
     p.add_argument("--max-request-bytes", default="256MiB", help="largest request")
     p.add_argument("--max-saved-bytes", default="4GiB", help="saved bytes per request")
     p.add_argument("--max-sequence-length", type=int, default=8192, help="tokens per prompt")
