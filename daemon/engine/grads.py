@@ -174,12 +174,15 @@ class Backward:
             return tensor.register_hook(lambda grad: self.serve(ids, grad, None))
         base = tensor._base
         if base is not None and base.grad_fn is not None and base.grad_fn in reach:
-            if not base.is_contiguous():
-                raise errors.InvalidArgument(
-                    f"{where(first.proto)}\nthe gradient of {where(target.proto)} cannot be taken: it is a view of "
-                    "a non-contiguous tensor; take it of a value the model computes with"
-                )
-            geometry = (tensor.size(), tensor.stride(), tensor.storage_offset() - base.storage_offset())
+            # The view's gradient is the base's gradient laid out as the base is (its strides, which
+            # need not be contiguous: an invoke's rows of a transposed value), viewed as the view is.
+            geometry = (
+                tensor.size(),
+                tensor.stride(),
+                tensor.storage_offset() - base.storage_offset(),
+                base.size(),
+                base.stride(),
+            )
             return base.register_hook(lambda grad: self.serve(ids, grad, geometry))
         raise errors.InvalidArgument(
             f"{where(first.proto)}\nthe gradient of {where(target.proto)} does not exist: the loss of "
@@ -190,8 +193,8 @@ class Backward:
         """Inside autograd: bind Grad nodes, run what became ready, apply SetGrads; the gradient to pass on."""
         ex, frame = self.ex, self.frame
         ex.poll()
-        full = grad.contiguous().clone() if geometry is not None else None
-        g = full.as_strided(*geometry) if full is not None and geometry is not None else grad.clone()
+        full = _laid_out(grad, geometry[3], geometry[4]) if geometry is not None else None
+        g = full.as_strided(*geometry[:3]) if full is not None and geometry is not None else grad.clone()
         key = (f"<grad {ids[0]}>", POST, 0)
         previous, ex.current = ex.current, key
         for i in ids:
@@ -246,6 +249,13 @@ class Backward:
                     sets.append((node, g))
         for node, g in sets:
             _copy_into(ex, node, torch.empty_like(g), self.set_value(node))
+
+
+def _laid_out(grad: torch.Tensor, size: torch.Size, stride: tuple[int, ...]) -> torch.Tensor:
+    """A copy of `grad` with the base's own strides, so the view's geometry applies to it."""
+    out = torch.empty_strided(size, stride, dtype=grad.dtype, device=grad.device)
+    out.copy_(grad)
+    return out
 
 
 def _copy_into(ex: Executor, node: PlanNode, target: torch.Tensor, value: Any) -> None:
