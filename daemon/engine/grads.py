@@ -86,6 +86,25 @@ def require_grad_pre(point: int, state: list[Any]) -> bool:
     return changed[0]
 
 
+# ------------------------------------------------------------------ client tensors (Param nodes)
+
+
+def param_leaf(ex: Executor, node: PlanNode) -> Any:
+    """A Param's value: a fresh leaf that requires grad, so that every backward pass of the
+    request accumulates the client tensor's gradient into it (a Scan: its fake value)."""
+    value = ex.constant(node.value)
+    if ex.scan or not isinstance(value, torch.Tensor):
+        return value
+    leaf = value.detach().clone().requires_grad_(True)
+    ex.params[node.id] = leaf
+    return leaf
+
+
+def param_grads(ex: Executor) -> dict[int, Any]:
+    """Param node id -> the gradient its backward passes accumulated (those no pass reached: absent)."""
+    return {i: leaf.grad for i, leaf in ex.params.items() if leaf.grad is not None}
+
+
 # ------------------------------------------------------------------ backward
 
 
@@ -113,8 +132,8 @@ class Backward:
     def run(self) -> None:
         ex, frame, node = self.ex, self.frame, self.node
         frame.values[node.id] = None  # Grad/SetGrad nodes refer to it: it "exists" from now on
-        if not self.targets:
-            return  # nothing reads a gradient of this pass
+        if not self.targets and not ex.params:
+            return  # nothing reads a gradient of this pass, and no client tensor receives one
         loss = ex.resolve(frame, node.args[0])
         gradient = ex.resolve(frame, node.args[1]) if len(node.args) > 1 else None
         if not isinstance(loss, torch.Tensor):
@@ -128,6 +147,11 @@ class Backward:
         if ex.scan:
             self.fake()
             return
+        if not loss.requires_grad and not self.targets:
+            raise errors.InvalidArgument(
+                f"{where(node.proto)}\nthe loss does not depend on any client tensor that requires grad, nor on the model",
+                exc_type="RuntimeError",
+            )
         if not loss.requires_grad:
             target = ex.plan.nodes[min(self.targets)]
             raise errors.InvalidArgument(
@@ -142,7 +166,7 @@ class Backward:
             with torch.autograd.set_multithreading_enabled(False):
                 if isinstance(gradient, torch.Tensor):
                     gradient = gradient.to(device=loss.device, dtype=loss.dtype)
-                torch.autograd.backward(loss, gradient, retain_graph=len(ex.plan.grads) > 1)
+                torch.autograd.backward(loss, gradient, retain_graph=ex.plan.backwards > 1)
         except errors.NndError:
             raise
         except Exception as e:

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-from graphs import Graph, N, idx
+from graphs import Graph, N, idx, value
 from reference import hooks, inputs
 from torch.testing import assert_close
 
@@ -226,3 +226,25 @@ def test_gradient_of_an_invokes_rows_of_an_input_with_a_non_contiguous_base(gpt2
         gpt2.model.zero_grad(set_to_none=True)
     assert not seen["x"].is_contiguous()
     assert_close(got[saved.id], seen["x"].grad[1:2])
+
+
+def test_a_param_is_a_leaf_whose_gradient_comes_back(gpt2):
+    """A Param (a client tensor that requires grad) combined with a module value: after the backward
+    pass its gradient is in the results under its id, equal to plain autograd's."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 3)
+    g = Graph()
+    node = g._node(0, None, "probe = torch.randn(64, 3, requires_grad=True)")
+    node.param.value.CopyFrom(value(w))
+    param = N(node.id)
+    h = g.op("getitem", g.module("transformer.h.1"), idx(0, -1))
+    loss = g.op("sum", g.op("pow", g.op("matmul", h, param), 2))
+    g.backward(loss)
+    got = gpt2.run(g.request(PROMPT))
+
+    store: dict[str, torch.Tensor] = {}
+    with hooks(gpt2.model, transformer__h__1=lambda m, a, out: store.setdefault("h", out)):
+        gpt2.model(**inputs(gpt2.tokenizer, [PROMPT]))
+    leaf = w.clone().requires_grad_(True)
+    ((store["h"][0, -1].detach() @ leaf) ** 2).sum().backward()
+    assert_close(got[param.id], leaf.grad)
