@@ -34,7 +34,7 @@ from .interact import Interaction
 from .plan import POST, PRE, RESULT, Const, Plan, PlanNode, Ref, Seq
 
 HookKey = tuple[str, str, int]
-RUNNABLE = ("constant", "op", "save", "backward")
+RUNNABLE = ("constant", "param", "op", "save", "backward")
 
 
 class StopForward(BaseException):
@@ -128,6 +128,8 @@ class Executor:
             if node.kind == "external":
                 self.root.values[node.id] = node.value
         self.grad_sources = set() if scan else plan.grad_sources
+        # Param node -> its leaf in this request (grads.py): backward passes accumulate into its .grad.
+        self.params: dict[int, torch.Tensor] = {}
         self.caches = caches.Caches(plan, list(self.modules), batch_rows, batch_size)
 
     # ------------------------------------------------------------ frames and steps
@@ -564,6 +566,8 @@ class Executor:
     def execute(self, frame: Frame, node: PlanNode) -> Any:
         if node.kind == "constant":
             return self.constant(node.value)
+        if node.kind == "param":
+            return grads.param_leaf(self, node)
         if node.kind == "save":
             return self.resolve(frame, node.args[0])
         if node.kind == "backward":
@@ -688,7 +692,7 @@ class Executor:
         return f"it needs call {call} of {name}, but {name} was called {made} time(s) ({where(node.proto)})"
 
     def saved(self) -> dict[int, Any]:
-        out: dict[int, Any] = {}
+        out: dict[int, Any] = grads.param_grads(self)
         for node in self.plan.nodes.values():
             if node.kind == "cache":
                 out[node.id] = self.caches.result(node.id)

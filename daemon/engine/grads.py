@@ -86,6 +86,25 @@ def require_grad_pre(point: int, state: list[Any]) -> bool:
     return changed[0]
 
 
+# ------------------------------------------------------------------ client tensors (Param nodes)
+
+
+def param_leaf(ex: Executor, node: PlanNode) -> Any:
+    """A Param's value: a fresh leaf that requires grad, so that every backward pass of the
+    request accumulates the client tensor's gradient into it (a Scan: its fake value)."""
+    value = ex.constant(node.value)
+    if ex.scan or not isinstance(value, torch.Tensor):
+        return value
+    leaf = value.detach().clone().requires_grad_(True)
+    ex.params[node.id] = leaf
+    return leaf
+
+
+def param_grads(ex: Executor) -> dict[int, Any]:
+    """Param node id -> the gradient its backward passes accumulated (those no pass reached: absent)."""
+    return {i: leaf.grad for i, leaf in ex.params.items() if leaf.grad is not None}
+
+
 # ------------------------------------------------------------------ backward
 
 
@@ -113,8 +132,8 @@ class Backward:
     def run(self) -> None:
         ex, frame, node = self.ex, self.frame, self.node
         frame.values[node.id] = None  # Grad/SetGrad nodes refer to it: it "exists" from now on
-        if not self.targets:
-            return  # nothing reads a gradient of this pass
+        if not self.targets and not ex.params:
+            return  # nothing reads a gradient of this pass, and no client tensor receives one
         loss = ex.resolve(frame, node.args[0])
         gradient = ex.resolve(frame, node.args[1]) if len(node.args) > 1 else None
         if not isinstance(loss, torch.Tensor):
@@ -128,6 +147,11 @@ class Backward:
         if ex.scan:
             self.fake()
             return
+        if not loss.requires_grad and not self.targets:
+            raise errors.InvalidArgument(
+                f"{where(node.proto)}\nthe loss does not depend on any client tensor that requires grad, nor on the model",
+                exc_type="RuntimeError",
+            )
         if not loss.requires_grad:
             target = ex.plan.nodes[min(self.targets)]
             raise errors.InvalidArgument(
@@ -142,7 +166,7 @@ class Backward:
             with torch.autograd.set_multithreading_enabled(False):
                 if isinstance(gradient, torch.Tensor):
                     gradient = gradient.to(device=loss.device, dtype=loss.dtype)
-                torch.autograd.backward(loss, gradient, retain_graph=len(ex.plan.grads) > 1)
+                torch.autograd.backward(loss, gradient, retain_graph=ex.plan.backwards > 1)
         except errors.NndError:
             raise
         except Exception as e:
@@ -174,12 +198,15 @@ class Backward:
             return tensor.register_hook(lambda grad: self.serve(ids, grad, None))
         base = tensor._base
         if base is not None and base.grad_fn is not None and base.grad_fn in reach:
-            if not base.is_contiguous():
-                raise errors.InvalidArgument(
-                    f"{where(first.proto)}\nthe gradient of {where(target.proto)} cannot be taken: it is a view of "
-                    "a non-contiguous tensor; take it of a value the model computes with"
-                )
-            geometry = (tensor.size(), tensor.stride(), tensor.storage_offset() - base.storage_offset())
+            # The view's gradient is the base's gradient laid out as the base is (its strides, which
+            # need not be contiguous: an invoke's rows of a transposed value), viewed as the view is.
+            geometry = (
+                tensor.size(),
+                tensor.stride(),
+                tensor.storage_offset() - base.storage_offset(),
+                base.size(),
+                base.stride(),
+            )
             return base.register_hook(lambda grad: self.serve(ids, grad, geometry))
         raise errors.InvalidArgument(
             f"{where(first.proto)}\nthe gradient of {where(target.proto)} does not exist: the loss of "
@@ -190,8 +217,8 @@ class Backward:
         """Inside autograd: bind Grad nodes, run what became ready, apply SetGrads; the gradient to pass on."""
         ex, frame = self.ex, self.frame
         ex.poll()
-        full = grad.contiguous().clone() if geometry is not None else None
-        g = full.as_strided(*geometry) if full is not None and geometry is not None else grad.clone()
+        full = _laid_out(grad, geometry[3], geometry[4]) if geometry is not None else None
+        g = full.as_strided(*geometry[:3]) if full is not None and geometry is not None else grad.clone()
         key = (f"<grad {ids[0]}>", POST, 0)
         previous, ex.current = ex.current, key
         for i in ids:
@@ -246,6 +273,13 @@ class Backward:
                     sets.append((node, g))
         for node, g in sets:
             _copy_into(ex, node, torch.empty_like(g), self.set_value(node))
+
+
+def _laid_out(grad: torch.Tensor, size: torch.Size, stride: tuple[int, ...]) -> torch.Tensor:
+    """A copy of `grad` with the base's own strides, so the view's geometry applies to it."""
+    out = torch.empty_strided(size, stride, dtype=grad.dtype, device=grad.device)
+    out.copy_(grad)
+    return out
 
 
 def _copy_into(ex: Executor, node: PlanNode, target: torch.Tensor, value: Any) -> None:

@@ -231,7 +231,8 @@ _METHODS = (
     # reductions and projections that bring back only what a client needs
     "amax amin median nanmean count_nonzero kthvalue mm bmm inner tensordot"
 ).split()
-_FUNCTIONAL = "softmax log_softmax gelu relu silu cosine_similarity layer_norm normalize".split()
+# `linear`: a client module (a probe, a rotation, an SAE) applied to a traced value records F.linear.
+_FUNCTIONAL = "softmax log_softmax gelu relu silu cosine_similarity layer_norm normalize linear".split()
 _TORCH_ONLY = {
     "cat": torch.cat,
     "stack": torch.stack,

@@ -116,8 +116,14 @@ class Plan:
         return added
 
     @property
+    def backwards(self) -> int:
+        """How many backward passes the request runs."""
+        return sum(1 for n in self.nodes.values() if n.kind == "backward")
+
+    @property
     def needs_grad(self) -> bool:
-        return bool(self.grads)
+        # A gradient is read or replaced, or a backward pass reaches client tensors (Param nodes).
+        return bool(self.grads) or (self.backwards > 0 and any(n.kind == "param" for n in self.nodes.values()))
 
     def scope_nodes(self, scope: int) -> list[int]:
         return [i for i, n in self.nodes.items() if n.scope == scope]
@@ -165,6 +171,8 @@ def _constant_bytes(graph: graph_pb2.Graph) -> int:
         kind = node.WhichOneof("kind")
         if kind == "constant":
             total += wire.constant_bytes(node.constant)
+        elif kind == "param":
+            total += wire.constant_bytes(node.param.value)
         elif kind == "op":
             total += sum(arg_bytes(a) for a in node.op.args) + sum(arg_bytes(a) for a in node.op.kwargs.values())
         elif kind in ("save", "set", "skip"):
@@ -298,6 +306,12 @@ class _Builder:
             self.module_value(node, proto.module, write=False)
         elif kind == "constant":
             node.value = wire.decode_value(proto.constant)
+        elif kind == "param":
+            node.value = wire.decode_value(proto.param.value)
+            if not isinstance(node.value, torch.Tensor) or not node.value.is_floating_point():
+                raise errors.InvalidArgument(f"{where(proto)}\na param must be a floating tensor")
+            if node.scope != 0:
+                raise errors.InvalidArgument(f"{where(proto)}\na param is a top-level node (not in a loop scope)")
         elif kind == "op":
             node.op = ops.lookup(proto.op.name)
             node.args = tuple(_arg(a, proto, ids) for a in proto.op.args)
@@ -472,7 +486,7 @@ class _Builder:
             node.sources = frozenset((node.id,))
             node.alias_root = node.id
             return
-        node.const = all(n.const for n in inputs) and node.kind in ("constant", "op")
+        node.const = all(n.const for n in inputs) and node.kind in ("constant", "param", "op")
         node.sources = frozenset().union(*(n.sources for n in inputs))
         node.grads = frozenset().union(*(n.grads for n in inputs))
         if node.kind == "grad":

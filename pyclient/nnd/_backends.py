@@ -131,6 +131,7 @@ class RemoteTrace(Backend):
             tracer.deliver(self.interaction.finish())
             return True
         request = tracer.request()
+        tracer.sent = request
         conn = tracer.model._conn
         # Into a region of this process's pool when one is free (_shm.py); `collect` settles the lease.
         lease = _shm.attach(request, conn.address) if request.shm else None

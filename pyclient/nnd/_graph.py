@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-from nnd import _codec, _source
+from nnd import _codec, _source, _torchmod
 from nnd.v1 import graph_pb2, values_pb2
 
 # Ops that change a value in place: a write, for the shape cache.
@@ -38,6 +38,8 @@ class GraphBuilder:
         self.writes: list[Hashable] = []
         self._scopes: list[int] = [0]
         self._counter = counter if counter is not None else [1]  # ids start at 1: 0 reads as "unset"
+        # Client tensors that require grad, used by the graph: id(tensor) -> (tensor, Param node id).
+        self.params: dict[int, tuple[Any, int]] = {}
 
     @property
     def next_id(self) -> int:
@@ -105,6 +107,18 @@ class GraphBuilder:
             node.op.kwargs[k].CopyFrom(msg)
         if is_write_op(name):
             self.writes.append(key)
+        return node.id
+
+    def param(self, tensor: Any) -> int:
+        """The Param node of a client tensor that requires grad (one per tensor per graph)."""
+        held = self.params.get(id(tensor))
+        if held is not None and held[0] is tensor:
+            return held[1]
+        node = self._node(("param", self._counter[0]))
+        node.scope = 0  # a leaf of the whole request, also when first used inside a loop
+        self.keys[node.id] = (("param", node.id), 0)
+        node.param.value.CopyFrom(_codec.encode(tensor.detach()))
+        self.params[id(tensor)] = (tensor, node.id)
         return node.id
 
     def save(self, value: Any) -> int:
@@ -181,6 +195,9 @@ class GraphBuilder:
             kind = "tuple" if isinstance(obj, tuple) else "list"
             arg = graph_pb2.Arg(tuple=lst) if kind == "tuple" else graph_pb2.Arg(list=lst)
             return arg, (kind, tuple(k for _, k in items))
+        if _wants_grad(obj):  # a client tensor autograd must reach: one leaf, its gradient comes back
+            ref = self.param(obj)
+            return graph_pb2.Arg(ref=ref), ("r", self.keys[ref])
         if isinstance(obj, Mapping) and _holds_proxy(list(obj.values())):
             raise TypeError("a dict holding traced values cannot be an argument; pass them separately")
         value: values_pb2.Value = _codec.encode(obj)
@@ -218,6 +235,18 @@ def _fill_module(
     if invoke is not None:
         msg.invoke = invoke
     msg.call = call
+
+
+def _wants_grad(obj: Any) -> bool:
+    """A floating torch tensor that requires grad, recorded while grad mode is on."""
+    torch = _torchmod.loaded()
+    return (
+        torch is not None
+        and isinstance(obj, torch.Tensor)
+        and obj.requires_grad
+        and obj.is_floating_point()
+        and torch.is_grad_enabled()
+    )
 
 
 def _holds_proxy(items: Sequence[Any]) -> bool:

@@ -197,7 +197,7 @@ class TransformersModel(_envoy.Envoy):
         daemon's files when transformers is installed, else a small
         `RemoteTokenizer` with encode/decode."""
         if self._tokenizer is None:
-            self._tokenizer = _tokenizer.build(self._conn, self._name)
+            self._tokenizer = _tokenizer.for_task(_tokenizer.build(self._conn, self._name), self._info.task)
         return self._tokenizer
 
     @property

@@ -183,7 +183,38 @@ class Proxy:
         if kwargs.get("create_graph") or kwargs.get("inputs") is not None:
             raise NotImplementedError("nnd's backward pass takes no create_graph or inputs")
         tracer = self._tracer._recorder()
-        return BackwardBlock(tracer, tracer._builder.backward(self, gradient))
+        node = tracer._builder.backward(self, gradient)
+        for kept in tracer._retained:  # `x.retain_grad()` before: x.grad is this pass's gradient after the block
+            grad = Proxy(tracer, tracer._builder.grad(kept._ref(), node))
+            tracer._save(grad)
+            tracer._retained_grads.append((kept, grad))
+        return BackwardBlock(tracer, node)
+
+    def retain_grad(self) -> None:
+        """Keep this value's gradient: after the block, the saved value's `.grad` holds the gradient of
+        every backward pass the block runs after this call (as torch's `retain_grad()`)."""
+        if not self._live():
+            self.value.retain_grad()
+            return
+        tracer = self._tracer._recorder()
+        tracer._record("retain_grad", [self], {})
+        tracer._retained.append(self)
+
+    @property
+    def requires_grad(self) -> Any:
+        """Whether the value requires grad (inside the block, a value known once the daemon runs)."""
+        if not self._live():
+            return self.value.requires_grad
+        return Proxy(self._tracer, None, pending=(self, "requires_grad"))
+
+    @requires_grad.setter
+    def requires_grad(self, flag: bool) -> None:
+        # nnsight's `x.requires_grad = True`, so that a gradient flows back to x: recorded as
+        # `x.requires_grad_(flag)` (the daemon also makes every value whose gradient is read require it).
+        if not self._live():
+            self.value.requires_grad = flag
+            return
+        self._tracer._recorder()._record("requires_grad_", [self, bool(flag)], {})
 
     @property
     def grad(self) -> Any:

@@ -37,6 +37,26 @@ def build(conn: Connection, model: str) -> Any:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+# Tasks whose models are encoder-decoders: their batches pad on the right.
+_ENCODER_DECODER_TASKS = frozenset({"text2text-generation", "summarization", "translation"})
+
+
+def for_task(tokenizer: Any, task: str) -> Any:
+    """Set up as nnsight's model.tokenizer is, so that `model.tokenizer(prompts, padding=True)` gives
+    the ids nnsight's does: a pad token (the eos token) when the files name none, and padding on the
+    left for a model that generates (where nnd's invokes are left-padded too), on the right for an
+    encoder-decoder."""
+    if not hasattr(tokenizer, "padding_side"):
+        return tokenizer  # a RemoteTokenizer: it pads nothing
+    if getattr(tokenizer, "pad_token", None) is None and getattr(tokenizer, "eos_token", None) is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if task == "text-generation":
+        tokenizer.padding_side = "left"
+    elif task in _ENCODER_DECODER_TASKS:
+        tokenizer.padding_side = "right"
+    return tokenizer
+
+
 def _rows(ids: Any) -> tuple[list[list[int]], bool]:
     if hasattr(ids, "tolist"):
         ids = ids.tolist()

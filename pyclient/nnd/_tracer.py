@@ -20,6 +20,7 @@ from nnd import (
     _objects,
     _results,
     _source,
+    _torchmod,
     _withbody,
 )
 from nnd._cache import Cache, CacheView
@@ -103,6 +104,9 @@ class Tracer:
         """How the block runs (_backends.py): chosen here, once; inside a session, a member of it."""
         self._builder = self.backend.builder()
         self._backwards: list[int] = []
+        # `x.retain_grad()`: the values, and (value, its gradient's saved proxy) per backward pass after it.
+        self._retained: list[Proxy] = []
+        self._retained_grads: list[tuple[Proxy, Proxy]] = []
         self._caches: dict[int, Cache] = {}
         self._invokes: list[nnd_pb2.Invoke] = []
         self._invoke: int | None = None
@@ -125,6 +129,8 @@ class Tracer:
         self.options = options
         """The block's options (keep_alive=, timeout=, generation settings...)."""
         self._failure: str | None = None  # why the block did not complete, for its values' errors
+        self.sent: nnd_pb2.TraceRequest | None = None
+        """The request as a one-shot Trace sent it (a replay for client gradients starts from it)."""
         self.tokens: list[_results.StepToken] = []
         """Tokens streamed per generation step (Generate only)."""
         self.compute_s = 0.0
@@ -406,7 +412,40 @@ class Tracer:
             cache.fill(results.saved.get(node))
         for proxy, scope in self._client_saves:
             proxy._value = self.backend.client_value(self, scope)
+        for kept, grad in self._retained_grads:
+            if kept._resolved and grad._resolved and hasattr(kept._value, "grad"):
+                g = grad._value
+                kept._value.grad = g if kept._value.grad is None else kept._value.grad + g
+        if self._builder.params:
+            self.client_gradients(results)
         self.backend.delivered(self, resolved)
+
+    def client_gradients(self, results: _results.Results) -> None:
+        """Client tensors that require grad were used (_grad.py): add the gradients of the block's
+        backward passes to their `.grad`, or, without one, attach the saved tensors to them."""
+        from nnd import _grad
+
+        params = self._builder.params
+        if _grad.has_backward(self._builder.graph):
+            _grad.accumulate(params, results.saved)
+            return
+        torch = _torchmod.loaded()
+        if torch is None or not torch.is_grad_enabled() or self.sent is None:
+            return
+        nodes = {n.id: n for n in self._builder.graph.nodes}
+        saves = [
+            (node_id, nodes[node_id].save.value, proxy)
+            for node_id, proxy in self._saved.items()
+            if proxy._resolved
+            and nodes[node_id].scope == 0
+            and isinstance(proxy._value, torch.Tensor)
+            and proxy._value.is_floating_point()
+        ]
+        if not saves:
+            return
+        values = _grad.attach(self.model._conn, self.sent, [(i, arg, p._value) for i, arg, p in saves], params)
+        for (_, _, proxy), value in zip(saves, values, strict=True):
+            proxy._value = value
 
     def replacements(self) -> dict[int, tuple[Any, Any]]:
         """id(placeholder) -> (placeholder, value) for every value the block delivered."""

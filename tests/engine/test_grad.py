@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 import torch
-from graphs import Graph, N, idx
-from reference import inputs
+from graphs import Graph, N, idx, value
+from reference import hooks, inputs
 from torch.testing import assert_close
 
 from nnd_daemon import errors
@@ -188,3 +188,63 @@ def test_scan_gives_gradient_shapes(gpt2):
     got = gpt2.run(g.request(PROMPT), mode="scan")[d.id]
     n = len(gpt2.tokenizer(PROMPT)["input_ids"])
     assert got.device.type == "meta" and tuple(got.shape) == (1, n, 64)
+
+
+def _strided_owner(module: Any, args: Any, out: torch.Tensor) -> torch.Tensor:
+    """The block's output as a tensor that owns its storage with transposed (non-contiguous) strides,
+    as an op on a transposed value leaves it: the next block's input then has a non-contiguous base."""
+    b, s, d = out.shape
+    owner = torch.empty_strided((b, s, d), (s * d, 1, s), dtype=out.dtype)
+    owner.copy_(out)
+    return owner
+
+
+def test_gradient_of_an_invokes_rows_of_an_input_with_a_non_contiguous_base(gpt2):
+    """Invoke 1's rows of h.1's input, whose batch tensor is not contiguous: the gradient is the
+    base's gradient (kept in the base's layout) viewed as the rows are, equal to plain autograd's."""
+    g = Graph()
+    x = g.module("transformer.h.1", "input", invoke=1)
+    logits = g.op("getattr", g.module("", invoke=1), "logits")
+    back = g.backward(_metric(g, logits))
+    saved = g.save(g.grad(x, back))
+    with hooks(gpt2.model, transformer__h__0=_strided_owner):
+        got = gpt2.run(g.request(PROMPT, CORRUPT))
+
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(module: Any, args: Any) -> None:
+        args[0].retain_grad()
+        seen["x"] = args[0]
+
+    handle = gpt2.model.transformer.h[1].register_forward_pre_hook(keep)
+    try:
+        with hooks(gpt2.model, transformer__h__0=_strided_owner):
+            out = gpt2.model(**inputs(gpt2.tokenizer, [PROMPT, CORRUPT]))
+        (out.logits[1, -1, 5] - out.logits[1, -1, 7]).backward()
+    finally:
+        handle.remove()
+        gpt2.model.zero_grad(set_to_none=True)
+    assert not seen["x"].is_contiguous()
+    assert_close(got[saved.id], seen["x"].grad[1:2])
+
+
+def test_a_param_is_a_leaf_whose_gradient_comes_back(gpt2):
+    """A Param (a client tensor that requires grad) combined with a module value: after the backward
+    pass its gradient is in the results under its id, equal to plain autograd's."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 3)
+    g = Graph()
+    node = g._node(0, None, "probe = torch.randn(64, 3, requires_grad=True)")
+    node.param.value.CopyFrom(value(w))
+    param = N(node.id)
+    h = g.op("getitem", g.module("transformer.h.1"), idx(0, -1))
+    loss = g.op("sum", g.op("pow", g.op("matmul", h, param), 2))
+    g.backward(loss)
+    got = gpt2.run(g.request(PROMPT))
+
+    store: dict[str, torch.Tensor] = {}
+    with hooks(gpt2.model, transformer__h__1=lambda m, a, out: store.setdefault("h", out)):
+        gpt2.model(**inputs(gpt2.tokenizer, [PROMPT]))
+    leaf = w.clone().requires_grad_(True)
+    ((store["h"][0, -1].detach() @ leaf) ** 2).sum().backward()
+    assert_close(got[param.id], leaf.grad)

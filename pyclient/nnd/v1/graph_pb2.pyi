@@ -107,7 +107,7 @@ class Stop(_message.Message):
     def __init__(self) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("id", "loc", "scope", "module", "constant", "op", "save", "set", "skip", "stop", "backward", "grad", "set_grad", "cache")
+    __slots__ = ("id", "loc", "scope", "module", "constant", "op", "save", "set", "skip", "stop", "backward", "grad", "set_grad", "cache", "param")
     ID_FIELD_NUMBER: _ClassVar[int]
     LOC_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class Node(_message.Message):
     GRAD_FIELD_NUMBER: _ClassVar[int]
     SET_GRAD_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    PARAM_FIELD_NUMBER: _ClassVar[int]
     id: int
     loc: SourceLocation
     scope: int
@@ -136,7 +137,14 @@ class Node(_message.Message):
     grad: Grad
     set_grad: SetGrad
     cache: Cache
-    def __init__(self, id: _Optional[int] = ..., loc: _Optional[_Union[SourceLocation, _Mapping]] = ..., scope: _Optional[int] = ..., module: _Optional[_Union[ModuleValue, _Mapping]] = ..., constant: _Optional[_Union[_values_pb2.Value, _Mapping]] = ..., op: _Optional[_Union[Op, _Mapping]] = ..., save: _Optional[_Union[Save, _Mapping]] = ..., set: _Optional[_Union[SetModuleValue, _Mapping]] = ..., skip: _Optional[_Union[Skip, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., backward: _Optional[_Union[Backward, _Mapping]] = ..., grad: _Optional[_Union[Grad, _Mapping]] = ..., set_grad: _Optional[_Union[SetGrad, _Mapping]] = ..., cache: _Optional[_Union[Cache, _Mapping]] = ...) -> None: ...
+    param: Param
+    def __init__(self, id: _Optional[int] = ..., loc: _Optional[_Union[SourceLocation, _Mapping]] = ..., scope: _Optional[int] = ..., module: _Optional[_Union[ModuleValue, _Mapping]] = ..., constant: _Optional[_Union[_values_pb2.Value, _Mapping]] = ..., op: _Optional[_Union[Op, _Mapping]] = ..., save: _Optional[_Union[Save, _Mapping]] = ..., set: _Optional[_Union[SetModuleValue, _Mapping]] = ..., skip: _Optional[_Union[Skip, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., backward: _Optional[_Union[Backward, _Mapping]] = ..., grad: _Optional[_Union[Grad, _Mapping]] = ..., set_grad: _Optional[_Union[SetGrad, _Mapping]] = ..., cache: _Optional[_Union[Cache, _Mapping]] = ..., param: _Optional[_Union[Param, _Mapping]] = ...) -> None: ...
+
+class Param(_message.Message):
+    __slots__ = ("value",)
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    value: _values_pb2.Value
+    def __init__(self, value: _Optional[_Union[_values_pb2.Value, _Mapping]] = ...) -> None: ...
 
 class Backward(_message.Message):
     __slots__ = ("loss", "gradient")

@@ -1,0 +1,35 @@
+"""Run tests/grad_blocks.py with nnsight 0.8.1 in a process of its own and save every block's
+results (or the error it raised). Usage: python grad_reference.py MODEL_PATH OUT.pt"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+
+def main(path: str, out: str) -> None:
+    import nnsight
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import grad_blocks
+
+    model = nnsight.LanguageModel(path, tokenizer=AutoTokenizer.from_pretrained(path), device_map="cpu", dispatch=True)
+    results = {}
+    for name, block in grad_blocks.BLOCKS.items():
+        try:
+            results[name] = block(model)
+        except Exception as exc:  # noqa: BLE001 - recorded: the test says which block nnsight refused
+            results[name] = {"nnsight_failed": f"{type(exc).__name__}: {exc}"}
+    for name, block in grad_blocks.NET_BLOCKS.items():
+        try:
+            results[name] = block(lambda net, example: nnsight.NNsight(net))
+        except Exception as exc:  # noqa: BLE001
+            results[name] = {"nnsight_failed": f"{type(exc).__name__}: {exc}"}
+    torch.save(results, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
