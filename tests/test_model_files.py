@@ -175,3 +175,30 @@ def test_a_file_swapped_after_the_check_is_not_opened(tmp_path):
     (folder / "config.json").symlink_to(tmp_path / "elsewhere.json")
     with pytest.raises(errors.PermissionDenied, match="config.json"):
         modelfiles._pin(str(folder), entries[0])
+
+
+def test_a_daemon_for_a_group_reads_only_what_every_user_may(tmp_path, tiny_models):
+    """--socket-group without --model-root: the caller's uid is unknown, so a file is read only if
+    every user could read it (the file o+r, every folder above it o+x)."""
+    import grp
+    import tempfile
+
+    others = [g.gr_name for g in grp.getgrall() if g.gr_gid != os.getgid()] if os.geteuid() == 0 else []
+    group = others[0] if others else grp.getgrgid(os.getgid()).gr_name
+    base = pathlib.Path(tempfile.mkdtemp(prefix="nnd-public-"))
+    try:
+        base.chmod(0o755)
+        public = pathlib.Path(shutil.copytree(tiny_models["gpt2"], base / "public"))
+        for p in [public, *public.iterdir()]:
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        private = pathlib.Path(shutil.copytree(public, base / "private"))
+        (private / "tokenizer.json").chmod(0o600)
+        d = start_daemon(tmp_path / "d", "--socket-group", group)
+        try:
+            assert _stub(d).LoadModel(nnd_pb2.LoadModelRequest(model=str(public)), timeout=120).name == str(public)
+            details = _refused(d, private, "tokenizer.json", "not readable by every user")
+            assert "--model-root" in details
+        finally:
+            d.stop()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
