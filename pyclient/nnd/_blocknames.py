@@ -14,7 +14,8 @@ from the length it had when the block opened: its older items are data the block
 did not create.
 
 When the source cannot be read (code typed at a bare prompt, `exec` of a string)
-the caller falls back to looking at every name, as before.
+or shows no `with` at the frame's line, the caller falls back to looking at
+every name, as before.
 """
 
 from __future__ import annotations
@@ -41,16 +42,15 @@ class BlockNames:
     """Of `filled`, those the body only appends to or extends (walked from their length at the open)."""
 
 
-NO_BODY = BlockNames(frozenset(), frozenset(), frozenset())
-
 _cache: dict[tuple[CodeType, int], BlockNames | None] = {}
 _trees: dict[str, tuple[tuple[str, ...], ast.Module | None]] = {}
 
 
 def of(frame: FrameType) -> BlockNames | None:
     """The names of the `with` statement `frame` is entering now (its current line is in the
-    header); NO_BODY when the line opens no `with` (a block nnd opens itself); None when the
-    source cannot be read. Cached per call site."""
+    header); None when the source cannot be read or shows no `with` there (a block nnd opens
+    itself, a file changed since it was imported): then every name is looked at. Cached per
+    call site."""
     key = (frame.f_code, frame.f_lineno)
     try:
         return _cache[key]
@@ -91,9 +91,7 @@ def _compute(frame: FrameType) -> BlockNames | None:
         if isinstance(node, ast.With) and node.body and node.lineno <= line < node.body[0].lineno:
             if found is None or node.lineno >= found.lineno:
                 found = node
-    if found is None:
-        return NO_BODY
-    return _names(found)
+    return None if found is None else _names(found)
 
 
 def _root(node: ast.expr) -> str | None:
