@@ -9,6 +9,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+_PROCESSES = ("-m", "nnd.cli")  # nnd serve itself
+_IN_PROCESS = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "inprocess_daemon.py"),)
+
 
 @dataclass
 class Daemon:
@@ -51,9 +54,11 @@ def start_daemon(
     cwd: str | None = None,
     env: dict[str, str] | None = None,
     token: str = "",
+    in_process: bool = False,
 ) -> Daemon:
     """Start `nnd serve` on a socket under `tmp` and wait until it answers (`prefix`: a command that
-    runs it, e.g. setpriv as another user; `env`: added to the environment; `token`: the one it answers to)."""
+    runs it, e.g. setpriv as another user; `env`: added to the environment; `token`: the one it answers to;
+    `in_process`: its workers and helper run as threads of the daemon's process, nnd_daemon/inprocess.py)."""
     import grpc
 
     from nnd.v1 import nnd_pb2, nnd_pb2_grpc
@@ -67,7 +72,11 @@ def start_daemon(
     environ = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "nnd.cli", *args], stdout=log, stderr=subprocess.STDOUT, env=environ, cwd=cwd
+            [*prefix, sys.executable, *(_IN_PROCESS if in_process else _PROCESSES), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=environ,
+            cwd=cwd,
         )
     deadline = time.monotonic() + ready_timeout
     channel = grpc.insecure_channel(address)

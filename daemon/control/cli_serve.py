@@ -10,6 +10,7 @@ import sys
 from nnd.v1 import address as _address
 from nnd_daemon import shared
 from nnd_daemon.control.auth import Access, AccessError
+from nnd_daemon.control.registry import Processes
 from nnd_daemon.control.server import serve
 from nnd_daemon.control.settings import Limits, Settings, parse_bytes
 
@@ -74,7 +75,8 @@ def access_from_args(ns: argparse.Namespace) -> Access:
     )
 
 
-def run(ns: argparse.Namespace) -> int:
+def run(ns: argparse.Namespace, processes: Processes | None = None) -> int:
+    """`nnd serve` with the parsed options `ns`; `processes`: see registry.Processes (tests only)."""
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Whatever the caller's umask: nothing the daemon or its workers create is writable by others.
@@ -89,7 +91,7 @@ def run(ns: argparse.Namespace) -> int:
         return 1
     settings = settings_from_args(ns)
     shared.remove_segments()  # shared memory of workers gone with an earlier daemon (SIGKILL, older versions)
-    serve(settings, access, grace=ns.grace)
+    serve(settings, access, grace=ns.grace, processes=processes)
     # Calls are drained, workers ended, state saved. Skip interpreter teardown:
     # with torch and transformers imported its garbage collection alone takes
     # seconds, which every `systemctl stop`/restart would wait for.

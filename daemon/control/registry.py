@@ -105,6 +105,16 @@ def _merge(base: nnd_pb2.Placement, override: nnd_pb2.Placement | None) -> nnd_p
     return out
 
 
+@dataclass(frozen=True)
+class Processes:
+    """What the daemon's workers and its helper are started as: processes (the default). The
+    in-process engine for tests (nnd_daemon/inprocess.py) passes subclasses that serve the same
+    gRPC services from threads of the daemon's own process instead."""
+
+    launcher: type[Launcher] = Launcher
+    helper: type[Helper] = Helper
+
+
 class Registry:
     """The models and their workers.
 
@@ -126,7 +136,9 @@ class Registry:
         clock: Callable[[], float] = time.time,
         helper: Helper | None = None,
         reap_every_s: float = 0.5,
+        processes: Processes | None = None,
     ) -> None:
+        processes = processes or Processes()
         self.settings = settings
         self.gpus = gpu_query
         self._clock = clock
@@ -151,7 +163,7 @@ class Registry:
         self.log_dir = os.path.join(settings.state_dir, "logs")
         os.makedirs(self.log_dir, mode=0o750, exist_ok=True)
         # Meta builds, scans, tokenizing, edit and upload checks: never in this process (control/helper.py).
-        self.helper = helper or Helper(
+        self.helper = helper or processes.helper(
             self.run_dir,
             self.log_dir,
             memory_bytes=settings.helper_memory_bytes,
@@ -162,7 +174,7 @@ class Registry:
         # Uploaded models' files (control/uploads.py), checked in the helper process.
         self.uploads = uploads.UploadStore(settings, check=self.helper.check_upload)
         lim = settings.limits
-        self._start_worker: WorkerFactory = start_worker or Launcher(
+        self._start_worker: WorkerFactory = start_worker or processes.launcher(
             run_dir=self.private_dir,
             log_dir=self.log_dir,
             public_dir=self.run_dir,

@@ -35,12 +35,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-limits", default="", help="request limits as JSON (requests.REQUEST_LIMIT_FIELDS)")
 
 
-def start(service: Any, ns: argparse.Namespace, add_worker: Callable[[Any, grpc.Server], None]) -> list[grpc.Server]:
-    """Serve `service` (add_worker adds its Worker servicer) and its data path; returns the servers."""
+def start(
+    service: Any, ns: argparse.Namespace, add_worker: Callable[[Any, grpc.Server], None], *, token: str | None = None
+) -> list[grpc.Server]:
+    """Serve `service` (add_worker adds its Worker servicer) and its data path; returns the servers.
+    `token`: the one clients must present; None: the daemon's, from TOKEN_ENV (taken out of the
+    environment, so nothing this process starts inherits it)."""
     gateway = Gateway(service, ns.name, ns.epoch, json.loads(ns.request_limits or "{}"))
     service.gateway = gateway
     servers = []
-    token = os.environ.pop(TOKEN_ENV, "")
+    if token is None:
+        token = os.environ.pop(TOKEN_ENV, "")
     # Errors become statuses in one place (behind the token check, on the public socket).
     mapped = errors.ErrorInterceptor(logging.getLogger("nnd.worker"), internal="internal error in worker")
     if ns.public:
