@@ -39,7 +39,7 @@ PROMPTS = ["hello world", "hello wordl", "hello worle", "hello worla"]  # one to
 
 @pytest.fixture(scope="module")
 def batching_daemon(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, str]) -> Iterator[Daemon]:
-    d = start_daemon(tmp_path_factory.mktemp("batching"), "--batch-window-ms", WINDOW_MS)
+    d = start_daemon(tmp_path_factory.mktemp("batching"), "--batch-window-ms", WINDOW_MS, in_process=True)
     stub = nnd_pb2_grpc.NndStub(grpc.insecure_channel(d.address))
     stub.LoadModel(nnd_pb2.LoadModelRequest(model=tiny_models["gpt2"], dispatch=True), timeout=120)
     yield d
@@ -111,7 +111,8 @@ def _concurrently(d: Daemon, requests: list[Any]) -> list[Any]:
 
 
 def _log(d: Daemon) -> str:
-    return "".join(
+    """The workers' logs (an in-process daemon's workers log to the daemon's own)."""
+    return d.log() + "".join(
         pathlib.Path(p).read_text(errors="replace") for p in glob.glob(os.path.join(d.state_dir, "logs", "*"))
     )
 
@@ -218,7 +219,7 @@ def test_requests_that_do_not_qualify_still_run_concurrently(
 
 
 def test_zero_window_turns_batching_off(tmp_path: pathlib.Path, tiny_models: dict[str, str]) -> None:
-    d = start_daemon(tmp_path, "--batch-window-ms", "0")
+    d = start_daemon(tmp_path, "--batch-window-ms", "0", in_process=True)
     try:
         stub = _stub(d)
         stub.LoadModel(nnd_pb2.LoadModelRequest(model=tiny_models["gpt2"], dispatch=True), timeout=120)
