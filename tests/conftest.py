@@ -35,6 +35,21 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="session")
+def long_gpt2(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny GPT-2 with 1024 positions and 4 layers: long enough generations
+    and traces (seconds) to kill things in the middle of."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    path = tinymodels.build("gpt2", tmp_path_factory.mktemp("models") / "long-gpt2")
+    cfg = GPT2Config.from_pretrained(path)
+    cfg.n_positions, cfg.n_layer = 1024, 4
+    torch.manual_seed(0)
+    GPT2LMHeadModel(cfg).eval().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def inprocess_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """One daemon for the whole session whose workers and helper are threads of its own process
     (nnd_daemon/inprocess.py): clients still reach the worker over gRPC, but a dispatch costs no
