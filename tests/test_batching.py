@@ -130,10 +130,26 @@ def _slow(g: graph_pb2.Graph) -> None:
     g.nodes.add(id=53).save.value.ref = 52
 
 
+def _until(d: Daemon, model: str, check: Any, what: str, timeout: float = 120) -> None:
+    """Until the states ("running", "queued") of the requests the worker of `model` holds pass
+    `check` (polled: a slow trace takes 0.3 s or more)."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(d.address) as channel:
+        stub = nnd_pb2_grpc.NndStub(channel)
+        while True:
+            info = stub.GetModel(nnd_pb2.GetModelRequest(model=model), timeout=30)
+            states = [r.state for r in info.requests]
+            if check(states):
+                return
+            assert time.monotonic() < deadline, f"{what}: the worker holds {states}"
+            time.sleep(0.005)
+
+
 def _started_slow(d: Daemon, model: str) -> Any:
-    """A slow trace in flight: the daemon's gathering queue for `model` is busy until it is done."""
+    """A slow trace in flight: the daemon's gathering queue for `model` is busy until it is done.
+    Returned once the worker runs it, so what is sent next queues behind it."""
     call = _stub(d).Trace(_request(model, PROMPTS[0], extra=_slow), timeout=120)
-    time.sleep(0.15)
+    _until(d, model, lambda states: "running" in states, "the slow trace running")
     return call
 
 
@@ -244,7 +260,8 @@ def test_a_request_that_leaves_the_queue_does_not_stall_the_others(batching_daem
     waiting = []
     thread = threading.Thread(target=lambda: waiting.append(_run(batching_daemon, _request(model, PROMPTS[1]))))
     thread.start()
-    time.sleep(0.05)
+    # Both queued behind the slow one (the one that timed out has left) before one of them is cancelled.
+    _until(batching_daemon, model, lambda states: states.count("queued") >= 2, "two traces queued")
     cancelled.cancel()
     assert wire_results.collect(slow)[53].shape == ()
     thread.join(60)
