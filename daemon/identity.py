@@ -49,7 +49,10 @@ class Tickets:
 
     @classmethod
     def from_env(cls) -> Tickets | None:
-        text = os.environ.pop(KEY_ENV, "")
+        return cls.of_hex(os.environ.pop(KEY_ENV, ""))
+
+    @classmethod
+    def of_hex(cls, text: str) -> Tickets | None:
         return cls(bytes.fromhex(text)) if text else None
 
     def _mac(self, body: str) -> str:

@@ -26,13 +26,55 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {kind: str(tinymodels.build(kind, root / kind)) for kind in ("gpt2", "llama", "bert")}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "processes: the module's `daemon` runs its workers and helper as processes (what the test is about "
+        "is processes: pids, deaths, memory coming back, what a process imports)",
+    )
+
+
 @pytest.fixture(scope="session")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """One daemon for the whole session (tests that kill or restart it use
-    `start_daemon` for their own)."""
-    d = start_daemon(tmp_path_factory.mktemp("daemon"))
+def long_gpt2(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny GPT-2 with 1024 positions and 4 layers: long enough generations
+    and traces (seconds) to kill things in the middle of."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    path = tinymodels.build("gpt2", tmp_path_factory.mktemp("models") / "long-gpt2")
+    cfg = GPT2Config.from_pretrained(path)
+    cfg.n_positions, cfg.n_layer = 1024, 4
+    torch.manual_seed(0)
+    GPT2LMHeadModel(cfg).eval().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def inprocess_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One daemon for the whole session whose workers and helper are threads of its own process
+    (nnd_daemon/inprocess.py): clients still reach the worker over gRPC, but a dispatch costs no
+    process start and no torch import."""
+    d = start_daemon(tmp_path_factory.mktemp("daemon"), in_process=True)
     yield d
     d.stop()
+
+
+@pytest.fixture(scope="session")
+def process_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One daemon for the whole session with real worker and helper processes, for tests about
+    processes (started only if one asks)."""
+    d = start_daemon(tmp_path_factory.mktemp("process-daemon"))
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def daemon(request: pytest.FixtureRequest) -> Daemon:
+    """The session's shared daemon: the in-process one, or for a module marked
+    `pytest.mark.processes` the one with real processes (tests that kill or restart a daemon
+    use `start_daemon` for their own)."""
+    marked = request.node.get_closest_marker("processes") is not None  # the module's node: its pytestmark
+    return request.getfixturevalue("process_daemon" if marked else "inprocess_daemon")
 
 
 @pytest.fixture

@@ -9,6 +9,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+_PROCESSES = ("-m", "nnd.cli")  # nnd serve itself
+_IN_PROCESS = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "inprocess_daemon.py"),)
+
 
 @dataclass
 class Daemon:
@@ -42,6 +45,20 @@ class Daemon:
         return self.proc.returncode
 
 
+def serve_args(tmp: pathlib.Path, *extra: str, state_dir: str | None = None) -> list[str]:
+    """`nnd serve` on the socket tmp/run/nnd.sock with its state in `state_dir` (default tmp/state)."""
+    state = state_dir or str(tmp / "state")
+    return ["serve", "--address", f"unix://{tmp / 'run' / 'nnd.sock'}", "--state-dir", state, *extra]
+
+
+def run_serve(
+    tmp: pathlib.Path, *extra: str, state_dir: str | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    """Run `nnd serve` where it is expected to exit by itself (a refused start): its exit status and output."""
+    cmd = [sys.executable, "-m", "nnd.cli", *serve_args(tmp, *extra, state_dir=state_dir)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
 def start_daemon(
     tmp: pathlib.Path,
     *extra: str,
@@ -51,40 +68,67 @@ def start_daemon(
     cwd: str | None = None,
     env: dict[str, str] | None = None,
     token: str = "",
+    in_process: bool = False,
+    ready: str = "info",
 ) -> Daemon:
-    """Start `nnd serve` on a socket under `tmp` and wait until it answers (`prefix`: a command that
-    runs it, e.g. setpriv as another user; `env`: added to the environment; `token`: the one it answers to)."""
+    """Start `nnd serve` on a socket under `tmp` and wait until it is ready (`prefix`: a command that
+    runs it, e.g. setpriv as another user; `env`: added to the environment; `token`: the one it answers to;
+    `in_process`: its workers and helper run as threads of the daemon's process, nnd_daemon/inprocess.py;
+    `ready`: "info" once GetServerInfo answers (with `token`), "health" once the health check (open to
+    all) answers, "socket" as soon as the socket exists)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    state = state_dir or str(tmp / "state")
+    args = serve_args(tmp, "--log-level", "INFO", *extra, state_dir=state)
+    address = args[args.index("--address") + 1]
+    log_path = str(tmp / "daemon.log")
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [*prefix, sys.executable, *(_IN_PROCESS if in_process else _PROCESSES), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=environ,
+            cwd=cwd,
+        )
+    d = Daemon(address=address, state_dir=state, proc=proc, log_path=log_path, args=args)
+    answers = {"info": _info_answers, "health": _health_answers, "socket": _socket_exists}[ready]
+    deadline = time.monotonic() + ready_timeout
+    while not answers(address, token):
+        if proc.poll() is not None:
+            raise RuntimeError(f"nnd serve exited ({proc.returncode}):\n{d.log()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"nnd serve did not answer:\n{d.log()}")
+        time.sleep(0.01 if ready == "socket" else 0.1)
+    return d
+
+
+def _info_answers(address: str, token: str) -> bool:
     import grpc
 
     from nnd.v1 import nnd_pb2, nnd_pb2_grpc
 
-    tmp.mkdir(parents=True, exist_ok=True)
-    sock = tmp / "run" / "nnd.sock"
-    state = state_dir or str(tmp / "state")
-    address = f"unix://{sock}"
-    log_path = str(tmp / "daemon.log")
-    args = ["serve", "--address", address, "--state-dir", state, "--log-level", "INFO", *extra]
-    environ = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "nnd.cli", *args], stdout=log, stderr=subprocess.STDOUT, env=environ, cwd=cwd
-        )
-    deadline = time.monotonic() + ready_timeout
-    channel = grpc.insecure_channel(address)
-    stub = nnd_pb2_grpc.NndStub(channel)
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"nnd serve exited ({proc.returncode}):\n{pathlib.Path(log_path).read_text()}")
-            try:
-                auth = [("authorization", f"Bearer {token}")] if token else []
-                stub.GetServerInfo(nnd_pb2.GetServerInfoRequest(), timeout=1, metadata=auth)
-                break
-            except grpc.RpcError:
-                if time.monotonic() > deadline:
-                    proc.kill()
-                    raise RuntimeError(f"nnd serve did not answer:\n{pathlib.Path(log_path).read_text()}") from None
-                time.sleep(0.1)
-    finally:
-        channel.close()
-    return Daemon(address=address, state_dir=state, proc=proc, log_path=log_path, args=args)
+    auth = [("authorization", f"Bearer {token}")] if token else []
+    with grpc.insecure_channel(address) as channel:
+        try:
+            nnd_pb2_grpc.NndStub(channel).GetServerInfo(nnd_pb2.GetServerInfoRequest(), timeout=1, metadata=auth)
+        except grpc.RpcError:
+            return False
+    return True
+
+
+def _health_answers(address: str, token: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+        except grpc.RpcError:
+            return False
+    return True
+
+
+def _socket_exists(address: str, token: str) -> bool:
+    return os.path.exists(address.removeprefix("unix://"))

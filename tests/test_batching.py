@@ -39,7 +39,7 @@ PROMPTS = ["hello world", "hello wordl", "hello worle", "hello worla"]  # one to
 
 @pytest.fixture(scope="module")
 def batching_daemon(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, str]) -> Iterator[Daemon]:
-    d = start_daemon(tmp_path_factory.mktemp("batching"), "--batch-window-ms", WINDOW_MS)
+    d = start_daemon(tmp_path_factory.mktemp("batching"), "--batch-window-ms", WINDOW_MS, in_process=True)
     stub = nnd_pb2_grpc.NndStub(grpc.insecure_channel(d.address))
     stub.LoadModel(nnd_pb2.LoadModelRequest(model=tiny_models["gpt2"], dispatch=True), timeout=120)
     yield d
@@ -111,7 +111,8 @@ def _concurrently(d: Daemon, requests: list[Any]) -> list[Any]:
 
 
 def _log(d: Daemon) -> str:
-    return "".join(
+    """The workers' logs (an in-process daemon's workers log to the daemon's own)."""
+    return d.log() + "".join(
         pathlib.Path(p).read_text(errors="replace") for p in glob.glob(os.path.join(d.state_dir, "logs", "*"))
     )
 
@@ -129,10 +130,26 @@ def _slow(g: graph_pb2.Graph) -> None:
     g.nodes.add(id=53).save.value.ref = 52
 
 
+def _until(d: Daemon, model: str, check: Any, what: str, timeout: float = 120) -> None:
+    """Until the states ("running", "queued") of the requests the worker of `model` holds pass
+    `check` (polled: a slow trace takes 0.3 s or more)."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(d.address) as channel:
+        stub = nnd_pb2_grpc.NndStub(channel)
+        while True:
+            info = stub.GetModel(nnd_pb2.GetModelRequest(model=model), timeout=30)
+            states = [r.state for r in info.requests]
+            if check(states):
+                return
+            assert time.monotonic() < deadline, f"{what}: the worker holds {states}"
+            time.sleep(0.005)
+
+
 def _started_slow(d: Daemon, model: str) -> Any:
-    """A slow trace in flight: the daemon's gathering queue for `model` is busy until it is done."""
+    """A slow trace in flight: the daemon's gathering queue for `model` is busy until it is done.
+    Returned once the worker runs it, so what is sent next queues behind it."""
     call = _stub(d).Trace(_request(model, PROMPTS[0], extra=_slow), timeout=120)
-    time.sleep(0.15)
+    _until(d, model, lambda states: "running" in states, "the slow trace running")
     return call
 
 
@@ -218,7 +235,7 @@ def test_requests_that_do_not_qualify_still_run_concurrently(
 
 
 def test_zero_window_turns_batching_off(tmp_path: pathlib.Path, tiny_models: dict[str, str]) -> None:
-    d = start_daemon(tmp_path, "--batch-window-ms", "0")
+    d = start_daemon(tmp_path, "--batch-window-ms", "0", in_process=True)
     try:
         stub = _stub(d)
         stub.LoadModel(nnd_pb2.LoadModelRequest(model=tiny_models["gpt2"], dispatch=True), timeout=120)
@@ -243,7 +260,8 @@ def test_a_request_that_leaves_the_queue_does_not_stall_the_others(batching_daem
     waiting = []
     thread = threading.Thread(target=lambda: waiting.append(_run(batching_daemon, _request(model, PROMPTS[1]))))
     thread.start()
-    time.sleep(0.05)
+    # Both queued behind the slow one (the one that timed out has left) before one of them is cancelled.
+    _until(batching_daemon, model, lambda states: states.count("queued") >= 2, "two traces queued")
     cancelled.cancel()
     assert wire_results.collect(slow)[53].shape == ()
     thread.join(60)

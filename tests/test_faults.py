@@ -33,22 +33,6 @@ WATCHDOG = ["--watchdog-interval", "0.5", "--watchdog-timeout", "1", "--watchdog
 
 
 @pytest.fixture(scope="module")
-def long_gpt2(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny GPT-2 with 1024 positions and 4 layers: long enough generations
-    and traces (seconds) to kill things in the middle of."""
-    import tinymodels
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    path = tinymodels.build("gpt2", tmp_path_factory.mktemp("models") / "long-gpt2")
-    cfg = GPT2Config.from_pretrained(path)
-    cfg.n_positions, cfg.n_layer = 1024, 4
-    torch.manual_seed(0)
-    GPT2LMHeadModel(cfg).eval().save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def faulty(tmp_path_factory: pytest.TempPathFactory, long_gpt2: str) -> Iterator[Daemon]:
     d = start_daemon(tmp_path_factory.mktemp("faults"), *WATCHDOG)
     d.cli("load", long_gpt2)

@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 import pytest
-from daemonproc import Daemon, start_daemon
+from daemonproc import Daemon, run_serve, start_daemon
 
 from nnd import _upload
 from nnd.v1 import nnd_pb2, nnd_pb2_grpc
@@ -282,12 +282,7 @@ def test_unload_during_an_auto_dispatch_leaves_no_worker(fresh_daemon, tiny_mode
 
 def _serve_refused(tmp: pathlib.Path, state: pathlib.Path) -> str:
     sock = tmp / "run" / "nnd.sock"
-    res = subprocess.run(
-        [sys.executable, "-m", "nnd.cli", "serve", "--address", f"unix://{sock}", "--state-dir", str(state)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    res = run_serve(tmp, state_dir=str(state))
     err = res.stderr.strip()
     assert res.returncode == 1 and err.startswith("nnd: ") and len(err.splitlines()) == 1, (res.returncode, err)
     assert not sock.exists()
@@ -379,8 +374,7 @@ def _told_permission_denied(daemon: Daemon) -> None:
 
 def _serve_exit(tmp: pathlib.Path, *extra: str) -> str:
     sock = tmp / "run" / "nnd.sock"
-    args = ["serve", "--address", f"unix://{sock}", "--state-dir", str(tmp / "state"), *extra]
-    res = subprocess.run([sys.executable, "-m", "nnd.cli", *args], capture_output=True, text=True, timeout=120)
+    res = run_serve(tmp, *extra)
     err = res.stderr.strip()
     assert res.returncode == 1 and err.startswith("nnd: ") and len(err.splitlines()) == 1, (res.returncode, err)
     assert not sock.exists()
@@ -428,28 +422,7 @@ def test_plaintext_token_off_loopback_warns_and_refusals_do_not_flood_the_log(tm
 
 def _serve_until_healthy(tmp: pathlib.Path, *extra: str) -> Daemon:
     """`nnd serve` with a token: ready once its health check (open to all) answers."""
-    import time
-
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    sock = tmp / "run" / "nnd.sock"
-    address, log_path = f"unix://{sock}", str(tmp / "daemon.log")
-    args = ["serve", "--address", address, "--state-dir", str(tmp / "state"), *extra]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "nnd.cli", *args], stdout=log, stderr=subprocess.STDOUT)
-    d = Daemon(address=address, state_dir=str(tmp / "state"), proc=proc, log_path=log_path, args=args)
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, d.log()
-        try:
-            with grpc.insecure_channel(address) as channel:
-                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
-            return d
-        except grpc.RpcError:
-            if time.monotonic() > deadline:
-                d.stop()
-                raise
-            time.sleep(0.1)
+    return start_daemon(tmp, *extra, ready="health", ready_timeout=120)
 
 
 # ---------------------------------------------------------------- the client's mistakes are INVALID_ARGUMENT
@@ -506,18 +479,9 @@ def test_out_of_range_token_ids_and_unknown_points_are_invalid(box):
 
 def test_loads_sent_the_moment_the_socket_appears_all_succeed(tmp_path, tiny_models):
     """The warm-up imports transformers in the background; calls wait for it instead of importing alongside."""
-    import time
 
-    sock = tmp_path / "run" / "nnd.sock"
-    address, log_path = f"unix://{sock}", str(tmp_path / "daemon.log")
-    args = ["serve", "--address", address, "--state-dir", str(tmp_path / "state")]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "nnd.cli", *args], stdout=log, stderr=subprocess.STDOUT)
-    d = Daemon(address=address, state_dir=str(tmp_path / "state"), proc=proc, log_path=log_path, args=args)
+    d = start_daemon(tmp_path, ready="socket")
     try:
-        while not sock.exists():
-            assert proc.poll() is None, d.log()
-            time.sleep(0.01)
         channel, stub = _stub(d)
         with channel:
             models = [tiny_models[k] for k in ("gpt2", "llama", "bert")]

@@ -85,7 +85,8 @@ def test_stopped_daemon_is_one_line_error(tmp_path):
     assert len(res.stderr.strip().splitlines()) == 1
 
 
-def test_meta_load_reads_no_weights(daemon, tmp_path):
+def test_meta_load_reads_no_weights(process_daemon, tmp_path):
+    daemon = process_daemon  # the helper a process of its own: the daemon's RSS is the control plane's
     """A ~1B-parameter config loads without its weights: the daemon's RSS barely moves."""
     import tinymodels
 

@@ -18,6 +18,7 @@ def strict(tmp_path_factory, tiny_models):
         "--max-sequence-length", "12",
         "--max-request-bytes", "64KiB",
         "--max-new-tokens", "4",
+        in_process=True,
     )  # fmt: skip
     model = nnd.TransformersModel(tiny_models["gpt2"], address=d.address, device="cpu", dispatch=True)
     yield model

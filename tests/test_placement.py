@@ -62,7 +62,8 @@ def test_dispatch_over_budget_is_refused_with_figures(tmp_path, tiny_models):
         d.stop()
 
 
-def test_keep_alive_expiry_releases(daemon, tiny_models):
+def test_keep_alive_expiry_releases(process_daemon, tiny_models):
+    daemon = process_daemon  # its worker a process: the test watches it end
     path = tiny_models["gpt2"]
     daemon.cli("load", path)
     daemon.cli("dispatch", path)
@@ -98,7 +99,8 @@ def test_registry_survives_restart(tmp_path, tiny_models):
         d2.stop()
 
 
-def test_several_models_each_in_own_worker(daemon, tiny_models):
+def test_several_models_each_in_own_worker(process_daemon, tiny_models):
+    daemon = process_daemon  # workers as processes: their pids are what differs
     pids = set()
     for kind in ("gpt2", "bert"):
         daemon.cli("load", tiny_models[kind])

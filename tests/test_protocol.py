@@ -597,12 +597,14 @@ def test_gradient_of_a_module_value_matches_torch(daemon, gpt2, tiny_models):
     assert np.abs(want).max() > 0
 
 
-def test_the_daemon_process_never_loads_torch(daemon, gpt2):
+def test_the_daemon_process_never_loads_torch(process_daemon, tiny_models):
     """The control plane stays light: models are built in the helper and run in workers, so after
     GetServerInfo, a scan and a trace forwarded through it, torch's library is not mapped in the
     daemon's process (a daemon that imported torch would carry its ~1 GB of mappings and seconds of start)."""
+    daemon = process_daemon  # the session's other daemon serves from threads of its own process, torch and all
     channel, stub = _stub(daemon.address, BIG)
     with channel:
+        gpt2 = stub.LoadModel(nnd_pb2.LoadModelRequest(model=tiny_models["gpt2"]), timeout=60).name
         info = stub.GetServerInfo(nnd_pb2.GetServerInfoRequest(), timeout=120)
         assert "add" in info.ops and info.libraries["torch"]
         request = nnd_pb2.TraceRequest(model=gpt2, invokes=[nnd_pb2.Invoke(text="Hello world")])

@@ -187,21 +187,6 @@ def test_killed_worker_is_rerouted_with_nothing_run_twice(tmp_path, tiny_models)
         assert d.stop() == 0
 
 
-@pytest.fixture(scope="module")
-def long_gpt2(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny GPT-2 with 1024 positions: a generation of seconds to kill a worker in the middle of."""
-    import tinymodels
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    path = tinymodels.build("gpt2", tmp_path_factory.mktemp("models") / "long-gpt2")
-    cfg = GPT2Config.from_pretrained(path)
-    cfg.n_positions, cfg.n_layer = 1024, 4
-    torch.manual_seed(0)
-    GPT2LMHeadModel(cfg).eval().save_pretrained(path)
-    return str(path)
-
-
 def test_worker_killed_mid_request_is_reported_not_rerun(tmp_path, long_gpt2):
     model = long_gpt2
     d = start_daemon(tmp_path)

@@ -25,7 +25,7 @@ LIMIT = 8_000_000  # max_saved_bytes of the daemon here
 
 @pytest.fixture(scope="module")
 def small_limit_daemon(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, str]) -> Iterator[Daemon]:
-    d = start_daemon(tmp_path_factory.mktemp("saved"), "--max-saved-bytes", str(LIMIT))
+    d = start_daemon(tmp_path_factory.mktemp("saved"), "--max-saved-bytes", str(LIMIT), in_process=True)
     nnd.TransformersModel(tiny_models["gpt2"], address=d.address, device="cpu", dispatch=True)
     yield d
     d.stop()
@@ -64,7 +64,7 @@ def _width(address: str, model: str) -> int:
 
 
 def test_a_million_floats_arrive_at_default_limits(tmp_path: pathlib.Path, tiny_models: dict[str, str]) -> None:
-    d = start_daemon(tmp_path)
+    d = start_daemon(tmp_path, in_process=True)
     try:
         model = tiny_models["gpt2"]
         nnd.TransformersModel(model, address=d.address, device="cpu", dispatch=True)

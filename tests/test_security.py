@@ -20,7 +20,7 @@ import time
 import grpc
 import psutil
 import pytest
-from daemonproc import Daemon
+from daemonproc import Daemon, start_daemon
 
 from nnd import errors
 from nnd.connection import Connection
@@ -66,26 +66,7 @@ def _health(address: str) -> int:
 def _serve(tmp: pathlib.Path, *extra: str, ready_timeout: float = 60) -> Daemon:
     """`nnd serve` on a socket under `tmp`, ready once its health check (which
     needs no token) answers on the socket."""
-    sock = tmp / "run" / "nnd.sock"
-    address = f"unix://{sock}"
-    log_path = str(tmp / "daemon.log")
-    args = ["serve", "--address", address, "--state-dir", str(tmp / "state"), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "nnd.cli", *args], stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + ready_timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"nnd serve exited ({proc.returncode}):\n{pathlib.Path(log_path).read_text()}")
-        try:
-            _health(address)
-            break
-        except grpc.RpcError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"nnd serve did not answer:\n{pathlib.Path(log_path).read_text()}") from None
-            time.sleep(0.1)
-    return Daemon(address=address, state_dir=str(tmp / "state"), proc=proc, log_path=log_path, args=args)
+    return start_daemon(tmp, *extra, ready_timeout=ready_timeout, ready="health")
 
 
 def _refused(tmp: pathlib.Path, *extra: str) -> str:

@@ -53,7 +53,7 @@ def shm_daemon(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, 
     """One daemon for the module: no test here changes daemon-wide state."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("NND_SHM_REAP_S", "0.5")  # how often the worker reaps regions of dead clients
-        d = start_daemon(tmp_path_factory.mktemp("shm"))
+        d = start_daemon(tmp_path_factory.mktemp("shm"), in_process=True)
     nnd.TransformersModel(tiny_models["gpt2"], address=d.address, device="cpu", dispatch=True)
     yield d
     d.stop()

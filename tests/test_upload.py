@@ -27,7 +27,7 @@ def state(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.fixture(scope="module")
 def daemon(state: dict) -> Daemon:
-    d = start_daemon(state["root"] / "first", "--max-upload-bytes", "2MiB")
+    d = start_daemon(state["root"] / "first", "--max-upload-bytes", "2MiB", in_process=True)
     state["daemon"] = d
     yield d
     d.stop()
@@ -263,7 +263,7 @@ def test_edited_transformers_model_gives_the_edited_logits(daemon, tiny_models, 
 def test_restart_restores_uploads_and_no_uploads_refuses_new_ones(daemon, state):
     assert {"seq", "net", "gpt2-edited"} <= set(_ps(daemon))
     daemon.stop()
-    d = start_daemon(state["root"] / "second", "--no-uploads", state_dir=daemon.state_dir)
+    d = start_daemon(state["root"] / "second", "--no-uploads", state_dir=daemon.state_dir, in_process=True)
     try:
         models = _ps(d)
         assert {"seq", "net", "gpt2-edited"} <= set(models) and models["gpt2-edited"]["state"] == "META"

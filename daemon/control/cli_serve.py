@@ -11,6 +11,7 @@ from nnd.v1 import address as _address
 from nnd_daemon import logfmt, shared
 from nnd_daemon.control import config
 from nnd_daemon.control.auth import Access, AccessError
+from nnd_daemon.control.registry import Processes
 from nnd_daemon.control.settings import Limits, Settings, UserLimits, parse_bytes
 
 
@@ -97,7 +98,8 @@ def access_from_args(ns: argparse.Namespace) -> Access:
     )
 
 
-def run(ns: argparse.Namespace) -> int:
+def run(ns: argparse.Namespace, processes: Processes | None = None) -> int:
+    """`nnd serve` with the parsed options `ns`; `processes`: see registry.Processes (tests only)."""
     try:
         sources = config.resolve(ns)
         if ns.address is not None:
@@ -128,7 +130,7 @@ def run(ns: argparse.Namespace) -> int:
     shared.remove_segments()  # shared memory of workers gone with an earlier daemon (SIGKILL, older versions)
     from nnd_daemon.control.server import serve
 
-    serve(settings, access, grace=ns.grace)
+    serve(settings, access, grace=ns.grace, processes=processes)
     # Calls are drained, workers ended, state saved. Skip interpreter teardown:
     # with torch and transformers imported its garbage collection alone takes
     # seconds, which every `systemctl stop`/restart would wait for.

@@ -109,6 +109,16 @@ def _merge(base: nnd_pb2.Placement, override: nnd_pb2.Placement | None) -> nnd_p
     return out
 
 
+@dataclass(frozen=True)
+class Processes:
+    """What the daemon's workers and its helper are started as: processes (the default). The
+    in-process engine for tests (nnd_daemon/inprocess.py) passes subclasses that serve the same
+    gRPC services from threads of the daemon's own process instead."""
+
+    launcher: type[Launcher] = Launcher
+    helper: type[Helper] = Helper
+
+
 class Registry:
     """The models and their workers.
 
@@ -130,7 +140,9 @@ class Registry:
         clock: Callable[[], float] = time.time,
         helper: Helper | None = None,
         reap_every_s: float = 0.5,
+        processes: Processes | None = None,
     ) -> None:
+        processes = processes or Processes()
         self.settings = settings
         # Over TCP a caller is known by the token it sent (identity.who).
         self.token_required = token is not None
@@ -160,7 +172,7 @@ class Registry:
         self.events = events.Events()
         self.tickets = identity.Tickets()
         # Meta builds, scans, tokenizing, edit and upload checks: never in this process (control/helper.py).
-        self.helper = helper or events.count_helper_calls(Helper(
+        self.helper = helper or events.count_helper_calls(processes.helper(
             self.run_dir,
             self.log_dir,
             memory_bytes=settings.helper_memory_bytes,
@@ -171,7 +183,7 @@ class Registry:
         # Uploaded models' files (control/uploads.py), checked in the helper process.
         self.uploads = uploads.UploadStore(settings, check=self.helper.check_upload)
         lim = settings.limits
-        self._start_worker: WorkerFactory = start_worker or Launcher(
+        self._start_worker: WorkerFactory = start_worker or processes.launcher(
             run_dir=self.private_dir,
             log_dir=self.log_dir,
             public_dir=self.run_dir,

@@ -23,7 +23,7 @@ from nnd_daemon import errors, identity, modelfiles, shared
 from nnd_daemon.control import health, modelroots, statedir
 from nnd_daemon.control.admission import Admission
 from nnd_daemon.control.auth import Access
-from nnd_daemon.control.registry import Registry
+from nnd_daemon.control.registry import Processes, Registry
 from nnd_daemon.control.servicer import NndServicer
 from nnd_daemon.control.settings import Settings
 
@@ -131,7 +131,14 @@ def _answers(path: str) -> bool:
 
 
 class Daemon:
-    def __init__(self, settings: Settings, access: Access | None = None, *, workers: int = HANDLER_THREADS) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        access: Access | None = None,
+        *,
+        workers: int = HANDLER_THREADS,
+        processes: Processes | None = None,
+    ) -> None:
         self.settings = settings
         self.access = access or Access()
         try:
@@ -142,7 +149,7 @@ class Daemon:
         except (statedir.StateDirError, OSError) as exc:
             raise SystemExit(f"nnd: {exc}") from None
         os.environ[modelfiles.ENV] = modelroots.policy(settings, self.access).to_json()
-        self.registry = Registry(settings, token=self.access.token)
+        self.registry = Registry(settings, token=self.access.token, processes=processes)
         self.servicer = NndServicer(settings, self.registry)
         self.admission = Admission(
             slow_slots=max(1, workers - RESERVED_THREADS),
@@ -331,10 +338,12 @@ def nnd_version() -> str:
     return __version__
 
 
-def serve(settings: Settings, access: Access | None = None, *, grace: float = 30.0) -> None:
+def serve(
+    settings: Settings, access: Access | None = None, *, grace: float = 30.0, processes: Processes | None = None
+) -> None:
     """Run until SIGTERM/SIGINT, then drain for `grace` seconds and return
-    (exit status 0); a second signal cancels what is still draining."""
-    daemon = Daemon(settings, access)
+    (exit status 0); a second signal cancels what is still draining. `processes`: see registry.Processes."""
+    daemon = Daemon(settings, access, processes=processes)
     daemon.start()
     done = threading.Event()
 

@@ -176,7 +176,7 @@ class Launcher:
     log_bytes: int = 0
 
     def __call__(self, order: WorkerOrder) -> Worker:
-        worker = Worker(
+        worker = self.worker_class()(
             order.name,
             self.run_dir,
             self.log_dir,
@@ -198,6 +198,10 @@ class Launcher:
             worker.stop()
             raise
         return worker
+
+    def worker_class(self) -> type[Worker]:
+        """The `Worker` it starts (the in-process engine for tests returns its own)."""
+        return Worker
 
 
 class Worker:
@@ -289,9 +293,7 @@ class Worker:
             env[identity.KEY_ENV] = self._identity_key
         # No preexec_fn: running Python between fork and exec in a threaded
         # daemon can crash the child. The worker ties its life to ours itself.
-        self.proc = subprocess.Popen(
-            cmd, stdout=logf, stderr=subprocess.STDOUT, close_fds=True, env=env, cwd=empty_dir(self.run_dir)
-        )
+        self.proc = self._spawn(cmd, env, logf)
         logf.close()
         threading.Thread(target=self._watch, name=f"watch-{self.name}", daemon=True).start()
         deadline = time.monotonic() + timeout
@@ -314,6 +316,13 @@ class Worker:
             method: self.channel.unary_stream(f"/nnd.v1.Nnd/{method}") for method in shared.DATA_METHODS
         }
         self.forward_interact = self.channel.stream_stream("/nnd.v1.Nnd/Interact")
+
+    def _spawn(self, cmd: list[str], env: dict[str, str], logf: Any) -> subprocess.Popen[bytes]:
+        """Start the worker's process (the in-process engine for tests, nnd_daemon/inprocess.py,
+        serves the same command line from threads of this process instead)."""
+        return subprocess.Popen(
+            cmd, stdout=logf, stderr=subprocess.STDOUT, close_fds=True, env=env, cwd=empty_dir(self.run_dir)
+        )
 
     @property
     def address(self) -> str:

@@ -34,19 +34,26 @@ def main() -> None:
     import torch
     import transformers  # noqa: F401
 
-    from nnd.v1 import helper_pb2_grpc
-    from nnd_daemon.helper.service import HelperService, memory_error
-
     torch.set_num_threads(1)  # fake tensors compute nothing; one thread keeps the CPU bound per call honest
     if ns.memory_bytes > 0:
         resource.setrlimit(resource.RLIMIT_AS, (ns.memory_bytes, ns.memory_bytes))
-    mapped = errors.ErrorInterceptor(logging.getLogger("nnd.helper"), translate=memory_error)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=shared.GRPC_OPTIONS, interceptors=[mapped])
-    helper_pb2_grpc.add_HelperServicer_to_server(HelperService(ns.cache), server)
-    server.add_insecure_port("unix://" + ns.socket)
-    server.start()
+    server = serve(ns.socket, ns.cache)
     signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=1))
     server.wait_for_termination()
+
+
+def serve(socket: str, cache: int) -> grpc.Server:
+    """Start the Helper service on the unix socket `socket` in this process and return its server.
+    Besides main, only the in-process engine for tests (nnd_daemon/inprocess.py) calls this."""
+    from nnd.v1 import helper_pb2_grpc
+    from nnd_daemon.helper.service import HelperService, memory_error
+
+    mapped = errors.ErrorInterceptor(logging.getLogger("nnd.helper"), translate=memory_error)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=shared.GRPC_OPTIONS, interceptors=[mapped])
+    helper_pb2_grpc.add_HelperServicer_to_server(HelperService(cache), server)
+    server.add_insecure_port("unix://" + socket)
+    server.start()
+    return server
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ import json
 import logging
 import os
 import signal
+from typing import Any
+
+import grpc
 
 from nnd.v1 import worker_pb2_grpc
 from nnd_daemon import logfmt, shared
@@ -42,8 +45,8 @@ def _allow_sampler() -> None:
     spec.loader.exec_module(module)
 
 
-def main() -> None:
-    _allow_sampler()
+def parser() -> argparse.ArgumentParser:
+    """The worker's command line (the daemon's supervisor writes it)."""
     parser = argparse.ArgumentParser(prog="nnd-worker", description=__doc__)
     parser.add_argument("--socket", required=True, help="unix socket to serve on")
     parser.add_argument("--name", default="", help="model name, for logs and ps")
@@ -57,7 +60,12 @@ def main() -> None:
         help="gather compatible Traces this long into one forward (0: off)",
     )
     listen.add_arguments(parser)
-    ns = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    _allow_sampler()
+    ns = parser().parse_args()
     # Under torchrun (tensor parallel) this process is one rank of a group; tp.py runs it.
     rank = os.environ.get("RANK", "") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     if not rank:
@@ -70,26 +78,36 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(ns.threads)
-    limits = None
-    if ns.limits:
-        from nnd_daemon.engine import EngineLimits
-
-        limits = EngineLimits(**json.loads(ns.limits))
     if rank:
         from nnd_daemon.worker import tp
 
-        tp.main(ns, shared.GRPC_OPTIONS, limits)
+        tp.main(ns, shared.GRPC_OPTIONS, _limits(ns))
         return
+    servers = serve(ns)
+    signal.signal(signal.SIGTERM, lambda *_: listen.stop(servers, 2))
+    servers[-1].wait_for_termination()
+
+
+def _limits(ns: argparse.Namespace) -> Any:
+    if not ns.limits:
+        return None
+    from nnd_daemon.engine import EngineLimits
+
+    return EngineLimits(**json.loads(ns.limits))
+
+
+def serve(ns: argparse.Namespace, token: str | None = None, identity_key: str | None = None) -> list[grpc.Server]:
+    """Start one worker's servers in this process (its arguments as parsed by `parser()`) and
+    return them, private socket last; `token`, `identity_key`: as listen.start. Besides main, only the
+    in-process engine for tests (nnd_daemon/inprocess.py) calls this."""
     service = WorkerService()
-    service.limits = limits
+    service.limits = _limits(ns)
     if ns.batch_window_ms > 0:
         from nnd_daemon.worker import batching
 
         max_invokes = int(json.loads(ns.request_limits or "{}").get("max_invokes", 0))
         service.batcher = batching.for_service(service, ns.batch_window_ms, max_invokes)
-    servers = listen.start(service, ns, worker_pb2_grpc.add_WorkerServicer_to_server)
-    signal.signal(signal.SIGTERM, lambda *_: listen.stop(servers, 2))
-    servers[-1].wait_for_termination()
+    return listen.start(service, ns, worker_pb2_grpc.add_WorkerServicer_to_server, token=token, identity_key=identity_key)
 
 
 if __name__ == "__main__":

@@ -37,14 +37,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-format", default="text", choices=("text", "json"))
 
 
-def start(service: Any, ns: argparse.Namespace, add_worker: Callable[[Any, grpc.Server], None]) -> list[grpc.Server]:
-    """Serve `service` (add_worker adds its Worker servicer) and its data path; returns the servers."""
-    gateway = Gateway(service, ns.name, ns.epoch, json.loads(ns.request_limits or "{}"), identity.Tickets.from_env())
+def start(
+    service: Any,
+    ns: argparse.Namespace,
+    add_worker: Callable[[Any, grpc.Server], None],
+    *,
+    token: str | None = None,
+    identity_key: str | None = None,
+) -> list[grpc.Server]:
+    """Serve `service` (add_worker adds its Worker servicer) and its data path; returns the servers.
+    `token`: the one clients must present; None: the daemon's, from TOKEN_ENV (taken out of the
+    environment, so nothing this process starts inherits it). `identity_key`: the users' ticket key
+    (hex); None: from identity.KEY_ENV, likewise."""
+    tickets = identity.Tickets.from_env() if identity_key is None else identity.Tickets.of_hex(identity_key)
+    gateway = Gateway(service, ns.name, ns.epoch, json.loads(ns.request_limits or "{}"), tickets)
     service.gateway = gateway
     service.activity.model = ns.name
     service.activity.log_requests = ns.log_requests
     servers = []
-    token = os.environ.pop(TOKEN_ENV, "")
+    if token is None:
+        token = os.environ.pop(TOKEN_ENV, "")
     # Errors become statuses in one place (behind the token check, on the public socket).
     mapped = errors.ErrorInterceptor(logging.getLogger("nnd.worker"), internal="internal error in worker")
     if ns.public:

@@ -13,7 +13,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import tinymodels  # noqa: E402
 import torch  # noqa: E402
 import wire_results  # noqa: E402
 
@@ -49,9 +48,9 @@ class Loaded:
 
 
 @pytest.fixture(scope="session")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Loaded]:
-    root = tmp_path_factory.mktemp("tiny")
-    return {k: Loaded(k, tinymodels.build(k, root / k)) for k in ("gpt2", "llama", "bert")}
+def models(tiny_models: dict[str, str]) -> dict[str, Loaded]:
+    """The session's tiny models (tests/conftest.py builds them once), loaded in this process."""
+    return {k: Loaded(k, pathlib.Path(tiny_models[k])) for k in ("gpt2", "llama", "bert")}
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,1 @@
+"""What the tests share: daemons to test against, tiny models, references."""
