@@ -640,6 +640,7 @@ class Registry:
             out.ranks.extend(status.ranks)
         if modules:
             out.modules.extend(entry.meta.modules(dict(status.devices) if status else None))
+            out.config_json = entry.meta.description.config_json
         return out
 
     # -- persistence --------------------------------------------------------

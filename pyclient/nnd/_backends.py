@@ -64,6 +64,10 @@ class Backend:
         """The block that records an operation on a value of `tracer` once `tracer` is closed."""
         return tracer
 
+    def takes_option(self, name: str, value: Any) -> bool:
+        """Whether keyword `name` of the block is an option of it (else a model input)."""
+        return name in self.options_allowed
+
     def complete(self, request: nnd_pb2.TraceRequest, options: dict[str, Any]) -> None:
         """Add what this kind of block adds to its TraceRequest."""
 
@@ -142,10 +146,17 @@ class RemoteGenerate(RemoteTrace):
     generates = True
     options_allowed = _GENERATE_OPTIONS
 
+    def takes_option(self, name: str, value: Any) -> bool:
+        # Any keyword that is not a tensor is a setting of transformers' generate (the daemon checks it).
+        from nnd._generation import is_model_input
+
+        return name in self.options_allowed or not is_model_input(name, value)
+
     def complete(self, request: nnd_pb2.TraceRequest, options: dict[str, Any]) -> None:
         from nnd._generation import generate_options
 
-        request.generate.CopyFrom(generate_options(**options))
+        settings = {k: v for k, v in options.items() if k not in _GENERATE_OPTIONS - GENERATE_OPTIONS}
+        request.generate.CopyFrom(generate_options(**settings))
 
     def steps_known(self, options: dict[str, Any]) -> int:
         from nnd._generation import DEFAULT_MAX_NEW_TOKENS
@@ -266,6 +277,9 @@ class SessionMember(Backend):
         self.unroll_loops = kind.unroll_loops
         self.options_allowed = kind.options_allowed
         self.options_ignored = kind.options_ignored
+
+    def takes_option(self, name: str, value: Any) -> bool:
+        return self.kind.takes_option(name, value)
 
     def builder(self) -> GraphBuilder:
         return self.session.builder()  # ids and keys shared with the session's other blocks

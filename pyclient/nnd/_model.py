@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -183,9 +182,45 @@ class TransformersModel(_envoy.Envoy):
         return torch.device(name) if torch is not None else name
 
     @property
-    def config(self) -> dict[str, str]:
-        """A summary of the model's config (model_type, sizes...) as strings."""
-        return dict(self._info.config)
+    def config(self) -> Any:
+        """The model's config, as transformers' `model.config`: its config class
+        (`model.config.n_head`, `.num_hidden_layers`, `.to_dict()`) when
+        transformers is importable, else an `nnd._config.Config` with the same
+        typed values. Built once per handle from the daemon's description."""
+        config = self.__dict__.get("_config")
+        if config is None:
+            from nnd import _config
+
+            config = _config.build(self._info.config_json, dict(self._info.config))
+            object.__setattr__(self, "_config", config)
+        return config
+
+    @property
+    def dtype(self) -> Any:
+        """The weights' dtype, as transformers' `model.dtype` (a torch.dtype when torch is in use):
+        the dispatched worker's, else the one this handle asked for, else the checkpoint's."""
+        from nnd import _dtypes, _torchmod
+
+        name = self._info.dtype
+        if not name:
+            info = self.info
+            asked = self._placement.dtype if self._placement is not None else ""
+            name = info.dtype or (asked if asked and asked != "auto" else "") or info.config.get("dtype", "")
+            name = name or next((p.dtype for m in info.modules for p in m.parameters if not p.buffer), "float32")
+        name = name.removeprefix("torch.")
+        torch = _torchmod.available()
+        found = getattr(torch, _dtypes.canonical(name), None) if torch is not None else None
+        # A quantized weight format ("nf4") has no torch dtype: named as the daemon names it.
+        return found if torch is not None and isinstance(found, torch.dtype) else name
+
+    def eval(self) -> TransformersModel:
+        """As torch's `model.eval()`: the daemon's model is always in eval mode, so this returns the model."""
+        return self
+
+    def train(self, mode: bool = True) -> TransformersModel:
+        """As torch's `model.train()`: the daemon keeps its model in eval mode (dropout off) for every
+        client, so this returns the model, changing nothing."""
+        return self
 
     @property
     def task(self) -> str:
@@ -244,17 +279,6 @@ class TransformersModel(_envoy.Envoy):
             pending.placement.CopyFrom(placement)
         return self
 
-    @property
-    def iter(self) -> Any:
-        """Deprecated alias of `tracer.iter` (as nnsight 0.8's `model.iter`)."""
-        warnings.warn("model.iter is deprecated; use tracer.iter instead.", FutureWarning, stacklevel=2)
-        return _context.current("`model.iter`").iter
-
-    def all(self) -> Any:
-        """Deprecated alias of `tracer.all()` (as nnsight 0.8's `model.all()`)."""
-        warnings.warn("model.all() is deprecated; use tracer.all() instead.", FutureWarning, stacklevel=2)
-        return _context.current("`model.all()`").all()
-
     # -- lifecycle
     def dispatch(self, progress: Callable[[nnd_pb2.DispatchProgress], None] | None = None) -> TransformersModel:
         """Load the weights now, calling `progress` with each progress message."""
@@ -278,10 +302,13 @@ class TransformersModel(_envoy.Envoy):
         self._conn.call("Unload", nnd_pb2.UnloadRequest(model=self._name))
 
     # -- blocks
-    def trace(self, *inputs: Any, **options: Any) -> _tracer.Tracer:
+    def trace(self, *inputs: Any, **options: Any) -> Any:
         """`with model.trace(input):` one forward pass on real weights
         (dispatching first if needed). Without an input, add prompts with
-        `tracer.invoke(input)`."""
+        `tracer.invoke(input)`. `model.trace(input, trace=False)` runs the
+        forward at once and returns the model's output, as `model(input)`."""
+        if options.pop("trace", True) is False:
+            return self(*inputs, **options)
         return _tracer.Tracer(self, *_one(inputs), **options)
 
     def scan(self, *inputs: Any, **options: Any) -> _tracer.ScanTracer:
