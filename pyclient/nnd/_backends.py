@@ -169,6 +169,10 @@ class RemoteGenerate(RemoteTrace):
         if missed:
             import warnings
 
+            # Under nnsight a step the generation never makes runs no Python: what the loop body put in
+            # the user's lists and dicts at such steps is not there (one value per step made).
+            _drop_unreached(tracer, reached)
+
             warnings.warn(
                 f"step(s) {missed} of a `tracer.iter` loop were never reached: the generation stopped after "
                 f"{reached} step(s), so that part of the loop did not run and values saved there are missing. "
@@ -217,6 +221,35 @@ class Scan(RemoteTrace):
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         for proxy in resolved:
             proxy._value = _fake(proxy._value, mode, torch)
+
+
+def _drop_unreached(tracer: Tracer, reached: int) -> None:
+    """Take out of the block's containers the values recorded at loop steps >= `reached`."""
+    from nnd._proxy import Proxy
+
+    scopes = {scope for scope, step in tracer._unrolled.items() if step >= reached}
+    node_scope = {n.id: n.scope for n in tracer._builder.graph.nodes}
+
+    def unreached(item: Any) -> bool:
+        return isinstance(item, Proxy) and not item._resolved and node_scope.get(item._node) in scopes
+
+    def walk(holder: Any, depth: int = 0) -> None:
+        if depth > 8:
+            return
+        if type(holder) is list:
+            holder[:] = [item for item in holder if not unreached(item)]
+            items = list(holder)
+        elif type(holder) is dict:
+            for key in [k for k, v in holder.items() if unreached(v)]:
+                del holder[key]
+            items = list(holder.values())
+        else:
+            return
+        for item in items:
+            walk(item, depth + 1)
+
+    for holder in tracer.holders:
+        walk(holder)
 
 
 def _fake(value: Any, mode: Any, torch: Any) -> Any:

@@ -191,7 +191,9 @@ class TransformersModel(_envoy.Envoy):
         if config is None:
             from nnd import _config
 
-            config = _config.build(self._info.config_json, dict(self._info.config))
+            # A dispatch's progress replaces _info without the description: GetModel has it.
+            info = self._info if self._info.config_json else self.info
+            config = _config.build(info.config_json, dict(info.config))
             object.__setattr__(self, "_config", config)
         return config
 
