@@ -53,8 +53,11 @@ class TransformersModel(_envoy.Envoy):
     `attn_implementation` ("eager", "sdpa", ...) and `config` (a transformers
     config, or its `to_dict()`, used instead of the checkpoint's) reach the
     daemon's META model and every dispatch, as nnsight passes them to
-    `from_pretrained`. A loaded model has one set of them: loading it again
-    with others is refused until it is unloaded.
+    `from_pretrained`. A handle gets the model it asks for: handles of one
+    checkpoint whose options and placement (dtype, device...) agree share one
+    loaded model and worker; one that asks otherwise (`dtype="bfloat16"`,
+    `attn_implementation="eager"`) gets its own, named `<checkpoint>@<choices>`
+    (`model.name`; see docs/protocol.md).
     """
 
     def __init__(
