@@ -98,3 +98,10 @@ def test_model_output_fields_read_as_attributes_not_positions(pair):
     with pytest.raises(TypeError, match="field name"):
         out[0]  # noqa: B018 - transformers' order is not on the wire: refused, not guessed
     assert ours.train() is ours and ours.eval() is ours
+
+
+def test_tokenizer_kwargs_on_the_constructor_load_the_tokenizer(daemon, tiny_models):
+    # nnsight's LanguageModel(..., tokenizer_kwargs=...): how the tokenizer is loaded.
+    for side in ("left", "right"):
+        model = nnd.TransformersModel(tiny_models["gpt2"], address=daemon.address, tokenizer_kwargs={"padding_side": side})
+        assert model.tokenizer.padding_side == side

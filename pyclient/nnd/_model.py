@@ -95,6 +95,8 @@ class TransformersModel(_envoy.Envoy):
             if tp_size is not None and tp_size != size:
                 raise TypeError(f"tp_size={tp_size} and distributed_config's tp_size={size} disagree")
             tp_size = size
+        # nnsight's tokenizer_kwargs=: how the client's tokenizer is loaded (padding_side=...).
+        tokenizer_kwargs = dict(kwargs.pop("tokenizer_kwargs", None) or {})
         extra = {k: kwargs.pop(k) for k in _PLACEMENT_KWARGS if k in kwargs}
         if kwargs:
             raise TypeError(f"nnd cannot pass these options to the daemon: {', '.join(sorted(kwargs))}")
@@ -106,6 +108,7 @@ class TransformersModel(_envoy.Envoy):
         self._conn: Connection = connect(address, token=token)
         self._shape_cache = _concrete.ShapeCache()
         self._tokenizer: Any = None
+        self._tokenizer_kwargs = tokenizer_kwargs
         # Handles of one loaded model (edited copies too) share this, and may use each other's envoys.
         self._family = object()
         self._edits: list[str] = [edits] if isinstance(edits, str) else list(edits or [])
@@ -237,7 +240,7 @@ class TransformersModel(_envoy.Envoy):
         daemon's files when transformers is installed, else a small
         `RemoteTokenizer` with encode/decode."""
         if self._tokenizer is None:
-            self._tokenizer = _tokenizer.build(self._conn, self._name)
+            self._tokenizer = _tokenizer.build(self._conn, self._name, **self.__dict__.get("_tokenizer_kwargs", {}))
         return self._tokenizer
 
     @property
