@@ -326,8 +326,12 @@ class TransformersModel(_envoy.Envoy):
 
     def generate(self, *inputs: Any, **options: Any) -> Any:
         """`with model.generate(input, max_new_tokens=N, ...) as tracer:` run
-        the block during generation (options: do_sample, temperature, top_k,
-        top_p, seed, num_beams, num_return_sequences, generation_config).
+        the block during generation. Options: every keyword transformers'
+        generate() takes as a setting (max_new_tokens, do_sample, temperature,
+        top_k, num_beams, repetition_penalty, no_repeat_ngram_size,
+        pad_token_id, eos_token_id, generation_config=...; the daemon checks
+        each against GenerationConfig and refuses an unknown one by name),
+        `seed`, and tensors as the forward's inputs (input_ids=, attention_mask=).
         `tracer.result` is the generated ids; loop over steps with
         `tracer.iter[...]` / `tracer.all()`. Called without `with`
         (`ids = model.generate(prompt, max_new_tokens=3)`), it generates at
