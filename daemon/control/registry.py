@@ -309,8 +309,10 @@ class Registry:
         return None
 
     def _free_variant(self, source: str, req: nnd_pb2.LoadModelRequest) -> str:
-        """The name a new entry of `source` loaded as `req` asks gets: the checkpoint's own name first."""
-        if source not in self._entries and source not in self._loading:
+        """The name a new entry of `source` loaded as `req` asks gets: the checkpoint's own name first.
+        A name being loaded by another call is returned as it is: load() waits for it, then asks again
+        whether it agrees (two handles loading one model at once share it)."""
+        if source not in self._entries:
             return source
         base = f"{source}@{variant_tag(req)}"
         name, n = base, 1
