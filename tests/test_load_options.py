@@ -86,8 +86,11 @@ def test_a_loaded_model_keeps_its_options(daemon: Any, paths: dict[str, str], mo
     path = paths["options"]
     again = nnd.LanguageModel(path, address=daemon.address, attn_implementation="eager", config=_one_layer(path))
     assert again._name == model._name  # the same options share the loaded model
-    with pytest.raises(nnd.errors.WrongState, match="attn_implementation='eager'.*unload it first"):
-        nnd.LanguageModel(path, address=daemon.address, attn_implementation="eager")  # the checkpoint's config
+    # Other options are another model: its own entry, never the loaded one's (as nnsight gives each handle its own).
+    whole = nnd.LanguageModel(path, address=daemon.address, attn_implementation="eager")  # the checkpoint's config
+    assert whole.name != model.name and whole.name.startswith(path + "@")
+    assert len(whole.transformer.h) == 2 and len(model.transformer.h) == 1
+    whole.unload()
 
 
 def test_options_no_model_can_take_are_refused(daemon: Any, paths: dict[str, str]) -> None:

@@ -145,16 +145,18 @@ def test_quantized_traces_stay_close_to_full_precision(daemon, tiny_models):
 
 
 def test_a_handle_dispatches_with_the_placement_it_asked_for(fresh_daemon, tiny_models):
-    """The daemon keeps the first loader's placement; a second handle asking for another dtype gets that dtype
-    when it dispatches (not the first handle's silently)."""
+    """A second handle asking for another dtype gets that dtype (a model of its own, named after it), not the
+    first handle's silently; the first keeps its own."""
     import nnd
 
     path = tiny_models["gpt2"]
     first = nnd.TransformersModel(path, address=fresh_daemon.address, device="cpu", dispatch=True)
     assert _ps(fresh_daemon)[path]["dtype"] == "float32"
     second = nnd.TransformersModel(path, address=fresh_daemon.address, device="cpu", dtype="bfloat16", dispatch=True)
-    assert _ps(fresh_daemon)[path]["dtype"] == "bfloat16"
+    assert second.name != path and _ps(fresh_daemon)[second.name]["dtype"] == "bfloat16"
+    assert _ps(fresh_daemon)[path]["dtype"] == "float32"
     with second.trace("Hello"):
         h = second.transformer.h[0].output.save()
     assert str(h.dtype).endswith("bfloat16")
     first.release()
+    second.release()

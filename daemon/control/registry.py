@@ -85,15 +85,58 @@ class Entry:
     dispatched_at: float = 0.0
 
 
-def _same_options(entry: Entry, options: nnd_pb2.LoadOptions) -> Entry:
-    """The loaded entry, if it was loaded with these options: they change the model, so one name
-    cannot serve two sets of them."""
-    if entry.meta.ref.options != options:
-        raise errors.FailedPrecondition(
-            f"model {entry.name!r} is loaded with {loadoptions.describe(entry.meta.ref.options)}, not "
-            f"{loadoptions.describe(options)}: unload it first to load it with other options"
-        )
-    return entry
+# Placement fields a handle may leave to whoever loaded the model first ("auto" is no choice either).
+_OPEN = ("", "auto")
+
+
+# Placement fields whose choice changes the numbers a model computes: an open one is the checkpoint's own.
+_NUMERIC = ("dtype", "compute_dtype")
+
+
+def _agrees(entry: Entry, req: nnd_pb2.LoadModelRequest) -> bool:
+    """Whether `entry` is the model `req` asks for: the same load options and revision (they change
+    the model), and every placement field `req` sets equal to the entry's. A field `req` leaves open
+    takes what is loaded. An open dtype of the entry is the checkpoint's (the weights' once dispatched);
+    other open fields of a model not yet dispatched take the handle's choice (`_agreeing` merges it)."""
+    if entry.meta.ref.options != req.options or entry.meta.revision != req.revision:
+        return False
+    dispatched = entry.state != META and entry.dispatched_placement is not None
+    have = entry.dispatched_placement if dispatched else entry.placement
+    for fd, wanted in req.placement.ListFields():
+        if fd.name == "max_memory":
+            if dict(have.max_memory) and dict(have.max_memory) != dict(wanted):
+                return False
+            continue
+        if wanted in _OPEN:
+            continue
+        current = getattr(have, fd.name)
+        if fd.name == "dtype" and current in _OPEN:
+            current = entry.dtype if dispatched and entry.dtype else entry.meta.description.default_dtype
+        if current in _OPEN or current == 0:
+            if fd.name in _NUMERIC:
+                return False
+            continue
+        if current != wanted:
+            return False
+    return True
+
+
+def variant_tag(req: nnd_pb2.LoadModelRequest) -> str:
+    """What a second entry of one checkpoint is named after: the choices of its load ("dtype=bfloat16",
+    "attn_implementation=eager", "config=<hash>"), or "default" for none."""
+    import hashlib
+
+    parts = []
+    for fd, value in req.placement.ListFields():
+        text = ";".join(f"{k}:{v}" for k, v in sorted(value.items())) if fd.name == "max_memory" else str(value)
+        parts.append(f"{fd.name}={text}")
+    if req.options.attn_implementation:
+        parts.append(f"attn_implementation={req.options.attn_implementation}")
+    if req.options.config_json:
+        parts.append("config=" + hashlib.sha256(req.options.config_json.encode()).hexdigest()[:8])
+    if req.revision:
+        parts.append(f"revision={req.revision}")
+    return ",".join(parts) or "default"
 
 
 def _merge(base: nnd_pb2.Placement, override: nnd_pb2.Placement | None) -> nnd_pb2.Placement:
@@ -235,10 +278,19 @@ class Registry:
             _keep_alive_seconds(req.keep_alive)
         loadoptions.check(req.options)
         loadoptions.check_placement(req.placement)
+        source = name
         while True:
             with self._lock:
-                if name in self._entries:
-                    return _same_options(self._entries[name], req.options)
+                if req.upload:  # a model sent as data is loaded once, under the name it was sent with
+                    if name in self._entries:
+                        return self._entries[name]
+                else:
+                    # One checkpoint may be loaded several ways: a handle gets the entry whose placement
+                    # and load options agree with its own, else an entry of its own (variant_tag).
+                    found = self._agreeing(source, req)
+                    if found is not None:
+                        return found
+                    name = self._free_variant(source, req)
                 pending = self._loading.get(name)
                 if pending is None:
                     self._loading[name] = threading.Event()
@@ -251,7 +303,7 @@ class Registry:
             else:
                 ref = helper_pb2.HelperModel(
                     key=name,
-                    source=name,
+                    source=source,
                     revision=req.revision,
                     task=req.task,
                     trust_remote_code=req.trust_remote_code,
@@ -279,6 +331,31 @@ class Registry:
         finally:
             with self._lock:
                 self._loading.pop(name).set()
+
+    def _agreeing(self, source: str, req: nnd_pb2.LoadModelRequest) -> Entry | None:
+        """The loaded entry of checkpoint `source` that serves what `req` asks (under the lock).
+        A placement field the entry leaves open, on a model not yet dispatched, is taken from `req`."""
+        for entry in self._entries.values():
+            if entry.upload or entry.meta.source != source:
+                continue
+            if _agrees(entry, req):
+                if entry.state == META:
+                    entry.placement = _merge(entry.placement, req.placement)
+                return entry
+        return None
+
+    def _free_variant(self, source: str, req: nnd_pb2.LoadModelRequest) -> str:
+        """The name a new entry of `source` loaded as `req` asks gets: the checkpoint's own name first.
+        A name being loaded by another call is returned as it is: load() waits for it, then asks again
+        whether it agrees (two handles loading one model at once share it)."""
+        if source not in self._entries:
+            return source
+        base = f"{source}@{variant_tag(req)}"
+        name, n = base, 1
+        while name in self._entries and not _agrees(self._entries[name], req):
+            n += 1
+            name = f"{base}#{n}"
+        return name
 
     def _check_allowed(self, name: str, trust_remote_code: bool) -> None:
         if trust_remote_code and not self.settings.allow_remote_code:
@@ -826,6 +903,7 @@ class Registry:
             out.ranks.extend(status.ranks)
         if modules:
             out.modules.extend(entry.meta.modules(dict(status.devices) if status else None))
+            out.config_json = entry.meta.description.config_json
         return out
 
     # -- persistence --------------------------------------------------------

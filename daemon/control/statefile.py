@@ -32,10 +32,12 @@ class Record:
     upload: str = ""
     # LoadModelRequest.options, as JSON (absent in files written before they existed).
     options: dict[str, Any] = field(default_factory=dict)
+    # The checkpoint of an entry named after its load choices ("gpt2@dtype=bfloat16"); "" when the name is it.
+    source: str = ""
 
     def load_request(self) -> nnd_pb2.LoadModelRequest:
         req = nnd_pb2.LoadModelRequest(
-            model=self.name,
+            model=self.source or self.name,
             revision=self.revision,
             task=self.task,
             trust_remote_code=self.trust_remote_code,
@@ -62,6 +64,7 @@ def write(path: str, entries: Iterable[Any]) -> None:
                 "dispatched": e.state in (nnd_pb2.DISPATCHED, nnd_pb2.DISPATCHING),
                 "upload": e.upload,
                 "options": json_format.MessageToDict(e.meta.ref.options),
+                "source": e.meta.ref.source if e.meta.ref.source not in ("", e.name) and not e.upload else "",
             }
         )
     os.makedirs(os.path.dirname(path), exist_ok=True)

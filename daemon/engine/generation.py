@@ -27,49 +27,35 @@ class Options:
     stream_text: bool = False
 
 
-# GenerationConfig fields a client may set (generation_config_json): decoding
-# settings only; nothing that names code, files, models or output structure.
-CONFIG_FIELDS = frozenset(
-    {
-        "max_new_tokens",
-        "min_new_tokens",
-        "max_length",
-        "min_length",
-        "do_sample",
-        "num_beams",
-        "num_return_sequences",
-        "temperature",
-        "top_k",
-        "top_p",
-        "typical_p",
-        "min_p",
-        "epsilon_cutoff",
-        "eta_cutoff",
-        "repetition_penalty",
-        "encoder_repetition_penalty",
-        "length_penalty",
-        "no_repeat_ngram_size",
-        "encoder_no_repeat_ngram_size",
-        "early_stopping",
-        "bad_words_ids",
-        "suppress_tokens",
-        "begin_suppress_tokens",
-        "forced_bos_token_id",
-        "forced_eos_token_id",
-        "eos_token_id",
-        "bos_token_id",
-        "pad_token_id",
-        "decoder_start_token_id",
-        "renormalize_logits",
-        "remove_invalid_values",
-        "use_cache",
-    }
-)
+# What a client's generation settings may be: a field transformers' GenerationConfig
+# itself declares, set to plain data (a flag, a number, None, or a short list of
+# token ids / numbers). Strings and objects never pass: they name code, files,
+# models or registries (custom_generate, cache_implementation, watermarking_config,
+# compile_config...), and no value of the request is ever evaluated.
 _CONFIG_IGNORED = frozenset({"transformers_version", "_from_model_config"})
+MAX_CONFIG_ITEMS = 4096  # numbers in one field's (nested) lists: bad_words_ids, suppress_tokens...
+
+
+def config_fields() -> frozenset[str]:
+    """The public fields of transformers' GenerationConfig, read off a fresh one (no hand list)."""
+    from transformers import GenerationConfig
+
+    return frozenset(k for k in vars(GenerationConfig()) if not k.startswith("_") and k not in _CONFIG_IGNORED)
+
+
+def _plain(value: Any, depth: int = 0) -> int:
+    """How many numbers `value` holds, if it is plain data; else -1."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return 1
+    if isinstance(value, list) and depth < 2:
+        counts = [_plain(v, depth + 1) for v in value]
+        return -1 if any(c < 0 for c in counts) else sum(counts)
+    return -1
 
 
 def _config(text: str) -> dict[str, Any]:
-    """A client's GenerationConfig JSON, checked against CONFIG_FIELDS."""
+    """A client's generation settings (GenerationConfig JSON and generate() keywords), checked
+    against GenerationConfig's own fields, each plain data."""
     import json
 
     try:
@@ -79,12 +65,22 @@ def _config(text: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise errors.InvalidArgument("generate.generation_config_json must be a JSON object")
     data = {k: v for k, v in data.items() if k not in _CONFIG_IGNORED}
-    unknown = sorted(set(data) - CONFIG_FIELDS)
+    fields = config_fields()
+    unknown = sorted(set(data) - fields)
     if unknown:
         raise errors.InvalidArgument(
-            f"generation_config sets {', '.join(unknown)}, which the daemon does not take; "
-            f"it takes: {', '.join(sorted(CONFIG_FIELDS))}"
+            f"generate() got unknown generation option(s) {', '.join(map(repr, unknown))}: not a field of "
+            "transformers' GenerationConfig (model inputs are tensors, e.g. input_ids=, attention_mask=)"
         )
+    for key, value in data.items():
+        count = _plain(value)
+        if count < 0:
+            raise errors.InvalidArgument(
+                f"generation option {key!r} is a {type(value).__name__}; the daemon takes flags, numbers "
+                "and lists of token ids as generation settings, nothing that names code, files or objects"
+            )
+        if count > MAX_CONFIG_ITEMS:
+            raise errors.InvalidArgument(f"generation option {key!r} holds {count} numbers, over {MAX_CONFIG_ITEMS}")
     return data
 
 
@@ -237,4 +233,8 @@ def generate(
     streamer = StepStreamer(emit, batch.rows, tokenizer, opts.stream_text, cancelled, between) if beams == 1 else None
     if opts.seed is not None:
         torch.manual_seed(opts.seed)
-    return model.generate(**inputs, **kwargs, pad_token_id=pad_id(tokenizer), streamer=streamer)
+    if "pad_token_id" not in kwargs and "pad_token_id" not in (config or {}):
+        kwargs["pad_token_id"] = pad_id(tokenizer)  # the client's own pad_token_id= wins
+    out = model.generate(**inputs, **kwargs, streamer=streamer)
+    # return_dict_in_generate=True: the ids are the output's `sequences` (what the result carries).
+    return out.sequences if hasattr(out, "sequences") else out

@@ -111,6 +111,43 @@ def _function(function: Callable[..., Any]) -> Callable[..., Any]:
     return lambda *args, **kwargs: function(*args, **kwargs)
 
 
+# `torch.nn.functional` by rule, not by list: a public name of the module whose
+# function torch itself declares a tensor function (torch.overrides: it dispatches
+# on tensor arguments, which is how a client's proxies record it), minus the
+# in-place variants ("relu_"). The table is built here, once: a request names an
+# entry of it ("nn.functional.kl_div") and nothing is looked up by a client's name.
+FUNCTIONAL_PREFIX = "nn.functional."
+# torch's own plumbing keyword (where a warning points), meaningless in a graph.
+_PLUMBING_KWARGS = frozenset({"_stacklevel"})
+
+
+def functional_names() -> dict[str, Callable[..., Any]]:
+    from torch.overrides import get_overridable_functions
+
+    tensor_functions = {id(f) for fs in get_overridable_functions().values() for f in fs}
+    out = {}
+    for name in dir(F):
+        fn = getattr(F, name)
+        if name.startswith("_") or name.endswith("_") or not callable(fn) or id(fn) not in tensor_functions:
+            continue
+        out[name] = fn
+    return out
+
+
+def _functional(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("inplace"):
+            raise errors.InvalidArgument(
+                f"torch.nn.functional.{name}(..., inplace=True) would write into its input; "
+                "use the out-of-place form and assign the result (`h[:] = F.{name}(h)`)"
+            )
+        for key in _PLUMBING_KWARGS & kwargs.keys():
+            del kwargs[key]
+        return function(*args, **kwargs)
+
+    return run
+
+
 def _generator(seed: Any) -> torch.Generator | None:
     if seed is None:
         return None
@@ -257,8 +294,10 @@ def _table() -> dict[str, OpSpec]:
     table: dict[str, OpSpec] = {}
     for name in _METHODS:
         table[name] = OpSpec(_method_or_function(name), aliases=name in _ALIASING)
-    for name in _FUNCTIONAL:
-        table[name] = OpSpec(_method_or_function(name, functional=True))
+    for name in _FUNCTIONAL:  # the plain names older clients send
+        table[name] = OpSpec(_functional(name, _method_or_function(name, functional=True)))
+    for name, function in functional_names().items():
+        table[FUNCTIONAL_PREFIX + name] = OpSpec(_functional(name, function))
     for name, function in _TORCH_ONLY.items():
         table[name] = OpSpec(_function(function))
     for name in _OPERATORS:  # operator names win over same-named methods ("abs", "matmul" agree anyway)

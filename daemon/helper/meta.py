@@ -12,6 +12,7 @@ from typing import Any
 
 from nnd.v1 import helper_pb2, nnd_pb2
 from nnd_daemon import errors, loadoptions, modelfiles
+from nnd_daemon.helper import attributes
 from nnd_daemon.shared import (
     BYTES_PER_PARAM,
     DIVIDED_FIELDS,
@@ -144,6 +145,7 @@ def describe(built: Built) -> helper_pb2.MetaDescription:
     out.summary.update(_summary(config))
     out.default_dtype = default_dtype(config)
     out.tp_config_json = json.dumps(_tp_config(config))
+    out.config_json = attributes.config_json(config)
     for name in ["", *BYTES_PER_PARAM]:
         out.estimated_bytes[name] = _estimate_bytes(module, name or out.default_dtype)
     return out
@@ -223,7 +225,13 @@ def _modules(built: Built) -> list[nnd_pb2.ModuleInfo]:
                     tied_to=owner if owner != full else "",
                 )
             )
-        info = nnd_pb2.ModuleInfo(path=path, type=type(mod).__name__, parameters=params, extra=_extra(mod))
+        info = nnd_pb2.ModuleInfo(
+            path=path,
+            type=type(mod).__name__,
+            parameters=params,
+            extra=_extra(mod),
+            attributes_json=attributes.of_module(mod, built.config),
+        )
         original = built.types.get(path)
         if original is not None:
             info.type, info.extra = original

@@ -64,6 +64,10 @@ class Backend:
         """The block that records an operation on a value of `tracer` once `tracer` is closed."""
         return tracer
 
+    def takes_option(self, name: str, value: Any) -> bool:
+        """Whether keyword `name` of the block is an option of it (else a model input)."""
+        return name in self.options_allowed
+
     def complete(self, request: nnd_pb2.TraceRequest, options: dict[str, Any]) -> None:
         """Add what this kind of block adds to its TraceRequest."""
 
@@ -155,10 +159,17 @@ class RemoteGenerate(RemoteTrace):
     generates = True
     options_allowed = _GENERATE_OPTIONS
 
+    def takes_option(self, name: str, value: Any) -> bool:
+        # Any keyword that is not a tensor is a setting of transformers' generate (the daemon checks it).
+        from nnd._generation import is_model_input
+
+        return name in self.options_allowed or not is_model_input(name, value)
+
     def complete(self, request: nnd_pb2.TraceRequest, options: dict[str, Any]) -> None:
         from nnd._generation import generate_options
 
-        request.generate.CopyFrom(generate_options(**options))
+        settings = {k: v for k, v in options.items() if k not in _GENERATE_OPTIONS - GENERATE_OPTIONS}
+        request.generate.CopyFrom(generate_options(**settings))
 
     def steps_known(self, options: dict[str, Any]) -> int:
         from nnd._generation import DEFAULT_MAX_NEW_TOKENS
@@ -170,6 +181,10 @@ class RemoteGenerate(RemoteTrace):
         missed = sorted({step for step in tracer.loop_steps() if step >= reached})
         if missed:
             import warnings
+
+            # Under nnsight a step the generation never makes runs no Python: what the loop body put in
+            # the user's lists and dicts at such steps is not there (one value per step made).
+            _drop_unreached(tracer, reached)
 
             warnings.warn(
                 f"step(s) {missed} of a `tracer.iter` loop were never reached: the generation stopped after "
@@ -219,6 +234,35 @@ class Scan(RemoteTrace):
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         for proxy in resolved:
             proxy._value = _fake(proxy._value, mode, torch)
+
+
+def _drop_unreached(tracer: Tracer, reached: int) -> None:
+    """Take out of the block's containers the values recorded at loop steps >= `reached`."""
+    from nnd._proxy import Proxy
+
+    scopes = {scope for scope, step in tracer._unrolled.items() if step >= reached}
+    node_scope = {n.id: n.scope for n in tracer._builder.graph.nodes}
+
+    def unreached(item: Any) -> bool:
+        return isinstance(item, Proxy) and not item._resolved and node_scope.get(item._node) in scopes
+
+    def walk(holder: Any, depth: int = 0) -> None:
+        if depth > 8:
+            return
+        if type(holder) is list:
+            holder[:] = [item for item in holder if not unreached(item)]
+            items = list(holder)
+        elif type(holder) is dict:
+            for key in [k for k, v in holder.items() if unreached(v)]:
+                del holder[key]
+            items = list(holder.values())
+        else:
+            return
+        for item in items:
+            walk(item, depth + 1)
+
+    for holder in tracer.holders:
+        walk(holder)
 
 
 def _fake(value: Any, mode: Any, torch: Any) -> Any:
@@ -279,6 +323,9 @@ class SessionMember(Backend):
         self.unroll_loops = kind.unroll_loops
         self.options_allowed = kind.options_allowed
         self.options_ignored = kind.options_ignored
+
+    def takes_option(self, name: str, value: Any) -> bool:
+        return self.kind.takes_option(name, value)
 
     def builder(self) -> GraphBuilder:
         return self.session.builder()  # ids and keys shared with the session's other blocks

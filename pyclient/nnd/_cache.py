@@ -28,8 +28,17 @@ class Entry:
         return values[0] if values else None
 
 
+ROOT = "model"  # nnsight's name of the root module: its cache keys are "model", "model.transformer.h.0"
+
+
+def key_of(path: str) -> str:
+    """The cache key of module `path` as nnsight 0.8 spells it ("" -> "model", "h.0" -> "model.h.0")."""
+    return f"{ROOT}.{path}" if path else ROOT
+
+
 class Cache:
-    """What a cache recorded: module path -> one Entry per call (filled after the block)."""
+    """What a cache recorded: cache key (nnsight's spelling, `key_of`) -> one Entry per call
+    (filled after the block)."""
 
     def __init__(self, model: Envoy) -> None:
         self.model = model
@@ -45,7 +54,7 @@ class Cache:
                 if isinstance(inputs, (list, tuple)) and len(inputs) == 2:
                     inputs = (tuple(inputs[0] or ()), dict(inputs[1] or {}))
                 items.append(Entry(output=call.get("output"), inputs=inputs))
-            self.entries[path] = items
+            self.entries[key_of(path)] = items
         self.filled = True
 
 
@@ -74,9 +83,10 @@ class CacheView:
 
     # -- values
     def _node_path(self) -> str | None:
+        """This node's cache key (nnsight's spelling); None at the virtual root."""
         if self._path is not None:
             return self._path
-        return self._envoy.path if self._envoy is not None else None
+        return key_of(self._envoy.path) if self._envoy is not None else None
 
     def _entries(self) -> list[Entry]:
         if not self._cache.filled:
@@ -85,7 +95,7 @@ class CacheView:
         if path is None:
             raise KeyError("the cache root is not a module; select one, e.g. cache['model.transformer.h.0']")
         if path not in self._cache.entries:
-            raise KeyError(f"{path or 'model'!r} was not cached (not selected, or it never ran)")
+            raise KeyError(f"{path!r} was not cached (not selected, or it never ran)")
         return self._cache.entries[path]
 
     def _values(self, attr: str) -> Any:
@@ -108,9 +118,10 @@ class CacheView:
         return self._values("input")
 
     def keys(self) -> list[str]:
-        """The cached module paths at or below this node ("" is the root model)."""
+        """The cached modules at or below this node, keyed as nnsight keys them
+        ("model" is the root, "model.transformer.h.0" a layer)."""
         prefix = self._node_path()
-        if prefix is None or prefix == "":
+        if prefix is None:
             return list(self._cache.entries)
         return [k for k in self._cache.entries if k == prefix or k.startswith(prefix + ".")]
 
@@ -160,7 +171,7 @@ class CacheView:
 
     def __repr__(self) -> str:
         path = self._node_path()
-        at = "root" if path is None else repr(path or "model")
+        at = "root" if path is None else repr(path)
         if not self._cache.filled:
             return f"CacheView({at}, not run yet)"
         return f"CacheView({at}, cached={len(self.keys())} modules)"

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from nnd import _dtypes, _meta, _torchmod
+from nnd._output import ModelOutput
 from nnd.v1 import values_pb2
 
 _LITTLE = sys.byteorder == "little"
@@ -62,7 +63,7 @@ def _fill(v: values_pb2.Value, obj: Any) -> None:
         for item in obj:
             _fill(v.tuple.items.add(), item)
         v.tuple.SetInParent()
-    elif isinstance(obj, list):
+    elif isinstance(obj, (list, range)):  # a range indexes as the list of its ints (`h[:, range(3)]`)
         for item in obj:
             _fill(v.list.items.add(), item)
         v.list.SetInParent()
@@ -171,8 +172,8 @@ class Decoder:
         if kind == "dtype":
             name = _dtypes.name_of(v.dtype)
             return getattr(self.torch, name) if self.torch is not None else name
-        if kind == "map":
-            return {k: self.value(i) for k, i in v.map.items.items()}
+        if kind == "map":  # a model output's fields also read as attributes (`out.logits`)
+            return ModelOutput((k, self.value(i)) for k, i in v.map.items.items())
         raise ValueError(f"unknown value kind {kind!r}")
 
     def tensor(self, t: values_pb2.Tensor) -> Any:

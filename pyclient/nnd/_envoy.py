@@ -38,6 +38,7 @@ class Envoy:
         object.__setattr__(self, "_children", {})
         object.__setattr__(self, "_aliases", {})
         object.__setattr__(self, "_parameters", [])
+        object.__setattr__(self, "_attributes", {})
 
     # -- tree
     def _child_items(self) -> Iterable[tuple[str, Envoy]]:
@@ -50,11 +51,19 @@ class Envoy:
         aliases = self.__dict__.get("_aliases")
         if aliases and name in aliases:  # rename= and the daemon's standard names
             return aliases[name]
+        attributes = self.__dict__.get("_attributes")
+        if attributes and name in attributes:  # the module's plain attributes (`attn.head_dim`)
+            return self._attribute(name, attributes[name])
         if name.startswith("__") or children is None:
             raise AttributeError(name)
         where = self._path or "the model"
         valid = ", ".join([*children, *(aliases or ())]) or "none"
         raise AttributeError(f"{where} ({self._type}) has no module {name!r}; its children are: {valid}")
+
+    def _attribute(self, name: str, value: Any) -> Any:
+        if isinstance(value, dict) and value.get("$config") and self._model is not None:
+            return self._model.config  # the module holds the model's config (as transformers modules do)
+        return tuple(value) if isinstance(value, list) else value  # tuples travel as JSON lists
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self._SELF_ATTRS or name.startswith("_"):
@@ -163,6 +172,21 @@ class Envoy:
     def inputs(self, value: Any) -> None:
         self._tracer("inputs")._set(self._path, graph_pb2.INPUTS, value)
 
+    @property
+    def iter(self) -> Any:
+        """Deprecated alias of `tracer.iter`, on any module (as nnsight 0.8's `envoy.iter`)."""
+        import warnings
+
+        warnings.warn("model.iter is deprecated; use tracer.iter instead.", FutureWarning, stacklevel=2)
+        return _context.current("`.iter`").iter
+
+    def all(self) -> Any:
+        """Deprecated alias of `tracer.all()`, on any module (as nnsight 0.8's `envoy.all()`)."""
+        import warnings
+
+        warnings.warn("model.all() is deprecated; use tracer.all() instead.", FutureWarning, stacklevel=2)
+        return _context.current("`.all()`").all()
+
     def skip(self, value: Any) -> None:
         """Do not run this module; use `value` as its output."""
         self._tracer("skip()")._skip(self._path, value)
@@ -189,6 +213,7 @@ def build_tree(model: TransformersModel | None, modules: Iterable[nnd_pb2.Module
             object.__setattr__(root, "_type", info.type or root._type)
             object.__setattr__(root, "_extra", info.extra)
             object.__setattr__(root, "_parameters", list(info.parameters))
+            object.__setattr__(root, "_attributes", _attributes(info))
             continue
         parent_path, _, name = info.path.rpartition(".")
         parent = by_path.get(parent_path)
@@ -196,6 +221,7 @@ def build_tree(model: TransformersModel | None, modules: Iterable[nnd_pb2.Module
             raise ValueError(f"module {info.path!r} arrived before its parent")
         env = Envoy(model, info.path, info.type, info.extra)
         object.__setattr__(env, "_parameters", list(info.parameters))
+        object.__setattr__(env, "_attributes", _attributes(info))
         parent._children[name] = env
         by_path[info.path] = env
     for info in modules:  # aliases: "<host path>.<alias>" names this module on the host
@@ -207,3 +233,10 @@ def build_tree(model: TransformersModel | None, modules: Iterable[nnd_pb2.Module
     from nnd import _ipython
 
     _ipython.install()  # a model's tree exists: in a notebook, it completes with <TAB> (_completion.py)
+
+
+def _attributes(info: nnd_pb2.ModuleInfo) -> dict[str, Any]:
+    import json
+
+    text = getattr(info, "attributes_json", "")
+    return json.loads(text) if text else {}

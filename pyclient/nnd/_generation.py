@@ -33,7 +33,20 @@ GENERATE_OPTIONS = frozenset(
 )
 
 
+# Keywords that are always the model's inputs, whatever their value (generate(input_ids=[[...]])).
+_INPUT_NAMES = frozenset({"input_ids", "attention_mask", "inputs_embeds", "position_ids", "token_type_ids"})
+
+
+def is_model_input(name: str, value: Any) -> bool:
+    """Whether a keyword of `generate(...)` is a forward input (a tensor or array, or an input name)
+    rather than a generation setting: every other keyword is a setting of transformers' generate
+    (pad_token_id=, repetition_penalty=...), which the daemon checks against GenerationConfig."""
+    return name in _INPUT_NAMES or hasattr(value, "shape") and hasattr(value, "dtype")
+
+
 def generate_options(**opts: Any) -> nnd_pb2.GenerateOptions:
+    """The GenerateOptions of a block's settings: nnd's own fields, and every other keyword
+    (transformers' generate() settings) laid over `generation_config=` as its JSON."""
     gen = nnd_pb2.GenerateOptions(
         max_new_tokens=int(opts.get("max_new_tokens") or 0),
         min_new_tokens=int(opts.get("min_new_tokens") or 0),
@@ -48,24 +61,35 @@ def generate_options(**opts: Any) -> nnd_pb2.GenerateOptions:
     gen.num_beams = int(opts.get("num_beams") or 0)
     gen.num_return_sequences = int(opts.get("num_return_sequences") or 0)
     config = opts.get("generation_config")
+    fields: dict[str, Any] = {}
     if config is not None:
         # A transformers GenerationConfig (or a dict of its fields), sent as JSON: data, not an object.
+        fields.update(config if isinstance(config, dict) else config.to_diff_dict())
+    # generate(..., repetition_penalty=1.2, pad_token_id=0): over the config, as transformers lays them.
+    fields.update({k: _plain(v) for k, v in opts.items() if k not in GENERATE_OPTIONS})
+    if fields:
         import json
 
-        fields = config if isinstance(config, dict) else config.to_diff_dict()
-        gen.generation_config_json = json.dumps(fields)
+        try:
+            gen.generation_config_json = json.dumps(fields)
+        except TypeError as err:
+            raise TypeError(f"generation settings must be plain values (numbers, flags, token id lists): {err}") from None
     return gen
+
+
+def _plain(value: Any) -> Any:
+    """A setting as JSON data: tensors and arrays of token ids as lists, tuples as lists."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def stream(model: TransformersModel, prompt: Any, **opts: Any) -> Iterator[StepToken]:
     """Yield each step's tokens as the daemon produces them. Closing the
     iterator (or leaving the loop early) cancels the generation."""
-    timeout = opts.pop("timeout", None)
-    unknown = set(opts) - GENERATE_OPTIONS
-    if unknown:
-        raise TypeError(
-            f"unknown option(s) {', '.join(sorted(unknown))}; stream takes: timeout, {', '.join(sorted(GENERATE_OPTIONS))}"
-        )
+    timeout = opts.pop("timeout", None)  # the rest are generation settings, checked by the daemon
     request = nnd_pb2.TraceRequest(
         model=model.name, invokes=_inputs.to_invokes(prompt), graph=graph_pb2.Graph(), generate=generate_options(**opts)
     )

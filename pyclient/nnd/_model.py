@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -54,8 +53,11 @@ class TransformersModel(_envoy.Envoy):
     `attn_implementation` ("eager", "sdpa", ...) and `config` (a transformers
     config, or its `to_dict()`, used instead of the checkpoint's) reach the
     daemon's META model and every dispatch, as nnsight passes them to
-    `from_pretrained`. A loaded model has one set of them: loading it again
-    with others is refused until it is unloaded.
+    `from_pretrained`. A handle gets the model it asks for: handles of one
+    checkpoint whose options and placement (dtype, device...) agree share one
+    loaded model and worker; one that asks otherwise (`dtype="bfloat16"`,
+    `attn_implementation="eager"`) gets its own, named `<checkpoint>@<choices>`
+    (`model.name`; see docs/protocol.md).
     """
 
     def __init__(
@@ -93,6 +95,8 @@ class TransformersModel(_envoy.Envoy):
             if tp_size is not None and tp_size != size:
                 raise TypeError(f"tp_size={tp_size} and distributed_config's tp_size={size} disagree")
             tp_size = size
+        # nnsight's tokenizer_kwargs=: how the client's tokenizer is loaded (padding_side=...).
+        tokenizer_kwargs = dict(kwargs.pop("tokenizer_kwargs", None) or {})
         extra = {k: kwargs.pop(k) for k in _PLACEMENT_KWARGS if k in kwargs}
         if kwargs:
             raise TypeError(f"nnd cannot pass these options to the daemon: {', '.join(sorted(kwargs))}")
@@ -104,6 +108,7 @@ class TransformersModel(_envoy.Envoy):
         self._conn: Connection = connect(address, token=token)
         self._shape_cache = _concrete.ShapeCache()
         self._tokenizer: Any = None
+        self._tokenizer_kwargs = tokenizer_kwargs
         # Handles of one loaded model (edited copies too) share this, and may use each other's envoys.
         self._family = object()
         self._edits: list[str] = [edits] if isinstance(edits, str) else list(edits or [])
@@ -183,9 +188,47 @@ class TransformersModel(_envoy.Envoy):
         return torch.device(name) if torch is not None else name
 
     @property
-    def config(self) -> dict[str, str]:
-        """A summary of the model's config (model_type, sizes...) as strings."""
-        return dict(self._info.config)
+    def config(self) -> Any:
+        """The model's config, as transformers' `model.config`: its config class
+        (`model.config.n_head`, `.num_hidden_layers`, `.to_dict()`) when
+        transformers is importable, else an `nnd._config.Config` with the same
+        typed values. Built once per handle from the daemon's description."""
+        config = self.__dict__.get("_config")
+        if config is None:
+            from nnd import _config
+
+            # A dispatch's progress replaces _info without the description: GetModel has it.
+            info = self._info if self._info.config_json else self.info
+            config = _config.build(info.config_json, dict(info.config))
+            object.__setattr__(self, "_config", config)
+        return config
+
+    @property
+    def dtype(self) -> Any:
+        """The weights' dtype, as transformers' `model.dtype` (a torch.dtype when torch is in use):
+        the dispatched worker's, else the one this handle asked for, else the checkpoint's."""
+        from nnd import _dtypes, _torchmod
+
+        name = self._info.dtype
+        if not name:
+            info = self.info
+            asked = self._placement.dtype if self._placement is not None else ""
+            name = info.dtype or (asked if asked and asked != "auto" else "") or info.config.get("dtype", "")
+            name = name or next((p.dtype for m in info.modules for p in m.parameters if not p.buffer), "float32")
+        name = name.removeprefix("torch.")
+        torch = _torchmod.available()
+        found = getattr(torch, _dtypes.canonical(name), None) if torch is not None else None
+        # A quantized weight format ("nf4") has no torch dtype: named as the daemon names it.
+        return found if torch is not None and isinstance(found, torch.dtype) else name
+
+    def eval(self) -> TransformersModel:
+        """As torch's `model.eval()`: the daemon's model is always in eval mode, so this returns the model."""
+        return self
+
+    def train(self, mode: bool = True) -> TransformersModel:
+        """As torch's `model.train()`: the daemon keeps its model in eval mode (dropout off) for every
+        client, so this returns the model, changing nothing."""
+        return self
 
     @property
     def task(self) -> str:
@@ -197,7 +240,8 @@ class TransformersModel(_envoy.Envoy):
         daemon's files when transformers is installed, else a small
         `RemoteTokenizer` with encode/decode."""
         if self._tokenizer is None:
-            self._tokenizer = _tokenizer.for_task(_tokenizer.build(self._conn, self._name), self._info.task)
+            built = _tokenizer.build(self._conn, self._name, **self.__dict__.get("_tokenizer_kwargs", {}))
+            self._tokenizer = _tokenizer.for_task(built, self._info.task)
         return self._tokenizer
 
     @property
@@ -244,17 +288,6 @@ class TransformersModel(_envoy.Envoy):
             pending.placement.CopyFrom(placement)
         return self
 
-    @property
-    def iter(self) -> Any:
-        """Deprecated alias of `tracer.iter` (as nnsight 0.8's `model.iter`)."""
-        warnings.warn("model.iter is deprecated; use tracer.iter instead.", FutureWarning, stacklevel=2)
-        return _context.current("`model.iter`").iter
-
-    def all(self) -> Any:
-        """Deprecated alias of `tracer.all()` (as nnsight 0.8's `model.all()`)."""
-        warnings.warn("model.all() is deprecated; use tracer.all() instead.", FutureWarning, stacklevel=2)
-        return _context.current("`model.all()`").all()
-
     # -- lifecycle
     def dispatch(self, progress: Callable[[nnd_pb2.DispatchProgress], None] | None = None) -> TransformersModel:
         """Load the weights now, calling `progress` with each progress message."""
@@ -278,10 +311,13 @@ class TransformersModel(_envoy.Envoy):
         self._conn.call("Unload", nnd_pb2.UnloadRequest(model=self._name))
 
     # -- blocks
-    def trace(self, *inputs: Any, **options: Any) -> _tracer.Tracer:
+    def trace(self, *inputs: Any, **options: Any) -> Any:
         """`with model.trace(input):` one forward pass on real weights
         (dispatching first if needed). Without an input, add prompts with
-        `tracer.invoke(input)`."""
+        `tracer.invoke(input)`. `model.trace(input, trace=False)` runs the
+        forward at once and returns the model's output, as `model(input)`."""
+        if options.pop("trace", True) is False:
+            return self(*inputs, **options)
         return _tracer.Tracer(self, *_one(inputs), **options)
 
     def scan(self, *inputs: Any, **options: Any) -> _tracer.ScanTracer:
@@ -291,8 +327,12 @@ class TransformersModel(_envoy.Envoy):
 
     def generate(self, *inputs: Any, **options: Any) -> Any:
         """`with model.generate(input, max_new_tokens=N, ...) as tracer:` run
-        the block during generation (options: do_sample, temperature, top_k,
-        top_p, seed, num_beams, num_return_sequences, generation_config).
+        the block during generation. Options: every keyword transformers'
+        generate() takes as a setting (max_new_tokens, do_sample, temperature,
+        top_k, num_beams, repetition_penalty, no_repeat_ngram_size,
+        pad_token_id, eos_token_id, generation_config=...; the daemon checks
+        each against GenerationConfig and refuses an unknown one by name),
+        `seed`, and tensors as the forward's inputs (input_ids=, attention_mask=).
         `tracer.result` is the generated ids; loop over steps with
         `tracer.iter[...]` / `tracer.all()`. Called without `with`
         (`ids = model.generate(prompt, max_new_tokens=3)`), it generates at

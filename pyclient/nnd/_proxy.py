@@ -10,6 +10,7 @@ it records goes to the trace being recorded.
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -34,9 +35,31 @@ _CONCRETE_METHODS = frozenset({"item", "tolist", "numpy"})
 _INPLACE = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor")
 
 
+FUNCTIONAL_PREFIX = "nn.functional."  # the daemon's ops for `torch.nn.functional.<name>`
+_functional_names: dict[int, str] | None = None
+
+
+def _functional_name(func: Any) -> str | None:
+    """`torch.nn.functional`'s own name for `func` (F.logsigmoid's __name__ is "log_sigmoid"), if it is one."""
+    global _functional_names
+    functional = sys.modules.get("torch.nn.functional")
+    if functional is None:
+        return None
+    if _functional_names is None:
+        _functional_names = {
+            id(f): n for n in dir(functional) if not n.startswith("_") and callable(f := getattr(functional, n))
+        }
+    return _functional_names.get(id(func))
+
+
 def op_name(func: Any) -> tuple[str, bool]:
     """The op name of a torch function or Tensor method, and whether its
-    arguments are reflected (`Tensor.__radd__`)."""
+    arguments are reflected (`Tensor.__radd__`). A `torch.nn.functional`
+    function is "nn.functional.<name>": `F.softmax(x, dim=-1)` is not
+    `x.softmax(...)` (it passes its own keywords)."""
+    functional = _functional_name(func)
+    if functional is not None:
+        return FUNCTIONAL_PREFIX + functional, False
     name = getattr(func, "__name__", None) or str(func)
     if name.startswith("__") and name.endswith("__"):
         core = name[2:-2]

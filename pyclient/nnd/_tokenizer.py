@@ -14,9 +14,10 @@ if TYPE_CHECKING:
     from nnd.connection import Connection
 
 
-def build(conn: Connection, model: str) -> Any:
+def build(conn: Connection, model: str, **kwargs: Any) -> Any:
     """A transformers tokenizer built from the daemon's tokenizer files when
-    transformers is installed, else a `RemoteTokenizer`."""
+    transformers is installed (`kwargs`: from_pretrained's, as nnsight's
+    `tokenizer_kwargs=`), else a `RemoteTokenizer`."""
     if importlib.util.find_spec("transformers") is None:
         return RemoteTokenizer(conn, model)
     files = conn.call("GetTokenizerFiles", nnd_pb2.GetModelRequest(model=model)).files
@@ -30,9 +31,9 @@ def build(conn: Connection, model: str) -> Any:
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
         try:
-            return AutoTokenizer.from_pretrained(folder)
+            return AutoTokenizer.from_pretrained(folder, **kwargs)
         except Exception:  # a config naming a class we lack: the fast tokenizer file is enough
-            return PreTrainedTokenizerFast.from_pretrained(folder)
+            return PreTrainedTokenizerFast.from_pretrained(folder, **kwargs)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -36,6 +36,24 @@ _NO_INPUT: Any = object()
 _NNSIGHT_ONLY = frozenset({"remote", "backend", "blocking", "callback", "debug"})
 
 
+_remote_noted = False
+
+
+def _remote_note(remote: Any) -> None:
+    """nnsight's `remote=`: False is where nnd runs anyway (the daemon); True, NDIF's remote, means
+    this daemon too, said once per process."""
+    global _remote_noted
+    if remote and not _remote_noted:
+        import warnings
+
+        _remote_noted = True
+        warnings.warn(
+            "remote=True: nnd runs every block on its daemon (the one this handle is connected to), not on NDIF",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
 class Invoker:
     """`with tracer.invoke(input):` — module values read inside belong to this
     input's batch rows. With no input, they cover every row."""
@@ -91,6 +109,7 @@ class Tracer:
         self._tokenizer_kwargs: dict[str, Any] | None = options.pop("tokenizer_kwargs", None)
         for name in kind.options_ignored - kind.options_allowed:
             options.pop(name, None)
+        _remote_note(options.pop("remote", False))
         remote = sorted(set(options) & _NNSIGHT_ONLY)
         if remote:
             raise TypeError(
@@ -98,7 +117,7 @@ class Tracer:
                 f"this block takes: {', '.join(sorted(kind.options_allowed))}"
             )
         # Any other keyword is an input of the model's forward (input_ids=, decoder_input_ids=...), as in nnsight.
-        inputs = {k: options.pop(k) for k in list(options) if k not in kind.options_allowed}
+        inputs = {k: options.pop(k) for k in list(options) if not kind.takes_option(k, options[k])}
         self.model = model
         self.backend = _backends.place(model, kind)
         """How the block runs (_backends.py): chosen here, once; inside a session, a member of it."""
@@ -318,9 +337,10 @@ class Tracer:
 
     # -- running
     def __enter__(self) -> Tracer:
-        from nnd import _ipython
+        from nnd import _einops, _ipython
 
         _ipython.install()  # in a notebook, the daemon's errors show the user's cell and line (once per shell)
+        _einops.register()  # einops on this block's values, if the process uses einops
         self._recording = True
         frame = _source.user_frame()
         # What the body binds and fills, read once per call site: only those names are looked at after it.

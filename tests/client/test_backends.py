@@ -71,7 +71,7 @@ def test_each_block_kind_sends_its_own_rpc(model, fake):
 def test_generation_options_belong_to_the_generate_kind(model):
     # A trace ignores generation settings, as nnsight's trace does; a generate sends them.
     with pytest.raises(TypeError, match="nnsight option"):
-        model.trace("hi", remote=True)
+        model.trace("hi", backend="ndif")  # remote= is accepted (this daemon); NDIF's backends are not
     trace = model.trace("hi", max_new_tokens=5)
     assert "max_new_tokens" not in trace.options and not trace.request().HasField("generate")
     generate = GenerateTracer(model, "hi", max_new_tokens=5, temperature=0.5, do_sample=True)

@@ -156,7 +156,7 @@ def test_cache_inputs_and_one_entry_per_step(gpt2):
     n = len(gpt2.tokenizer(PROMPT)["input_ids"])
     assert [o.shape[1] for o in outputs] == [n, 1, 1]
     assert_close(cache.transformer.h[1].input[0], outputs[0])  # h1's input is h0's output
-    assert set(cache.keys()) == {"transformer.h.0", "transformer.h.1"}
+    assert set(cache.keys()) == {"model.transformer.h.0", "model.transformer.h.1"}  # nnsight 0.8's spelling
 
 
 # ------------------------------------------------------------------ edits

@@ -28,7 +28,7 @@ class HelperModel(_message.Message):
     def __init__(self, key: _Optional[str] = ..., source: _Optional[str] = ..., revision: _Optional[str] = ..., task: _Optional[str] = ..., trust_remote_code: _Optional[bool] = ..., exported: _Optional[bool] = ..., options: _Optional[_Union[_nnd_pb2.LoadOptions, _Mapping]] = ...) -> None: ...
 
 class MetaDescription(_message.Message):
-    __slots__ = ("architecture", "task", "summary", "num_parameters", "modules", "estimated_bytes", "default_dtype", "has_tokenizer", "tp_config_json")
+    __slots__ = ("architecture", "task", "summary", "num_parameters", "modules", "estimated_bytes", "default_dtype", "has_tokenizer", "tp_config_json", "config_json")
     class SummaryEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class MetaDescription(_message.Message):
     DEFAULT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     TP_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     task: str
     summary: _containers.ScalarMap[str, str]
@@ -61,7 +62,8 @@ class MetaDescription(_message.Message):
     default_dtype: str
     has_tokenizer: bool
     tp_config_json: str
-    def __init__(self, architecture: _Optional[str] = ..., task: _Optional[str] = ..., summary: _Optional[_Mapping[str, str]] = ..., num_parameters: _Optional[int] = ..., modules: _Optional[_Iterable[_Union[_nnd_pb2.ModuleInfo, _Mapping]]] = ..., estimated_bytes: _Optional[_Mapping[str, int]] = ..., default_dtype: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., tp_config_json: _Optional[str] = ...) -> None: ...
+    config_json: str
+    def __init__(self, architecture: _Optional[str] = ..., task: _Optional[str] = ..., summary: _Optional[_Mapping[str, str]] = ..., num_parameters: _Optional[int] = ..., modules: _Optional[_Iterable[_Union[_nnd_pb2.ModuleInfo, _Mapping]]] = ..., estimated_bytes: _Optional[_Mapping[str, int]] = ..., default_dtype: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., tp_config_json: _Optional[str] = ..., config_json: _Optional[str] = ...) -> None: ...
 
 class HelperScanRequest(_message.Message):
     __slots__ = ("model", "limits_json", "request", "session", "edits", "aliases")

@@ -247,18 +247,20 @@ class ParameterInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., buffer: _Optional[bool] = ..., tied_to: _Optional[str] = ...) -> None: ...
 
 class ModuleInfo(_message.Message):
-    __slots__ = ("path", "type", "parameters", "extra", "aliases")
+    __slots__ = ("path", "type", "parameters", "extra", "aliases", "attributes_json")
     PATH_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTES_JSON_FIELD_NUMBER: _ClassVar[int]
     path: str
     type: str
     parameters: _containers.RepeatedCompositeFieldContainer[ParameterInfo]
     extra: str
     aliases: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, path: _Optional[str] = ..., type: _Optional[str] = ..., parameters: _Optional[_Iterable[_Union[ParameterInfo, _Mapping]]] = ..., extra: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
+    attributes_json: str
+    def __init__(self, path: _Optional[str] = ..., type: _Optional[str] = ..., parameters: _Optional[_Iterable[_Union[ParameterInfo, _Mapping]]] = ..., extra: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., attributes_json: _Optional[str] = ...) -> None: ...
 
 class DeviceMemory(_message.Message):
     __slots__ = ("device", "bytes")
@@ -289,7 +291,7 @@ class RequestInFlight(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., client: _Optional[str] = ..., state: _Optional[str] = ..., since: _Optional[float] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., position: _Optional[int] = ..., user: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "state", "task", "architecture", "config", "num_parameters", "placement", "dispatched_placement", "modules", "weights", "worker_rss_bytes", "worker_pids", "idle_s", "expires_at", "last_error", "dtype", "estimated_bytes", "tp_size", "ranks", "requests", "route", "worker_requests", "loaded_by", "dispatched_by", "dispatched_at")
+    __slots__ = ("name", "state", "task", "architecture", "config", "num_parameters", "placement", "dispatched_placement", "modules", "weights", "worker_rss_bytes", "worker_pids", "idle_s", "expires_at", "last_error", "dtype", "estimated_bytes", "tp_size", "ranks", "requests", "route", "worker_requests", "config_json", "loaded_by", "dispatched_by", "dispatched_at")
     class ConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +321,7 @@ class ModelInfo(_message.Message):
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     WORKER_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     LOADED_BY_FIELD_NUMBER: _ClassVar[int]
     DISPATCHED_BY_FIELD_NUMBER: _ClassVar[int]
     DISPATCHED_AT_FIELD_NUMBER: _ClassVar[int]
@@ -344,10 +347,11 @@ class ModelInfo(_message.Message):
     requests: _containers.RepeatedCompositeFieldContainer[RequestInFlight]
     route: Route
     worker_requests: int
+    config_json: str
     loaded_by: str
     dispatched_by: str
     dispatched_at: float
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., task: _Optional[str] = ..., architecture: _Optional[str] = ..., config: _Optional[_Mapping[str, str]] = ..., num_parameters: _Optional[int] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., dispatched_placement: _Optional[_Union[Placement, _Mapping]] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., weights: _Optional[_Iterable[_Union[DeviceMemory, _Mapping]]] = ..., worker_rss_bytes: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., idle_s: _Optional[float] = ..., expires_at: _Optional[float] = ..., last_error: _Optional[str] = ..., dtype: _Optional[str] = ..., estimated_bytes: _Optional[int] = ..., tp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[WorkerRank, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[RequestInFlight, _Mapping]]] = ..., route: _Optional[_Union[Route, _Mapping]] = ..., worker_requests: _Optional[int] = ..., loaded_by: _Optional[str] = ..., dispatched_by: _Optional[str] = ..., dispatched_at: _Optional[float] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., task: _Optional[str] = ..., architecture: _Optional[str] = ..., config: _Optional[_Mapping[str, str]] = ..., num_parameters: _Optional[int] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., dispatched_placement: _Optional[_Union[Placement, _Mapping]] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., weights: _Optional[_Iterable[_Union[DeviceMemory, _Mapping]]] = ..., worker_rss_bytes: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., idle_s: _Optional[float] = ..., expires_at: _Optional[float] = ..., last_error: _Optional[str] = ..., dtype: _Optional[str] = ..., estimated_bytes: _Optional[int] = ..., tp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[WorkerRank, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[RequestInFlight, _Mapping]]] = ..., route: _Optional[_Union[Route, _Mapping]] = ..., worker_requests: _Optional[int] = ..., config_json: _Optional[str] = ..., loaded_by: _Optional[str] = ..., dispatched_by: _Optional[str] = ..., dispatched_at: _Optional[float] = ...) -> None: ...
 
 class WorkerRank(_message.Message):
     __slots__ = ("rank", "pid", "rss_bytes", "device")

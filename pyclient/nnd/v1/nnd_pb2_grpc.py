@@ -163,7 +163,9 @@ class NndServicer:
 
     def LoadModel(self, request, context):
         """Read a model's config and tokenizer and build its module tree on the meta
-        device. Idempotent: loading a model that is already loaded returns it.
+        device. Idempotent: loading a model that is already loaded with the same
+        options and an agreeing placement returns it; other choices get an entry
+        of their own, `<checkpoint>@<choices>` (ModelInfo.name; docs/protocol.md).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

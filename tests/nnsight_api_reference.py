@@ -1,0 +1,43 @@
+"""Run tests/compat_api_blocks.py with nnsight 0.8.1 in a process of its own and
+save every block's results (or the error it raised).
+
+Usage: python nnsight_api_reference.py MODEL_PATH OUT.pt
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+
+def _plain(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def main(path: str, out: str) -> None:
+    import nnsight
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import compat_api_blocks
+
+    model = nnsight.LanguageModel(path, tokenizer=AutoTokenizer.from_pretrained(path), device_map="cpu", dispatch=True)
+    results = {}
+    for name, block in compat_api_blocks.BLOCKS.items():
+        try:
+            results[name] = _plain(block(model))
+        except Exception as exc:  # noqa: BLE001 - recorded: the test says which block nnsight refused
+            results[name] = {"nnsight_failed": f"{type(exc).__name__}: {exc}"}
+    torch.save(results, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
