@@ -130,6 +130,17 @@ class NndServicer:
         timeout = remaining if remaining is not None and remaining < 1e8 else self.settings.limits.default_deadline_s
         return timeout or None
 
+    def _forward_deadline(self, context: grpc.ServicerContext) -> tuple[float | None, list[tuple[str, str]]]:
+        """The timeout of a call forwarded to a worker, and metadata for it: the client's own deadline, else
+        the daemon's default, which the worker applies itself (shared.DEFAULT_DEADLINE_KEY)."""
+        remaining = context.time_remaining()
+        if remaining is not None and remaining < 1e8:
+            return remaining, []
+        default = self.settings.limits.default_deadline_s
+        if not default:
+            return None, []
+        return default + shared.FORWARD_GRACE_S, [(shared.DEFAULT_DEADLINE_KEY, "1")]
+
     def Trace(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         yield from self._forward("Trace", raw, context)
 
@@ -163,10 +174,9 @@ class NndServicer:
             worker = entry.worker
             if worker is None:
                 raise errors.Unavailable(f"model {entry.name} lost its worker: {entry.last_error}")
-            metadata = [(shared.MODEL_KEY, entry.name), (shared.EPOCH_KEY, str(worker.epoch))]
-            yield from worker.interact(
-                itertools.chain([raw], raws), timeout=self._deadline(context), client=context, metadata=metadata
-            )
+            timeout, deadline = self._forward_deadline(context)
+            metadata = [(shared.MODEL_KEY, entry.name), (shared.EPOCH_KEY, str(worker.epoch)), *deadline]
+            yield from worker.interact(itertools.chain([raw], raws), timeout=timeout, client=context, metadata=metadata)
         finally:
             self.registry.done(entry)
 
@@ -190,11 +200,12 @@ class NndServicer:
                     self._forwarded.clear()
                 self._forwarded.add(peer)
                 log.info("forwarding %s of %s for %s, a client that does not follow routes", method, *peer)
-            metadata = [(shared.MODEL_KEY, entry.name), (shared.EPOCH_KEY, str(worker.epoch))]
+            timeout, deadline = self._forward_deadline(context)
+            metadata = [(shared.MODEL_KEY, entry.name), (shared.EPOCH_KEY, str(worker.epoch)), *deadline]
             # A client that goes away cancels the worker's call at once (not at its next response).
             try:
                 with self.inflight.hold(len(raw), "the request"):
-                    call = worker.forward(method, raw, timeout=self._deadline(context), client=context, metadata=metadata)
+                    call = worker.forward(method, raw, timeout=timeout, client=context, metadata=metadata)
                     yield from self.inflight.passing(call, "a result")
             except errors.NndError:
                 if entry.gone:  # its worker was stopped under it: say why, not "Channel closed!"

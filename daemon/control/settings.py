@@ -31,6 +31,9 @@ class Limits:
     # The helper process (control/helper.py): RLIMIT_AS, and CPU seconds per call.
     helper_memory_bytes: int = 4 * 1024 * 1024 * 1024
     helper_cpu_s: float = 60.0
+    # A run paused at a sync point holds its model: seconds per pause, and in all per request (0: no cap).
+    max_pause_s: float = 5.0
+    max_paused_total_s: float = 30.0
 
     def to_proto(self) -> nnd_pb2.Limits:
         return nnd_pb2.Limits(**self.__dict__)

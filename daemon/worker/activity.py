@@ -28,6 +28,7 @@ class Request:
     steps: int = 0
     step: int = 0
     running: bool = False
+    paused_since: float = 0.0  # unix time it paused at a sync point (0: not paused)
 
 
 class Activity:
@@ -90,8 +91,9 @@ class Activity:
                 nnd_pb2.RequestInFlight(
                     kind=r.kind,
                     client=r.client,
-                    state="running" if r.running else "queued",
+                    state=("paused" if r.paused_since else "running") if r.running else "queued",
                     since=r.since,
+                    paused_since=r.paused_since,
                     step=r.step,
                     steps=r.steps,
                     position=0 if r.running else ahead,

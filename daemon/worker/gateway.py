@@ -21,6 +21,7 @@ import grpc
 
 from nnd.v1 import nnd_pb2, worker_pb2
 from nnd_daemon import aliases, errors, intake, shared
+from nnd_daemon.worker.stop import Stop
 
 _SERVICE = "nnd.v1.Nnd"
 
@@ -113,7 +114,7 @@ class Gateway:
     def interact(self, raws: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
         """Interact (sync points): the first message starts the run, checked and completed as a
         Trace is; later ones add nodes (their alias paths rewritten here). A malformed later
-        message ends the stream, as the client going away does."""
+        message ends the run with INVALID_ARGUMENT saying what was wrong."""
         self._check_epoch(context)
         first = intake.parse(nnd_pb2.InteractRequest, next(raws, b""))
         if first.WhichOneof("kind") != "start":
@@ -142,9 +143,19 @@ class Gateway:
             for raw in raws:
                 try:
                     msg = nnd_pb2.InteractRequest.FromString(raw)
-                except Exception:  # noqa: BLE001 - malformed: end the run
+                except Exception as exc:  # noqa: BLE001 - malformed: the paused run fails, saying why
+                    yield errors.InvalidArgument(
+                        f"a later message of this Interact stream is not a valid nnd.v1.InteractRequest ({exc}); "
+                        "the run was ended"
+                    )
                     return
-                if msg.WhichOneof("kind") != "more":
+                kind = msg.WhichOneof("kind")
+                if kind != "more":
+                    yield errors.InvalidArgument(
+                        "a later message of an Interact stream must be an InteractContinue (`more`), not "
+                        f"{'a second InteractStart' if kind == 'start' else 'an empty InteractRequest'}; "
+                        "the run was ended"
+                    )
                     return
                 more = msg.more
                 try:  # each continuation is held to the limits the stream's first message was
@@ -176,7 +187,11 @@ class Gateway:
 
         try:
             yield from self._run(
-                run, context, lambda stop, on_error: self.service.interact(run, start, messages(), context, stop, on_error)
+                run,
+                context,
+                lambda stop, on_error: self.service.interact(
+                    run, start, messages(), context, stop, on_error, caps=self.pause_caps(stop)
+                ),
             )
         finally:
             self.service.activity.end()
@@ -193,31 +208,37 @@ class Gateway:
         self,
         run: worker_pb2.WorkerRunRequest,
         context: grpc.ServicerContext,
-        call: Callable[[threading.Event, Callable[[BaseException], BaseException]], Iterator[Any]],
+        call: Callable[[Stop, Callable[[BaseException], BaseException]], Iterator[Any]],
     ) -> Iterator[Any]:
-        stop = threading.Event()
-        expired = threading.Event()
+        # The deadline is a point in time checked where the request already waits or polls (stop.py),
+        # not a timer thread per request: the client's own timeout, else the daemon's --deadline.
         remaining = context.time_remaining()
-        default = float(self.limits.default_deadline_s)
-        timer = None
-        if default > 0 and (remaining is None or remaining > 1e8):  # the client set no deadline: the daemon's
-            timer = threading.Timer(default, lambda: (expired.set(), stop.set()))
-            timer.daemon = True
-            timer.start()
+        forwarded_default = dict(context.invocation_metadata() or ()).get(shared.DEFAULT_DEADLINE_KEY) == "1"
+        own = not forwarded_default and remaining is not None and remaining < 1e8
+        seconds = remaining if own else float(self.limits.default_deadline_s)
+        stop = Stop(seconds)
 
         def on_error(exc: BaseException) -> BaseException:
-            if expired.is_set():
+            if stop.expired and not isinstance(exc, errors.DeadlineExceeded):
+                if own:
+                    return errors.DeadlineExceeded(f"the request ran past its timeout ({seconds:.3g} s)")
                 return errors.DeadlineExceeded(
-                    f"the request ran past the daemon's default deadline ({default:g} s); "
-                    "pass a timeout or raise --default-deadline"
+                    f"the request ran past the daemon's default deadline ({seconds:g} s); "
+                    "pass a timeout or raise nnd serve --deadline"
                 )
             return exc
 
-        try:
-            yield from call(stop, on_error)
-        finally:
-            if timer is not None:
-                timer.cancel()
+        yield from call(stop, on_error)
+
+    def pause_caps(self, stop: Stop) -> dict[str, Any]:
+        """The server's bounds on `stop`'s request pausing at sync points (engine/interact.py's PauseCaps)."""
+        left = stop.remaining()
+        return {
+            "max_pause_s": float(self.limits.max_pause_s),
+            "max_paused_total_s": float(self.limits.max_paused_total_s),
+            "remaining": stop.remaining,
+            "deadline_s": left if left is not None else 0.0,
+        }
 
     def _prepare(self, method: str, raw: bytes) -> worker_pb2.WorkerRunRequest:
         return intake.prepare(

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ import psutil
 from nnd.v1 import nnd_pb2, worker_pb2, worker_pb2_grpc
 from nnd_daemon import errors, shared
 from nnd_daemon.worker import activity, loader, turns
+from nnd_daemon.worker.stop import Stop
 
 log = logging.getLogger("nnd.worker")
 _END = object()
@@ -38,6 +40,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.batcher: Any = None
         # The data path (gateway.py), set when the sockets open (listen.py).
         self.gateway: Any = None
+        # While a run is paused at a sync point holding the model: (its client, monotonic time the pause
+        # must end by). A request that queues behind it is told so.
+        self.paused: tuple[str, float] | None = None
 
     # -- Load ---------------------------------------------------------------
     def Load(self, request: worker_pb2.WorkerLoadRequest, context: grpc.ServicerContext) -> Iterator[Any]:
@@ -72,14 +77,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self,
         request: worker_pb2.WorkerRunRequest,
         context: grpc.ServicerContext,
-        stop: threading.Event | None = None,
+        stop: Stop | None = None,
         on_error: Callable[[BaseException], BaseException] = lambda exc: exc,
     ) -> Iterator[Any]:
-        """Run `request` for `context`; `stop` ends it early (the call's end always does);
-        `on_error` may turn a failure into another one before it becomes the status."""
+        """Run `request` for `context`; `stop` ends it early (the call's end always does; so does its
+        deadline, stop.py); `on_error` may turn a failure into another one before it becomes the status."""
         if self.model is None:
             raise errors.FailedPrecondition("worker has no model loaded")
-        stop = stop or threading.Event()
+        stop = stop or Stop()
         context.add_callback(stop.set)
         kind = "session" if request.HasField("session") else "generate" if request.generate else "trace"
         steps = (request.request.generate.max_new_tokens or 20) if kind == "generate" else 0
@@ -87,7 +92,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # announced by a message too (initial metadata has gone out with the first one).
         ahead = self._run_lock.waiting() + self._run_lock.locked()
         if ahead:
-            yield nnd_pb2.TraceResponse(queued=nnd_pb2.Queued(ahead=ahead))
+            yield self._queued(ahead)
         with self.activity.track(kind, _client(context), steps) as tracked, _log_if_cancelled(stop, tracked):
 
             def started() -> None:
@@ -112,11 +117,30 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 raise on_error(exc) from None
         yield from out
 
+    def _queued(self, ahead: int) -> nnd_pb2.TraceResponse:
+        """The message a request that must wait gets first: its place in line, and whether the model is
+        held by another client's run paused at a sync point (and for how long at most)."""
+        queued = nnd_pb2.Queued(ahead=ahead)
+        paused = self.paused
+        if paused is not None:
+            queued.paused_by = paused[0]
+            queued.paused_for_at_most_s = max(0.0, paused[1] - time.monotonic())
+        return nnd_pb2.TraceResponse(queued=queued)
+
+    def _turn(self, stop: Stop) -> None:
+        """Wait for the model; raises if the request is cancelled or reaches its deadline first (the wait
+        ends then, so a queued request that has ended holds nothing)."""
+        if not self._run_lock.acquire(stop=stop):
+            raise errors.Cancelled("request cancelled before it ran")
+        if stop.is_set():
+            self._run_lock.release()
+            raise errors.Cancelled("request cancelled before it ran")
+
     def _run_streaming(
         self,
         request: worker_pb2.WorkerRunRequest,
         context: grpc.ServicerContext,
-        stop: threading.Event,
+        stop: Stop,
         started: Callable[[], None],
         on_error: Callable[[BaseException], BaseException],
         *,
@@ -151,17 +175,18 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self,
         request: worker_pb2.WorkerRunRequest,
         emit: Callable[[Any], None],
-        stop: threading.Event,
+        stop: Stop,
         started: Callable[[], None],
     ) -> None:
         """Run `request` merged with concurrent ones (batching.py) or alone, one forward at a time."""
         if self.batcher is not None and self.batcher.offer(request, self.tokenizer, emit, stop.is_set, started):
             return
-        with self._run_lock:
-            if stop.is_set():
-                raise errors.Cancelled("request cancelled before it ran")
+        self._turn(stop)
+        try:
             started()
             self._execute(request, emit, stop.is_set)
+        finally:
+            self._run_lock.release()
 
     def _execute(
         self, request: worker_pb2.WorkerRunRequest, emit: Callable[[Any], None], cancelled: Callable[[], bool]
@@ -184,8 +209,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         start: nnd_pb2.InteractStart,
         messages: Iterator[worker_pb2.WorkerInteractContinue | errors.NndError],
         context: grpc.ServicerContext,
-        stop: threading.Event,
+        stop: Stop,
         on_error: Callable[[BaseException], BaseException] = lambda exc: exc,
+        caps: dict[str, Any] | None = None,
     ) -> Iterator[Any]:
         """A run the client steers at sync points (gateway.py parses the stream): it runs alone
         (never batched) and holds the model while paused. `messages` ends when the client does."""
@@ -215,23 +241,38 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             except queue.Empty:
                 return None
 
-        interaction = interact.Interaction(start, receive)
+        client = _client(context)
+        held: list[activity.Request] = []  # the tracked request, once it is
+
+        def on_pause(since: float) -> None:
+            # `nnd ps` shows the run as paused, and a request that queues meanwhile hears who holds the model.
+            for tracked in held:
+                tracked.paused_since = time.time() if since else 0.0
+            if since:
+                self.paused = (client, since + interaction.bound()[0])
+            else:
+                self.paused = None
+
+        interaction = interact.Interaction(start, receive, caps=interact.PauseCaps(**(caps or {})), on_pause=on_pause)
         kind = "session" if run.HasField("session") else "generate" if run.generate else "trace"
         steps = (run.request.generate.max_new_tokens or 20) if kind == "generate" else 0
         out: queue.Queue[Any] = queue.Queue()
 
         def work() -> None:
             try:
-                with self._run_lock:  # alone: a paused run must not hold other clients' rows
-                    if stop.is_set():
-                        raise errors.Cancelled("request cancelled before it ran")
+                self._turn(stop)  # alone: a paused run must not hold other clients' rows
+                try:
                     out.put(_STARTED)
                     self._interact(run, out.put, stop.is_set, interaction)
+                finally:
+                    self.paused = None
+                    self._run_lock.release()
                 out.put(_END)
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
                 out.put(exc)
 
-        with self.activity.track(kind, _client(context), steps) as tracked, _log_if_cancelled(stop, tracked):
+        with self.activity.track(kind, client, steps) as tracked, _log_if_cancelled(stop, tracked):
+            held.append(tracked)
             threading.Thread(target=read, name="interact-read", daemon=True).start()
             threading.Thread(target=work, name="interact", daemon=True).start()
             while True:
@@ -278,13 +319,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
 
 @contextlib.contextmanager
-def _log_if_cancelled(stop: threading.Event, tracked: activity.Request) -> Iterator[None]:
+def _log_if_cancelled(stop: Stop, tracked: activity.Request) -> Iterator[None]:
     """One INFO line when a request ends because its client cancelled or went away (an interrupted cell,
     a restarted kernel): who, what, and how far it got."""
     try:
         yield
     finally:
-        if stop.is_set():
+        if stop.is_set() and not stop.expired:
             where = f" after {tracked.step} of {tracked.steps} steps" if tracked.steps else ""
             state = "while running" if tracked.running else "before it ran"
             log.info("%s from %s cancelled %s%s (the client cancelled or went away)", tracked.kind, tracked.client,
