@@ -101,3 +101,68 @@ def test_a_waiter_handed_the_model_as_its_deadline_passes_keeps_it():
     assert result == [True] and turns.locked()
     turns.release()
     assert not turns.locked()
+
+
+# ------------------------------------------------------------------ an Interact stream's buffer
+
+
+class _StreamContext(_Context):
+    def __init__(self):
+        super().__init__()
+        self.callbacks = []
+
+    def add_callback(self, fn):
+        self.callbacks.append(fn)
+        return True
+
+    def peer(self):
+        return "unix:test"
+
+    def send_initial_metadata(self, md):
+        pass
+
+
+def test_a_queued_interact_stream_reads_a_bounded_number_of_continuations_counted_in_the_budget():
+    from nnd.v1 import graph_pb2, nnd_pb2, worker_pb2
+    from nnd_daemon.inflight import InflightBudget
+    from nnd_daemon.worker import service as service_mod
+
+    svc = service_mod.WorkerService()
+    svc.model = object()  # never runs: the model stays busy until the stream is cancelled
+    budget = InflightBudget(0, holder="the worker")
+    big = graph_pb2.Graph()
+    big.nodes.add(id=1).loc.text = "x" * 100_000
+    pulled = []
+
+    def continuations():
+        for i in range(100):
+            pulled.append(i)
+            yield worker_pb2.WorkerInteractContinue(more=nnd_pb2.InteractContinue(graph=big))
+
+    context = _StreamContext()
+    svc._run_lock.acquire()
+    start = nnd_pb2.InteractStart(want=[1])
+    responses = svc.interact(worker_pb2.WorkerRunRequest(), start, continuations(), context, Stop(600), inflight=budget)
+    errors_seen = []
+    consumer = threading.Thread(target=lambda: errors_seen.append(_drain(responses)))
+    consumer.start()
+    while len(pulled) < service_mod.INBOX_SIZE:
+        threading.Event().wait(0.01)
+    threading.Event().wait(1.0)  # had the reader not stopped, it would have read on by now
+    assert len(pulled) <= service_mod.INBOX_SIZE + 1
+    assert 0 < budget.held <= service_mod.INBOX_SIZE * 100_100
+    for callback in context.callbacks:  # the client goes away
+        callback()
+    consumer.join(30)
+    assert isinstance(errors_seen[0], errors.Cancelled)
+    assert budget.held == 0  # what the run never read was given back
+    svc._run_lock.release()
+
+
+def _drain(responses):
+    try:
+        for _ in responses:
+            pass
+    except BaseException as exc:  # noqa: BLE001 - the test looks at it
+        return exc
+    return None

@@ -212,3 +212,51 @@ def test_the_daemons_deadline_ends_a_paused_run(tmp_path, tiny_models):
         assert torch.equal(_logits(model), want)
     finally:
         daemon.stop()
+
+
+# ------------------------------------------------------------------ the worker's byte budget
+
+
+def test_the_worker_holds_queued_requests_to_max_inflight_bytes(tmp_path, tiny_models):
+    daemon = start_daemon(
+        tmp_path, "--max-inflight-bytes", "2MiB", "--max-pause", "0", "--max-paused-total", "0"
+    )
+    try:
+        model = nnd.TransformersModel(tiny_models["gpt2"], address=daemon.address, device="cpu", dispatch=True)
+        with grpc.insecure_channel(daemon.address) as channel:
+            route = nnd_pb2_grpc.NndStub(channel).GetRoute(nnd_pb2.RouteRequest(model=model.name), timeout=30)
+        worker = grpc.insecure_channel(route.address)
+        trace = worker.unary_stream(
+            "/nnd.v1.Nnd/Trace", request_serializer=lambda b: b, response_deserializer=nnd_pb2.TraceResponse.FromString
+        )
+        big = nnd_pb2.TraceRequest(model=model.name, invokes=[nnd_pb2.Invoke(text="a" * 900_000)]).SerializeToString()
+        attacker = Stream(daemon.address)  # holds the model, paused, until the test lets go
+        queued = []
+        try:
+            attacker.send(_pause_at_first_block(tiny_models["gpt2"], 1e6))
+            attacker.until_paused()
+            for _ in range(2):  # two fit in 2 MiB beside each other
+                call = trace(big, timeout=300)
+                queued.append(call)
+                threading.Thread(target=lambda c=call: list(_swallow(c)), daemon=True).start()
+            while sum(r.state == "queued" for r in _requests(daemon.address)) < 2:
+                threading.Event().wait(0.05)
+            with pytest.raises(grpc.RpcError) as refused:
+                list(trace(big, timeout=60))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_inflight_bytes" in refused.value.details() and "the worker" in refused.value.details()
+        finally:
+            attacker.close()
+            for call in queued:
+                call.cancel()
+            worker.close()
+        assert torch.isfinite(_logits(model)).all()
+    finally:
+        daemon.stop()
+
+
+def _swallow(call):
+    try:
+        yield from call
+    except grpc.RpcError:
+        return

@@ -21,9 +21,9 @@ from nnd import __version__
 from nnd.v1 import graph_pb2, helper_pb2, nnd_pb2, worker_pb2
 from nnd_daemon import aliases, errors, intake, shared
 from nnd_daemon.control import forward
-from nnd_daemon.control.inflight import InflightBudget
 from nnd_daemon.control.registry import Registry
 from nnd_daemon.control.settings import Settings
+from nnd_daemon.inflight import InflightBudget
 
 log = logging.getLogger("nnd.servicer")
 

@@ -21,6 +21,7 @@ import grpc
 
 from nnd.v1 import nnd_pb2, worker_pb2
 from nnd_daemon import aliases, errors, intake, shared
+from nnd_daemon.inflight import InflightBudget
 from nnd_daemon.worker.stop import Stop
 
 _SERVICE = "nnd.v1.Nnd"
@@ -35,6 +36,9 @@ class Gateway:
         self.epoch = epoch
         # The request limits the daemon passed at start (intake.REQUEST_LIMIT_FIELDS).
         self.limits = SimpleNamespace(**{f: limits.get(f, 0) for f in intake.REQUEST_LIMIT_FIELDS})
+        # Request bytes held while they wait for the model, and Interact continuations not yet read by
+        # their paused run: bounded as the daemon bounds what it forwards (daemon/inflight.py).
+        self.inflight = InflightBudget(int(self.limits.max_inflight_bytes), holder=f"the worker of {name}")
         self._lock = threading.Lock()
         self._bindings: list[worker_pb2.AliasBinding] = []
         self._table: aliases.AliasTable | None = None
@@ -103,20 +107,28 @@ class Gateway:
 
     def serve(self, method: str, raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
         self._check_epoch(context)
-        run = self._prepare(method, raw)
-        keep_alive = run.session.keep_alive if run.HasField("session") else run.request.keep_alive
-        self.service.activity.begin(keep_alive, int(self.limits.max_queue_depth), self.name)
-        try:
-            yield from self._run(run, context, lambda stop, on_error: self.service.run(run, context, stop, on_error))
-        finally:
-            self.service.activity.end()
+        with self.inflight.hold(len(raw), "the request"):
+            run = self._prepare(method, raw)
+            keep_alive = run.session.keep_alive if run.HasField("session") else run.request.keep_alive
+            self.service.activity.begin(keep_alive, int(self.limits.max_queue_depth), self.name)
+            try:
+                yield from self._run(
+                    run, context, lambda stop, on_error: self.service.run(run, context, stop, on_error)
+                )
+            finally:
+                self.service.activity.end()
 
     def interact(self, raws: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
         """Interact (sync points): the first message starts the run, checked and completed as a
         Trace is; later ones add nodes (their alias paths rewritten here). A malformed later
         message ends the run with INVALID_ARGUMENT saying what was wrong."""
         self._check_epoch(context)
-        first = intake.parse(nnd_pb2.InteractRequest, next(raws, b""))
+        raw = next(raws, b"")
+        with self.inflight.hold(len(raw), "the request"):
+            yield from self._interact(raw, raws, context)
+
+    def _interact(self, raw: bytes, raws: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
+        first = intake.parse(nnd_pb2.InteractRequest, raw)
         if first.WhichOneof("kind") != "start":
             raise errors.InvalidArgument("an Interact stream starts with an InteractStart")
         start = first.start
@@ -190,7 +202,7 @@ class Gateway:
                 run,
                 context,
                 lambda stop, on_error: self.service.interact(
-                    run, start, messages(), context, stop, on_error, caps=self.pause_caps(stop)
+                    run, start, messages(), context, stop, on_error, caps=self.pause_caps(stop), inflight=self.inflight
                 ),
             )
         finally:

@@ -24,6 +24,8 @@ _END = object()
 # A queued request's turn has come (the daemon reads it as STARTED_KEY: from here on it may have run).
 RUNNING = nnd_pb2.TraceResponse(queued=nnd_pb2.Queued(running=True))
 _STARTED = object()  # the request has the model: tell the daemon it is no longer queued
+# Continuations of one Interact stream read ahead of its run (each at most max_request_bytes).
+INBOX_SIZE = 4
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -212,34 +214,75 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         stop: Stop,
         on_error: Callable[[BaseException], BaseException] = lambda exc: exc,
         caps: dict[str, Any] | None = None,
+        inflight: Any = None,
     ) -> Iterator[Any]:
         """A run the client steers at sync points (gateway.py parses the stream): it runs alone
-        (never batched) and holds the model while paused. `messages` ends when the client does."""
+        (never batched) and holds the model while paused. `messages` ends when the client does.
+        `caps`: the server's bounds on its pauses (engine/interact.py's PauseCaps); `inflight`: the
+        worker's byte budget (daemon/inflight.py) the continuations it has not read yet count in."""
         from nnd_daemon.engine import interact
 
         if self.model is None:
             raise errors.FailedPrecondition("worker has no model loaded")
+        # What the client sent and the run has not read yet: (message, bytes counted in `inflight`). At most
+        # INBOX_SIZE continuations are read off the stream ahead of the run; beyond that the reader waits
+        # and gRPC's flow control holds the client back, so a queued stream cannot grow the worker.
         inbox: queue.Queue[Any] = queue.Queue()
+        slots = threading.Semaphore(INBOX_SIZE)
+        closed = threading.Event()
 
         def gone() -> None:
             stop.set()
-            inbox.put(interact.GONE)  # wakes a paused run at once
+            inbox.put((interact.GONE, 0))  # wakes a paused run at once
 
         context.add_callback(gone)
 
         def read() -> None:
+            pending = iter(messages)
             try:
-                for msg in messages:
-                    inbox.put(msg)
+                while True:
+                    while not slots.acquire(timeout=0.5):  # no room: wait for the run to read one
+                        if closed.is_set():
+                            return
+                    msg = next(pending, None)
+                    if msg is None or closed.is_set():
+                        break
+                    n = msg.ByteSize() if isinstance(msg, worker_pb2.WorkerInteractContinue) else 0
+                    if inflight is not None and n:
+                        try:
+                            inflight.acquire(n, "a continuation of this Interact stream")
+                        except errors.NndError as err:  # the paused run fails with it
+                            inbox.put((err, 0))
+                            return
+                    inbox.put((msg, n))
+                    if closed.is_set():  # the run ended as this arrived: give its bytes back too
+                        close()
+                        return
             except Exception:  # noqa: BLE001 - the stream broke: same as the client going away
                 pass
-            inbox.put(interact.GONE)
+            inbox.put((interact.GONE, 0))
 
         def receive(timeout: float) -> Any:
             try:
-                return inbox.get(timeout=timeout)
+                msg, n = inbox.get(timeout=timeout)
             except queue.Empty:
                 return None
+            if n and inflight is not None:
+                inflight.release(n)
+            if isinstance(msg, worker_pb2.WorkerInteractContinue):
+                slots.release()
+            return msg
+
+        def close() -> None:
+            """The run is over: stop reading, and give back what it never read."""
+            closed.set()
+            while True:
+                try:
+                    msg, n = inbox.get_nowait()
+                except queue.Empty:
+                    return
+                if n and inflight is not None:
+                    inflight.release(n)
 
         client = _client(context)
         held: list[activity.Request] = []  # the tracked request, once it is
@@ -270,6 +313,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 out.put(_END)
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
                 out.put(exc)
+            finally:
+                close()
 
         with self.activity.track(kind, client, steps) as tracked, _log_if_cancelled(stop, tracked):
             held.append(tracked)
