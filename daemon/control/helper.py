@@ -10,9 +10,13 @@ RESOURCE_EXHAUSTED naming the limit. Any death ends only the call it was
 running; the next call starts a fresh helper, which rebuilds the META models it
 needs from the call itself (every call carries its model's HelperModel).
 
-Calls run one at a time: the CPU time the watchdog measures is then the call's
-own, and a call that kills the helper takes no other call with it. (Calls wait
-for the one before; none is lost.)
+Calls run one at a time in each helper process: the CPU time the watchdog
+measures is then the call's own, and a call that kills the helper takes no
+other call with it. (Calls wait for the one before; none is lost.) There are
+two such processes, two lanes (`Lanes`): cheap calls whose cost is bounded by
+a limit of their own (Tokenize, Decode, GetTokenizerFiles) have a process of
+their own, so they never wait behind a Scan or a meta build another client
+shaped.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class Helper:
         start_timeout_s: float = 120.0,
         call_timeout_s: float = 600.0,
         cache: int = 8,
+        name: str = "helper",
     ) -> None:
         self.memory_bytes = memory_bytes
         self.cpu_s = cpu_s
@@ -63,8 +68,8 @@ class Helper:
         # Wall-clock bound of a call that names none (a build waiting on I/O uses no CPU time).
         self.call_timeout_s = call_timeout_s
         self.cache = cache
-        self.socket = os.path.join(run_dir, "helper.sock")
-        self.log_path = os.path.join(log_dir, "helper.log")
+        self.socket = os.path.join(run_dir, f"{name}.sock")
+        self.log_path = os.path.join(log_dir, f"{name}.log")
         # An empty directory the helper may not write to: it starts there (with -I: no cwd on sys.path).
         self.cwd = os.path.join(run_dir, "helper-cwd")
         os.makedirs(self.cwd, mode=0o555, exist_ok=True)
@@ -269,3 +274,33 @@ class Helper:
 
     def status(self) -> helper_pb2.HelperStatus:
         return self.call("Status", helper_pb2.HelperEmpty(), what="a status call", timeout=10.0)
+
+
+# Helper calls whose cost a limit of their own bounds (max_tokenize_bytes, a token-id check, a
+# tokenizer's files): the light lane's. Everything else (Scan, Describe, checks) is the heavy lane's.
+LIGHT_METHODS = frozenset({"Tokenize", "Decode", "GetTokenizerFiles"})
+
+
+class Lanes:
+    """The daemon's helper as two processes: a heavy lane (meta builds, Scans, edit and upload checks)
+    and a light one (LIGHT_METHODS), so a cheap call never queues behind an expensive one. Anything
+    not about calls (the pid, restarts, capabilities) is the heavy lane's."""
+
+    def __init__(self, run_dir: str, log_dir: str, **options: Any) -> None:
+        self.heavy = Helper(run_dir, log_dir, **options)
+        self.light = Helper(run_dir, log_dir, name="helper-light", **options)
+
+    def call(self, method: str, request: Any, **kw: Any) -> Any:
+        lane = self.light if method in LIGHT_METHODS else self.heavy
+        return lane.call(method, request, **kw)
+
+    def start_soon(self) -> None:
+        self.heavy.start_soon()
+        self.light.start_soon()
+
+    def close(self) -> None:
+        self.heavy.close()
+        self.light.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.heavy, name)

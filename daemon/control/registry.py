@@ -35,7 +35,7 @@ import psutil
 from nnd.v1 import helper_pb2, nnd_pb2, worker_pb2
 from nnd_daemon import errors, intake, loadoptions
 from nnd_daemon.control import gpus, metamodel, statefile, tplaunch, uploads
-from nnd_daemon.control.helper import Helper
+from nnd_daemon.control.helper import Helper, Lanes
 from nnd_daemon.control.settings import Settings, parse_duration
 from nnd_daemon.control.supervisor import Launcher, WorkerFactory, WorkerHandle, WorkerOrder
 
@@ -124,7 +124,7 @@ class Registry:
         start_worker: WorkerFactory | None = None,
         gpu_query: gpus.GpuQuery = gpus,
         clock: Callable[[], float] = time.time,
-        helper: Helper | None = None,
+        helper: Lanes | Helper | None = None,
         reap_every_s: float = 0.5,
     ) -> None:
         self.settings = settings
@@ -151,7 +151,7 @@ class Registry:
         self.log_dir = os.path.join(settings.state_dir, "logs")
         os.makedirs(self.log_dir, mode=0o750, exist_ok=True)
         # Meta builds, scans, tokenizing, edit and upload checks: never in this process (control/helper.py).
-        self.helper = helper or Helper(
+        self.helper = helper or Lanes(
             self.run_dir,
             self.log_dir,
             memory_bytes=settings.helper_memory_bytes,
