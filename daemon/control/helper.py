@@ -35,12 +35,23 @@ import psutil
 
 from nnd.v1 import helper_pb2, helper_pb2_grpc
 from nnd_daemon import errors, shared
-from nnd_daemon.control import statedir
+from nnd_daemon.control import admission, statedir
+from nnd_daemon.control.fairgate import FairGate
 
 log = logging.getLogger("nnd.helper")
 
 # How often the watchdog reads the helper's CPU time during a call.
 POLL_S = 0.05
+
+
+def caller_of(context: Any) -> str:
+    """Who a call is for, for taking turns (admission.caller_of); calls the daemon makes for itself are one."""
+    if context is None:
+        return "daemon"
+    try:
+        return admission.caller_of(context)
+    except Exception:  # noqa: BLE001 - the context of a call that has ended
+        return "?"
 
 
 def _size(n: float) -> str:
@@ -73,7 +84,8 @@ class Helper:
         # An empty directory the helper may not write to: it starts there (with -I: no cwd on sys.path).
         self.cwd = os.path.join(run_dir, "helper-cwd")
         os.makedirs(self.cwd, mode=0o555, exist_ok=True)
-        self._call_lock = threading.Lock()  # one call at a time (see the module docstring)
+        # One call at a time (see the module docstring), clients taking turns (fairgate.py).
+        self._call_lock = FairGate()
         self._proc: subprocess.Popen[bytes] | None = None
         self._ps: psutil.Process | None = None
         self._channel: grpc.Channel | None = None
@@ -180,7 +192,7 @@ class Helper:
 
         `what` names the work in error messages ("this Scan"); `client` (a
         grpc.ServicerContext) cancels the call when the client goes away."""
-        with self._call_lock:
+        with self._call_lock.held(caller_of(client)):
             stub = self._ensure()
             start = self._cpu()
             future = getattr(stub, method).future(request, timeout=timeout or self.call_timeout_s or None)
