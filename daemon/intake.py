@@ -93,7 +93,16 @@ def check(request: nnd_pb2.TraceRequest, limits: Any, *, generate: bool) -> None
 
 # The fields of nnd.v1.Limits (control/settings.py's Limits) a worker's gateway checks per request
 # (`check`, the queue depth, the default deadline)...
-REQUEST_LIMIT_FIELDS = ("max_request_bytes", "max_invokes", "max_new_tokens", "default_deadline_s", "max_queue_depth")
+REQUEST_LIMIT_FIELDS = (
+    "max_request_bytes",
+    "max_invokes",
+    "max_new_tokens",
+    "default_deadline_s",
+    "max_queue_depth",
+    "max_pause_s",
+    "max_paused_total_s",
+    "max_inflight_bytes",
+)
 # ...and those the engine enforces while a request runs (engine/limits.py's EngineLimits). A limit
 # `check` enforces from the request alone (max_invokes) is not the engine's: each is checked once.
 ENGINE_LIMIT_FIELDS = ("max_saved_bytes", "max_sequence_length", "max_new_tokens", "max_constant_bytes")

@@ -42,6 +42,11 @@ EPOCH_KEY = "nnd-epoch"  # the route epoch a client followed
 ROUTE_KEY = "nnd-route"  # trailing metadata "stale": wrong epoch, nothing ran
 STALE = "stale"
 MODEL_KEY = "nnd-model"  # set by the daemon when it forwards bytes it did not parse
+# Set by the daemon on a request it forwards whose client sent no deadline: the worker applies the
+# daemon's --deadline itself (and says so when it ends the request); the call's own gRPC timeout is
+# that plus FORWARD_GRACE_S, a backstop that must not win the race and end the call without the reason.
+DEFAULT_DEADLINE_KEY = "nnd-default-deadline"
+FORWARD_GRACE_S = 5.0
 
 # The data methods a worker serves to clients (the rest of nnd.v1.Nnd is the daemon's).
 DATA_METHODS = ("Trace", "Generate", "Session")

@@ -112,10 +112,50 @@ def test_upload_caps_count_per_client_and_in_all():
         gate._enter("Upload", "ipv4:10.0.0.3:5000")
     gate._leave("Upload", "ipv4:10.0.0.1:5000")
     gate._enter("Upload", "ipv4:10.0.0.3:5000")
-    for _ in range(7):  # 3 uploads + 7 = the 10 slots
-        gate._enter("Trace", "unix:")
+    for i in range(7):  # 3 uploads + 7 = the 10 slots (seven clients: each within its share)
+        gate._enter("Trace", "unix:", f"client {i}")
     with pytest.raises(errors.ResourceExhausted, match="busy"):
-        gate._enter("Trace", "unix:")
+        gate._enter("Trace", "unix:", "client 7")
+
+
+def test_a_flooding_client_is_refused_beyond_its_share_and_bystanders_are_not():
+    from nnd_daemon import errors
+    from nnd_daemon.control.admission import Admission
+
+    gate = Admission(slow_slots=40, uploads_total=3, uploads_per_client=2, upload_idle_s=0)
+    assert gate.per_client == 10
+    refused = 0
+    for _ in range(230):  # one client resubmitting Scans from 230 threads
+        try:
+            gate._enter("Scan", "unix:", "unix: flood@box:1")
+        except errors.ResourceExhausted as exc:
+            assert "this client" in str(exc)
+            refused += 1
+    assert refused == 220
+    for i in range(30):  # every bystander's call still finds a slot
+        gate._enter(["GetRoute", "Trace", "Dispatch", "Tokenize"][i % 4], "unix:", f"unix: user{i}@box:{i}")
+    with pytest.raises(errors.ResourceExhausted, match="busy"):
+        gate._enter("Trace", "unix:", "unix: late@box:9")
+
+
+def test_the_helper_serves_waiting_clients_in_turn():
+    from nnd_daemon.control.fairgate import FairGate
+
+    gate = FairGate()
+    gate.acquire("holder")
+    order: list[str] = []
+    threads = []
+    for who in ["flood"] * 5 + ["bystander"]:  # five of the flooder's calls queue before the bystander's one
+        t = threading.Thread(target=lambda w=who: (gate.acquire(w), order.append(w), gate.release()))
+        t.start()
+        threads.append(t)
+        while gate.waiting() != len(threads):
+            threading.Event().wait(0.001)
+    gate.release()
+    for t in threads:
+        t.join(10)
+    assert order[:2] == ["flood", "bystander"]  # the bystander's turn comes second, not sixth
+    assert order.count("flood") == 5
 
 
 # ---------------------------------------------------------------- paths, names, allow-list

@@ -1,11 +1,11 @@
-"""The daemon-wide budget of request and result bytes in flight (control/inflight.py)."""
+"""The daemon-wide budget of request and result bytes in flight (daemon/inflight.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from nnd_daemon import errors
-from nnd_daemon.control.inflight import InflightBudget
+from nnd_daemon.inflight import InflightBudget
 
 
 def test_bytes_beyond_the_budget_are_refused_naming_the_limit_and_freed_ones_fit_again():

@@ -328,7 +328,7 @@ def test_syncs_go_to_the_worker_by_route_and_through_the_daemon_alike(gpt2, refe
     assert torch.allclose(logits, want, atol=1e-5)
 
 
-def test_a_paused_run_shows_in_ps_as_a_running_trace(gpt2):
+def test_a_paused_run_shows_in_ps_as_a_paused_trace(gpt2):
     from nnd.v1 import nnd_pb2
 
     def info():
@@ -338,7 +338,9 @@ def test_a_paused_run_shows_in_ps_as_a_running_trace(gpt2):
         gpt2.transformer.h[0].output.sum().item()
         paused = info()  # asked while the run is paused here
     after = info()
-    assert [(r.kind, r.state) for r in paused.requests] == [("trace", "running")]
+    # Paused at a sync point (it holds the model while its client computes), with since when.
+    assert [(r.kind, r.state) for r in paused.requests] == [("trace", "paused")]
+    assert paused.requests[0].paused_since > 0
     assert paused.idle_s == 0  # busy: keep-alive counts a paused run as activity
     assert not after.requests
 

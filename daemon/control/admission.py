@@ -7,7 +7,9 @@ once, or `uploads_per_client`/`uploads_total` Uploads, it is refused with
 RESOURCE_EXHAUSTED, so threads are always left for the quick calls of
 `ALWAYS` (`nnd ps`, ListModels, GetModel, GetServerInfo; health is a service
 of its own and never gated). An Upload whose client sends nothing for
-`upload_idle_s` is cancelled, which frees its thread.
+`upload_idle_s` is cancelled, which frees its thread. No client holds more
+than its share of the slots (`client_share`, a quarter by default): a client
+that floods is refused RESOURCE_EXHAUSTED while others still find slots.
 
 Every call but ListModels and GetModel (they only read the registry) also
 waits until the start-up imports are done (`Admission.ready`): two threads
@@ -24,7 +26,7 @@ from typing import Any
 
 import grpc
 
-from nnd_daemon import errors
+from nnd_daemon import errors, shared
 
 log = logging.getLogger("nnd.admission")
 
@@ -46,10 +48,31 @@ def client_of(peer: str) -> str:
     return kind
 
 
+def caller_of(context: grpc.ServicerContext) -> str:
+    """The client for a slot's share: `client_of` its peer and its own `nnd-client` metadata (the Python
+    client sends user@host:pid, so two notebooks on one unix socket are two callers)."""
+    named = ""
+    for key, value in context.invocation_metadata() or ():
+        if key == shared.CLIENT_KEY and isinstance(value, str):
+            named = value[:80]
+    return f"{client_of(context.peer() or '?')} {named}"
+
+
 class Admission:
-    def __init__(self, *, slow_slots: int, uploads_total: int, uploads_per_client: int, upload_idle_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        slow_slots: int,
+        uploads_total: int,
+        uploads_per_client: int,
+        upload_idle_s: float,
+        client_share: float = 0.25,
+    ) -> None:
         self.ready = threading.Event()
         self.slow_slots = slow_slots
+        # Slots one caller may hold at once (at least 4, so a client's ordinary concurrency always fits).
+        self.per_client = max(4, int(slow_slots * client_share))
+        self._callers: dict[str, int] = {}
         self.uploads_total = uploads_total
         self.uploads_per_client = uploads_per_client
         self.upload_idle_s = upload_idle_s
@@ -58,8 +81,14 @@ class Admission:
         self._uploads: dict[str, int] = {}
 
     # -- slots ----------------------------------------------------------------
-    def _enter(self, method: str, peer: str) -> None:
+    def _enter(self, method: str, peer: str, caller: str = "") -> None:
         with self._lock:
+            held = self._callers.get(caller, 0)
+            if held >= self.per_client:
+                raise errors.ResourceExhausted(
+                    f"this client has {held} calls running or waiting, its share of the daemon's "
+                    f"{self.slow_slots} slots; wait for some to finish"
+                )
             if self._slow >= self.slow_slots:
                 raise errors.ResourceExhausted(
                     f"the daemon is busy: {self._slow} calls are running or waiting (its limit); try again shortly"
@@ -77,10 +106,14 @@ class Admission:
                     )
                 self._uploads[client] = mine + 1
             self._slow += 1
+            self._callers[caller] = held + 1
 
-    def _leave(self, method: str, peer: str) -> None:
+    def _leave(self, method: str, peer: str, caller: str = "") -> None:
         with self._lock:
             self._slow -= 1
+            self._callers[caller] -= 1
+            if not self._callers[caller]:
+                del self._callers[caller]
             if method == UPLOAD:
                 client = client_of(peer)
                 self._uploads[client] -= 1
@@ -98,15 +131,15 @@ class Admission:
                 self._await_ready(context)
             if not gated:
                 return fn(request, context)
-            peer = context.peer()
-            self._enter(method, peer)
+            peer, caller = context.peer(), caller_of(context)
+            self._enter(method, peer, caller)
             guarded = self._idle_guarded(request, context) if method == UPLOAD else None
             try:
                 return fn(guarded if guarded is not None else request, context)
             finally:
                 if guarded is not None:
                     guarded.close()  # stops its idle watch now, not at garbage collection
-                self._leave(method, peer)
+                self._leave(method, peer, caller)
 
         def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             if wait:
@@ -114,12 +147,12 @@ class Admission:
             if not gated:
                 yield from fn(request, context)
                 return
-            peer = context.peer()
-            self._enter(method, peer)
+            peer, caller = context.peer(), caller_of(context)
+            self._enter(method, peer, caller)
             try:
                 yield from fn(request, context)
             finally:
-                self._leave(method, peer)
+                self._leave(method, peer, caller)
 
         return stream if streaming else unary
 

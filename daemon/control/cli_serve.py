@@ -38,6 +38,8 @@ def settings_from_args(ns: argparse.Namespace) -> Settings:
         max_sequence_length=ns.max_sequence_length,
         max_new_tokens=ns.max_new_tokens,
         default_deadline_s=ns.deadline,
+        max_pause_s=max(0.0, getattr(ns, "max_pause", 5.0)),
+        max_paused_total_s=max(0.0, getattr(ns, "max_paused_total", 30.0)),
         max_queue_depth=ns.max_queue_depth,
         max_dispatched_models=ns.max_dispatched,
         max_upload_bytes=-1 if ns.no_uploads else parse_bytes(ns.max_upload_bytes),

@@ -10,9 +10,13 @@ RESOURCE_EXHAUSTED naming the limit. Any death ends only the call it was
 running; the next call starts a fresh helper, which rebuilds the META models it
 needs from the call itself (every call carries its model's HelperModel).
 
-Calls run one at a time: the CPU time the watchdog measures is then the call's
-own, and a call that kills the helper takes no other call with it. (Calls wait
-for the one before; none is lost.)
+Calls run one at a time in each helper process: the CPU time the watchdog
+measures is then the call's own, and a call that kills the helper takes no
+other call with it. (Calls wait for the one before; none is lost.) There are
+two such processes, two lanes (`Lanes`): cheap calls whose cost is bounded by
+a limit of their own (Tokenize, Decode, GetTokenizerFiles) have a process of
+their own, so they never wait behind a Scan or a meta build another client
+shaped.
 """
 
 from __future__ import annotations
@@ -31,12 +35,23 @@ import psutil
 
 from nnd.v1 import helper_pb2, helper_pb2_grpc
 from nnd_daemon import errors, shared
-from nnd_daemon.control import statedir
+from nnd_daemon.control import admission, statedir
+from nnd_daemon.control.fairgate import FairGate
 
 log = logging.getLogger("nnd.helper")
 
 # How often the watchdog reads the helper's CPU time during a call.
 POLL_S = 0.05
+
+
+def caller_of(context: Any) -> str:
+    """Who a call is for, for taking turns (admission.caller_of); calls the daemon makes for itself are one."""
+    if context is None:
+        return "daemon"
+    try:
+        return admission.caller_of(context)
+    except Exception:  # noqa: BLE001 - the context of a call that has ended
+        return "?"
 
 
 def _size(n: float) -> str:
@@ -56,6 +71,7 @@ class Helper:
         start_timeout_s: float = 120.0,
         call_timeout_s: float = 600.0,
         cache: int = 8,
+        name: str = "helper",
     ) -> None:
         self.memory_bytes = memory_bytes
         self.cpu_s = cpu_s
@@ -63,12 +79,13 @@ class Helper:
         # Wall-clock bound of a call that names none (a build waiting on I/O uses no CPU time).
         self.call_timeout_s = call_timeout_s
         self.cache = cache
-        self.socket = os.path.join(run_dir, "helper.sock")
-        self.log_path = os.path.join(log_dir, "helper.log")
+        self.socket = os.path.join(run_dir, f"{name}.sock")
+        self.log_path = os.path.join(log_dir, f"{name}.log")
         # An empty directory the helper may not write to: it starts there (with -I: no cwd on sys.path).
         self.cwd = os.path.join(run_dir, "helper-cwd")
         os.makedirs(self.cwd, mode=0o555, exist_ok=True)
-        self._call_lock = threading.Lock()  # one call at a time (see the module docstring)
+        # One call at a time (see the module docstring), clients taking turns (fairgate.py).
+        self._call_lock = FairGate()
         self._proc: subprocess.Popen[bytes] | None = None
         self._ps: psutil.Process | None = None
         self._channel: grpc.Channel | None = None
@@ -178,7 +195,7 @@ class Helper:
 
         `what` names the work in error messages ("this Scan"); `client` (a
         grpc.ServicerContext) cancels the call when the client goes away."""
-        with self._call_lock:
+        with self._call_lock.held(caller_of(client)):
             stub = self._ensure()
             start = self._cpu()
             future = getattr(stub, method).future(request, timeout=timeout or self.call_timeout_s or None)
@@ -272,3 +289,34 @@ class Helper:
 
     def status(self) -> helper_pb2.HelperStatus:
         return self.call("Status", helper_pb2.HelperEmpty(), what="a status call", timeout=10.0)
+
+
+# Helper calls whose cost a limit of their own bounds (max_tokenize_bytes, a token-id check, a
+# tokenizer's files): the light lane's. Everything else (Scan, Describe, checks) is the heavy lane's.
+LIGHT_METHODS = frozenset({"Tokenize", "Decode", "GetTokenizerFiles"})
+
+
+class Lanes:
+    """The daemon's helper as two processes: a heavy lane (meta builds, Scans, edit and upload checks)
+    and a light one (LIGHT_METHODS), so a cheap call never queues behind an expensive one. Anything
+    not about calls (the pid, restarts, capabilities) is the heavy lane's."""
+
+    def __init__(self, run_dir: str, log_dir: str, helper_class: type[Helper] | None = None, **options: Any) -> None:
+        make = helper_class or Helper  # registry.Processes: the in-process engine for tests passes its own
+        self.heavy = make(run_dir, log_dir, **options)
+        self.light = make(run_dir, log_dir, name="helper-light", **options)
+
+    def call(self, method: str, request: Any, **kw: Any) -> Any:
+        lane = self.light if method in LIGHT_METHODS else self.heavy
+        return lane.call(method, request, **kw)
+
+    def start_soon(self) -> None:
+        self.heavy.start_soon()
+        self.light.start_soon()
+
+    def close(self) -> None:
+        self.heavy.close()
+        self.light.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.heavy, name)

@@ -35,7 +35,7 @@ import psutil
 from nnd.v1 import helper_pb2, nnd_pb2, worker_pb2
 from nnd_daemon import errors, identity, intake, loadoptions
 from nnd_daemon.control import events, gpus, metamodel, modelroots, statedir, statefile, tplaunch, uploads
-from nnd_daemon.control.helper import Helper
+from nnd_daemon.control.helper import Helper, Lanes
 from nnd_daemon.control.settings import Settings, parse_duration
 from nnd_daemon.control.supervisor import Launcher, WorkerFactory, WorkerHandle, WorkerOrder, log_name
 
@@ -181,7 +181,7 @@ class Registry:
         start_worker: WorkerFactory | None = None,
         gpu_query: gpus.GpuQuery = gpus,
         clock: Callable[[], float] = time.time,
-        helper: Helper | None = None,
+        helper: Lanes | Helper | None = None,
         reap_every_s: float = 0.5,
         processes: Processes | None = None,
     ) -> None:
@@ -215,14 +215,19 @@ class Registry:
         self.events = events.Events()
         self.tickets = identity.Tickets()
         # Meta builds, scans, tokenizing, edit and upload checks: never in this process (control/helper.py).
-        self.helper = helper or events.count_helper_calls(processes.helper(
-            self.run_dir,
-            self.log_dir,
-            memory_bytes=settings.helper_memory_bytes,
-            cpu_s=settings.helper_cpu_s,
-            start_timeout_s=settings.worker_start_timeout_s,
-            call_timeout_s=settings.limits.default_deadline_s,
-        ), self.events)
+        if helper is None:
+            helper = Lanes(
+                self.run_dir,
+                self.log_dir,
+                helper_class=processes.helper,
+                memory_bytes=settings.helper_memory_bytes,
+                cpu_s=settings.helper_cpu_s,
+                start_timeout_s=settings.worker_start_timeout_s,
+                call_timeout_s=settings.limits.default_deadline_s,
+            )
+            for lane in (helper.heavy, helper.light):  # each lane's own calls (describe, ...) count too
+                events.count_helper_calls(lane, self.events)
+        self.helper = helper
         # Uploaded models' files (control/uploads.py), checked in the helper process.
         self.uploads = uploads.UploadStore(settings, check=self.helper.check_upload)
         lim = settings.limits

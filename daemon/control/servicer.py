@@ -21,9 +21,9 @@ from nnd import __version__
 from nnd.v1 import graph_pb2, helper_pb2, nnd_pb2, worker_pb2
 from nnd_daemon import aliases, errors, identity, intake, shared
 from nnd_daemon.control import forward, logread
-from nnd_daemon.control.inflight import InflightBudget
 from nnd_daemon.control.registry import Registry
 from nnd_daemon.control.settings import Settings
+from nnd_daemon.inflight import InflightBudget
 
 log = logging.getLogger("nnd.servicer")
 
@@ -147,6 +147,17 @@ class NndServicer:
         timeout = remaining if remaining is not None and remaining < 1e8 else self.settings.limits.default_deadline_s
         return timeout or None
 
+    def _forward_deadline(self, context: grpc.ServicerContext) -> tuple[float | None, list[tuple[str, str]]]:
+        """The timeout of a call forwarded to a worker, and metadata for it: the client's own deadline, else
+        the daemon's default, which the worker applies itself (shared.DEFAULT_DEADLINE_KEY)."""
+        remaining = context.time_remaining()
+        if remaining is not None and remaining < 1e8:
+            return remaining, []
+        default = self.settings.limits.default_deadline_s
+        if not default:
+            return None, []
+        return default + shared.FORWARD_GRACE_S, [(shared.DEFAULT_DEADLINE_KEY, "1")]
+
     def Trace(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         yield from self._forward("Trace", raw, context)
 
@@ -183,10 +194,9 @@ class NndServicer:
             worker = entry.worker
             if worker is None:
                 raise errors.Unavailable(f"model {entry.name} lost its worker: {entry.last_error}")
-            metadata = self._worker_metadata(entry, worker, context)
-            yield from worker.interact(
-                itertools.chain([raw], raws), timeout=self._deadline(context), client=context, metadata=metadata
-            )
+            timeout, deadline = self._forward_deadline(context)
+            metadata = [*self._worker_metadata(entry, worker, context), *deadline]
+            yield from worker.interact(itertools.chain([raw], raws), timeout=timeout, client=context, metadata=metadata)
         finally:
             self.registry.done(entry)
 
@@ -210,11 +220,12 @@ class NndServicer:
                     self._forwarded.clear()
                 self._forwarded.add(peer)
                 log.info("forwarding %s of %s for %s, a client that does not follow routes", method, *peer)
-            metadata = self._worker_metadata(entry, worker, context)
+            timeout, deadline = self._forward_deadline(context)
+            metadata = [*self._worker_metadata(entry, worker, context), *deadline]
             # A client that goes away cancels the worker's call at once (not at its next response).
             try:
                 with self.inflight.hold(len(raw), "the request"):
-                    call = worker.forward(method, raw, timeout=self._deadline(context), client=context, metadata=metadata)
+                    call = worker.forward(method, raw, timeout=timeout, client=context, metadata=metadata)
                     yield from self.inflight.passing(call, "a result")
             except errors.NndError:
                 if entry.lost_epoch == worker.epoch and entry.lost_reason.startswith("was released"):

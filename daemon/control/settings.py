@@ -29,11 +29,14 @@ class Limits:
     max_upload_bytes: int = 20 * 1024 * 1024 * 1024
     # Text one Tokenize may carry (a 128k-token context is well under 1 MiB of text).
     max_tokenize_bytes: int = 4 * 1024 * 1024
-    # Request and result bytes of Trace/Generate/Session the daemon holds at once (control/inflight.py).
+    # Request and result bytes of Trace/Generate/Session the daemon holds at once (daemon/inflight.py; workers keep one of their own).
     max_inflight_bytes: int = 1024 * 1024 * 1024
     # The helper process (control/helper.py): RLIMIT_AS, and CPU seconds per call.
     helper_memory_bytes: int = 4 * 1024 * 1024 * 1024
     helper_cpu_s: float = 60.0
+    # A run paused at a sync point holds its model: seconds per pause, and in all per request (0: no cap).
+    max_pause_s: float = 5.0
+    max_paused_total_s: float = 30.0
 
     def to_proto(self) -> nnd_pb2.Limits:
         return nnd_pb2.Limits(**self.__dict__)

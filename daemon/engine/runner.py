@@ -69,7 +69,7 @@ def run(
             interaction=interaction,
             lend=lend,
         )
-        _emit_saved(done.plan, done.saved, emit, limits.max_saved_bytes)
+        _emit_saved(done.plan, done.saved, emit, limits.max_saved_bytes, interaction)
         emit(nnd_pb2.TraceResponse(done=nnd_pb2.TraceDone(compute_s=done.compute_s)))
     except errors.NndError:
         raise
@@ -176,7 +176,7 @@ def run_session(
             missing = plan.referenced(trace.request.graph) - values.keys() - {n.id for n in trace.request.graph.nodes}
             if missing:
                 raise errors.InvalidArgument(f"a trace of the session refers to unknown node(s) {sorted(missing)}")
-        _emit_saved_many(plans, saved, emit, limits.max_saved_bytes)
+        _emit_saved_many(plans, saved, emit, limits.max_saved_bytes, interaction)
         emit(nnd_pb2.TraceResponse(done=nnd_pb2.TraceDone(compute_s=compute_s)))
     except errors.NndError:
         raise
@@ -303,7 +303,7 @@ def _run(
     total_steps = opts.max_new_tokens if opts else 1
 
     def send(values: dict[int, Any]) -> None:  # a sync point's values, then Paused
-        _emit_saved(the_plan, values, emit, limits.max_saved_bytes)
+        _emit_saved(the_plan, values, emit, limits.max_saved_bytes, interaction)
         emit(nnd_pb2.TraceResponse(paused=nnd_pb2.Paused(nodes=list(values))))
 
     started = time.perf_counter()
@@ -360,9 +360,13 @@ def _run(
 
 
 def _emit_saved(
-    the_plan: plan.Plan, saved: dict[int, Any], emit: Callable[[nnd_pb2.TraceResponse], None], max_bytes: int
+    the_plan: plan.Plan,
+    saved: dict[int, Any],
+    emit: Callable[[nnd_pb2.TraceResponse], None],
+    max_bytes: int,
+    interaction: Interaction | None = None,
 ) -> None:
-    _emit_saved_many(dict.fromkeys(saved, the_plan), saved, emit, max_bytes)
+    _emit_saved_many(dict.fromkeys(saved, the_plan), saved, emit, max_bytes, interaction)
 
 
 def _emit_saved_many(
@@ -370,9 +374,12 @@ def _emit_saved_many(
     saved: dict[int, Any],
     emit: Callable[[nnd_pb2.TraceResponse], None],
     max_bytes: int,
+    interaction: Interaction | None = None,
 ) -> None:
+    """Encode and emit `saved`. With `interaction`, max_bytes bounds the whole request: what its earlier
+    sync points sent counts too, so many small pauses cannot deliver more than one result may."""
     # Encode everything first, so a limit violation emits nothing half-way.
-    encoder = wire.Encoder(max_bytes=max_bytes)
+    encoder = wire.Encoder(max_bytes=max_bytes, total_bytes=interaction.saved_bytes if interaction else 0)
     encoded: list[tuple[int, Any, list[tuple[int, Any]], int]] = []
     for node_id, value in saved.items():
         first_blob = len(encoder.blobs)
@@ -388,6 +395,8 @@ def _emit_saved_many(
             encoder.next_blob += 1
             blobs = [(value_blob, serialized)]
         encoded.append((node_id, msg, blobs, value_blob))
+    if interaction is not None:
+        interaction.saved_bytes = encoder.total_bytes
     for node_id, msg, blobs, value_blob in encoded:
         for response in wire.saved_messages(node_id, msg, blobs, value_blob):
             emit(response)

@@ -186,8 +186,9 @@ class Encoder:
         self.total_bytes += nbytes
         if self.max_bytes and self.total_bytes > self.max_bytes:
             raise errors.ResourceExhausted(
-                f"saved values exceed the limit max_saved_bytes={self.max_bytes} ({self.total_bytes} bytes so far, "
-                "non-tensor values estimated); save less or slice first"
+                f"saved values exceed the limit max_saved_bytes={self.max_bytes} ({self.total_bytes} bytes so far "
+                "in this request, the values its sync points sent included; non-tensor values estimated); save "
+                "less or slice first"
             )
 
     def tensor(self, t: torch.Tensor) -> values_pb2.Tensor:

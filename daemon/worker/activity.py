@@ -38,6 +38,7 @@ class Request:
     steps: int = 0
     step: int = 0
     user: str = ""
+    paused_since: float = 0.0  # unix time it paused at a sync point (0: not paused)
     # Rows generated per step (a Generate's invokes), for the tokens count.
     rows: int = 1
     started: float = 0.0
@@ -216,8 +217,9 @@ class Activity:
                 nnd_pb2.RequestInFlight(
                     kind=r.kind,
                     client=r.client,
-                    state="running" if r.running else "queued",
+                    state=("paused" if r.paused_since else "running") if r.running else "queued",
                     since=r.since,
+                    paused_since=r.paused_since,
                     step=r.step,
                     steps=r.steps,
                     position=0 if r.running else ahead,

@@ -169,6 +169,11 @@ class Batcher:
             with self._cond:
                 if member.claimed:
                     break
+                if member.cancelled():  # cancelled or past its deadline while waiting: leave the line now
+                    self._pending.remove(member)
+                    from nnd_daemon import errors
+
+                    raise errors.Cancelled("request cancelled before it ran")
             if not self.run_lock.acquire(timeout=_POLL_S * 5):
                 continue
             group: list[Member] = []

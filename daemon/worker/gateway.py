@@ -22,6 +22,8 @@ import grpc
 
 from nnd.v1 import nnd_pb2, worker_pb2
 from nnd_daemon import aliases, errors, identity, intake, shared
+from nnd_daemon.inflight import InflightBudget
+from nnd_daemon.worker.stop import Stop
 
 _SERVICE = "nnd.v1.Nnd"
 
@@ -41,6 +43,9 @@ class Gateway:
         self.queue_share = float(limits.get("max_queue_share", 0) or 0)
         # Verifies the `nnd-user` tickets clients (and the daemon, forwarding) send (identity.py).
         self.tickets = tickets
+        # Request bytes held while they wait for the model, and Interact continuations not yet read by
+        # their paused run: bounded as the daemon bounds what it forwards (daemon/inflight.py).
+        self.inflight = InflightBudget(int(self.limits.max_inflight_bytes), holder=f"the worker of {name}")
         self._lock = threading.Lock()
         self._bindings: list[worker_pb2.AliasBinding] = []
         self._table: aliases.AliasTable | None = None
@@ -141,26 +146,36 @@ class Gateway:
 
     def serve(self, method: str, raw: bytes, context: grpc.ServicerContext, route: bool = False) -> Iterator[Any]:
         self._check_epoch(context, route)
-        try:
-            run = self._prepare(method, raw)
-        except errors.NndError as exc:  # over a limit, malformed: counted, never run
-            self.service.activity.refused(method.lower(), exc, self.user_of(context), client_of(context))
-            raise
-        self._check_model(run.session.model if run.HasField("session") else run.request.model, route)
-        keep_alive = run.session.keep_alive if run.HasField("session") else run.request.keep_alive
-        kind = "session" if run.HasField("session") else "generate" if run.generate else "trace"
-        user = self._begin(kind, keep_alive, context)
-        try:
-            yield from self._run(run, context, lambda stop, on_error: self.service.run(run, context, stop, on_error))
-        finally:
-            self.service.activity.end(user)
+        with self.inflight.hold(len(raw), "the request"):
+            try:
+                run = self._prepare(method, raw)
+            except errors.NndError as exc:  # over a limit, malformed: counted, never run
+                self.service.activity.refused(method.lower(), exc, self.user_of(context), client_of(context))
+                raise
+            self._check_model(run.session.model if run.HasField("session") else run.request.model, route)
+            keep_alive = run.session.keep_alive if run.HasField("session") else run.request.keep_alive
+            kind = "session" if run.HasField("session") else "generate" if run.generate else "trace"
+            user = self._begin(kind, keep_alive, context)
+            try:
+                yield from self._run(
+                    run, context, lambda stop, on_error: self.service.run(run, context, stop, on_error)
+                )
+            finally:
+                self.service.activity.end(user)
 
     def interact(self, raws: Iterator[bytes], context: grpc.ServicerContext, route: bool = False) -> Iterator[Any]:
         """Interact (sync points): the first message starts the run, checked and completed as a
         Trace is; later ones add nodes (their alias paths rewritten here). A malformed later
-        message ends the stream, as the client going away does."""
+        message ends the run with INVALID_ARGUMENT saying what was wrong."""
         self._check_epoch(context, route)
-        first = intake.parse(nnd_pb2.InteractRequest, next(raws, b""))
+        raw = next(raws, b"")
+        with self.inflight.hold(len(raw), "the request"):
+            yield from self._interact(raw, raws, context, route)
+
+    def _interact(
+        self, raw: bytes, raws: Iterator[bytes], context: grpc.ServicerContext, route: bool
+    ) -> Iterator[Any]:
+        first = intake.parse(nnd_pb2.InteractRequest, raw)
         if first.WhichOneof("kind") != "start":
             raise errors.InvalidArgument("an Interact stream starts with an InteractStart")
         start = first.start
@@ -189,9 +204,19 @@ class Gateway:
             for raw in raws:
                 try:
                     msg = nnd_pb2.InteractRequest.FromString(raw)
-                except Exception:  # noqa: BLE001 - malformed: end the run
+                except Exception as exc:  # noqa: BLE001 - malformed: the paused run fails, saying why
+                    yield errors.InvalidArgument(
+                        f"a later message of this Interact stream is not a valid nnd.v1.InteractRequest ({exc}); "
+                        "the run was ended"
+                    )
                     return
-                if msg.WhichOneof("kind") != "more":
+                kind = msg.WhichOneof("kind")
+                if kind != "more":
+                    yield errors.InvalidArgument(
+                        "a later message of an Interact stream must be an InteractContinue (`more`), not "
+                        f"{'a second InteractStart' if kind == 'start' else 'an empty InteractRequest'}; "
+                        "the run was ended"
+                    )
                     return
                 more = msg.more
                 try:  # each continuation is held to the limits the stream's first message was
@@ -223,7 +248,11 @@ class Gateway:
 
         try:
             yield from self._run(
-                run, context, lambda stop, on_error: self.service.interact(run, start, messages(), context, stop, on_error)
+                run,
+                context,
+                lambda stop, on_error: self.service.interact(
+                    run, start, messages(), context, stop, on_error, caps=self.pause_caps(stop), inflight=self.inflight
+                ),
             )
         finally:
             self.service.activity.end(user)
@@ -240,31 +269,37 @@ class Gateway:
         self,
         run: worker_pb2.WorkerRunRequest,
         context: grpc.ServicerContext,
-        call: Callable[[threading.Event, Callable[[BaseException], BaseException]], Iterator[Any]],
+        call: Callable[[Stop, Callable[[BaseException], BaseException]], Iterator[Any]],
     ) -> Iterator[Any]:
-        stop = threading.Event()
-        expired = threading.Event()
+        # The deadline is a point in time checked where the request already waits or polls (stop.py),
+        # not a timer thread per request: the client's own timeout, else the daemon's --deadline.
         remaining = context.time_remaining()
-        default = float(self.limits.default_deadline_s)
-        timer = None
-        if default > 0 and (remaining is None or remaining > 1e8):  # the client set no deadline: the daemon's
-            timer = threading.Timer(default, lambda: (expired.set(), stop.set()))
-            timer.daemon = True
-            timer.start()
+        forwarded_default = dict(context.invocation_metadata() or ()).get(shared.DEFAULT_DEADLINE_KEY) == "1"
+        own = not forwarded_default and remaining is not None and remaining < 1e8
+        seconds = remaining if own else float(self.limits.default_deadline_s)
+        stop = Stop(seconds)
 
         def on_error(exc: BaseException) -> BaseException:
-            if expired.is_set():
+            if stop.expired and not isinstance(exc, errors.DeadlineExceeded):
+                if own:
+                    return errors.DeadlineExceeded(f"the request ran past its timeout ({seconds:.3g} s)")
                 return errors.DeadlineExceeded(
-                    f"the request ran past the daemon's default deadline ({default:g} s); "
+                    f"the request ran past the daemon's default deadline ({seconds:g} s); "
                     "pass a timeout or raise `nnd serve --deadline`"
                 )
             return exc
 
-        try:
-            yield from call(stop, on_error)
-        finally:
-            if timer is not None:
-                timer.cancel()
+        yield from call(stop, on_error)
+
+    def pause_caps(self, stop: Stop) -> dict[str, Any]:
+        """The server's bounds on `stop`'s request pausing at sync points (engine/interact.py's PauseCaps)."""
+        left = stop.remaining()
+        return {
+            "max_pause_s": float(self.limits.max_pause_s),
+            "max_paused_total_s": float(self.limits.max_paused_total_s),
+            "remaining": stop.remaining,
+            "deadline_s": left if left is not None else 0.0,
+        }
 
     def _prepare(self, method: str, raw: bytes) -> worker_pb2.WorkerRunRequest:
         return intake.prepare(

@@ -27,6 +27,11 @@ TOKEN_ENV = "NND_WORKER_TOKEN"
 # 256); Status pings must always find one more: a watchdog ping stuck behind
 # queued requests would make a busy worker look hung. Threads start on demand.
 RPC_THREADS = 320
+# Calls the public socket (clients following the route) takes at once. A call whose client never sends
+# its request holds a pool thread while gRPC waits for it; beyond this gRPC refuses new calls itself,
+# before any thread, with RESOURCE_EXHAUSTED (the Python client then goes through the daemon, whose
+# calls use the private socket's own pool). Below RPC_THREADS: stalled calls cannot take every thread.
+PUBLIC_CALLS = 256
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +67,10 @@ def start(
     if ns.public:
         interceptors = [TokenInterceptor(token), mapped] if token else [mapped]
         public = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=RPC_THREADS), options=shared.GRPC_OPTIONS, interceptors=interceptors
+            futures.ThreadPoolExecutor(max_workers=RPC_THREADS),
+            options=shared.GRPC_OPTIONS,
+            interceptors=interceptors,
+            maximum_concurrent_rpcs=PUBLIC_CALLS,
         )
         public.add_generic_rpc_handlers((gateway.handler(route=True),))
         old = os.umask(0o117)  # 0660: the daemon's group may connect, as to the daemon's own socket

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,12 +17,15 @@ import psutil
 from nnd.v1 import nnd_pb2, worker_pb2, worker_pb2_grpc
 from nnd_daemon import errors, shared
 from nnd_daemon.worker import activity, loader, turns
+from nnd_daemon.worker.stop import Stop
 
 log = logging.getLogger("nnd.worker")
 _END = object()
 # A queued request's turn has come (the daemon reads it as STARTED_KEY: from here on it may have run).
 RUNNING = nnd_pb2.TraceResponse(queued=nnd_pb2.Queued(running=True))
 _STARTED = object()  # the request has the model: tell the daemon it is no longer queued
+# Continuations of one Interact stream read ahead of its run (each at most max_request_bytes).
+INBOX_SIZE = 4
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -38,6 +42,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.batcher: Any = None
         # The data path (gateway.py), set when the sockets open (listen.py).
         self.gateway: Any = None
+        # While a run is paused at a sync point holding the model: (its client, monotonic time the pause
+        # must end by). A request that queues behind it is told so.
+        self.paused: tuple[str, float] | None = None
 
     # -- Load ---------------------------------------------------------------
     def Load(self, request: worker_pb2.WorkerLoadRequest, context: grpc.ServicerContext) -> Iterator[Any]:
@@ -72,14 +79,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self,
         request: worker_pb2.WorkerRunRequest,
         context: grpc.ServicerContext,
-        stop: threading.Event | None = None,
+        stop: Stop | None = None,
         on_error: Callable[[BaseException], BaseException] = lambda exc: exc,
     ) -> Iterator[Any]:
-        """Run `request` for `context`; `stop` ends it early (the call's end always does);
-        `on_error` may turn a failure into another one before it becomes the status."""
+        """Run `request` for `context`; `stop` ends it early (the call's end always does; so does its
+        deadline, stop.py); `on_error` may turn a failure into another one before it becomes the status."""
         if self.model is None:
             raise errors.FailedPrecondition("worker has no model loaded")
-        stop = stop or threading.Event()
+        stop = stop or Stop()
         context.add_callback(stop.set)
         kind = "session" if request.HasField("session") else "generate" if request.generate else "trace"
         steps = (request.request.generate.max_new_tokens or 20) if kind == "generate" else 0
@@ -90,7 +97,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             # "It waits" goes out with the message; a request that did not wait sends no header at all
             # (errors.started_from: one write fewer per trace).
             context.send_initial_metadata(((errors.QUEUED_KEY, "1"),))
-            yield nnd_pb2.TraceResponse(queued=nnd_pb2.Queued(ahead=ahead))
+            yield self._queued(ahead)
         who = dict(user=self._user(context), rows=max(1, len(request.request.invokes)))
         with self.activity.track(kind, _client(context), steps, **who) as tracked, _log_if_cancelled(stop, tracked):
 
@@ -115,11 +122,30 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 raise on_error(exc) from None
         yield from out
 
+    def _queued(self, ahead: int) -> nnd_pb2.TraceResponse:
+        """The message a request that must wait gets first: its place in line, and whether the model is
+        held by another client's run paused at a sync point (and for how long at most)."""
+        queued = nnd_pb2.Queued(ahead=ahead)
+        paused = self.paused
+        if paused is not None:
+            queued.paused_by = paused[0]
+            queued.paused_for_at_most_s = max(0.0, paused[1] - time.monotonic())
+        return nnd_pb2.TraceResponse(queued=queued)
+
+    def _turn(self, stop: Stop) -> None:
+        """Wait for the model; raises if the request is cancelled or reaches its deadline first (the wait
+        ends then, so a queued request that has ended holds nothing)."""
+        if not self._run_lock.acquire(stop=stop):
+            raise errors.Cancelled("request cancelled before it ran")
+        if stop.is_set():
+            self._run_lock.release()
+            raise errors.Cancelled("request cancelled before it ran")
+
     def _run_streaming(
         self,
         request: worker_pb2.WorkerRunRequest,
         context: grpc.ServicerContext,
-        stop: threading.Event,
+        stop: Stop,
         started: Callable[[], None],
         on_error: Callable[[BaseException], BaseException],
         *,
@@ -154,17 +180,18 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self,
         request: worker_pb2.WorkerRunRequest,
         emit: Callable[[Any], None],
-        stop: threading.Event,
+        stop: Stop,
         started: Callable[[], None],
     ) -> None:
         """Run `request` merged with concurrent ones (batching.py) or alone, one forward at a time."""
         if self.batcher is not None and self.batcher.offer(request, self.tokenizer, emit, stop.is_set, started):
             return
-        with self._run_lock:
-            if stop.is_set():
-                raise errors.Cancelled("request cancelled before it ran")
+        self._turn(stop)
+        try:
             started()
             self._execute(request, emit, stop.is_set)
+        finally:
+            self._run_lock.release()
 
     def _execute(
         self, request: worker_pb2.WorkerRunRequest, emit: Callable[[Any], None], cancelled: Callable[[], bool]
@@ -187,55 +214,114 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         start: nnd_pb2.InteractStart,
         messages: Iterator[worker_pb2.WorkerInteractContinue | errors.NndError],
         context: grpc.ServicerContext,
-        stop: threading.Event,
+        stop: Stop,
         on_error: Callable[[BaseException], BaseException] = lambda exc: exc,
+        caps: dict[str, Any] | None = None,
+        inflight: Any = None,
     ) -> Iterator[Any]:
         """A run the client steers at sync points (gateway.py parses the stream): it runs alone
-        (never batched) and holds the model while paused. `messages` ends when the client does."""
+        (never batched) and holds the model while paused. `messages` ends when the client does.
+        `caps`: the server's bounds on its pauses (engine/interact.py's PauseCaps); `inflight`: the
+        worker's byte budget (daemon/inflight.py) the continuations it has not read yet count in."""
         from nnd_daemon.engine import interact
 
         if self.model is None:
             raise errors.FailedPrecondition("worker has no model loaded")
+        # What the client sent and the run has not read yet: (message, bytes counted in `inflight`). At most
+        # INBOX_SIZE continuations are read off the stream ahead of the run; beyond that the reader waits
+        # and gRPC's flow control holds the client back, so a queued stream cannot grow the worker.
         inbox: queue.Queue[Any] = queue.Queue()
+        slots = threading.Semaphore(INBOX_SIZE)
+        closed = threading.Event()
 
         def gone() -> None:
             stop.set()
-            inbox.put(interact.GONE)  # wakes a paused run at once
+            inbox.put((interact.GONE, 0))  # wakes a paused run at once
 
         context.add_callback(gone)
 
         def read() -> None:
+            pending = iter(messages)
             try:
-                for msg in messages:
-                    inbox.put(msg)
+                while True:
+                    while not slots.acquire(timeout=0.5):  # no room: wait for the run to read one
+                        if closed.is_set():
+                            return
+                    msg = next(pending, None)
+                    if msg is None or closed.is_set():
+                        break
+                    n = msg.ByteSize() if isinstance(msg, worker_pb2.WorkerInteractContinue) else 0
+                    if inflight is not None and n:
+                        try:
+                            inflight.acquire(n, "a continuation of this Interact stream")
+                        except errors.NndError as err:  # the paused run fails with it
+                            inbox.put((err, 0))
+                            return
+                    inbox.put((msg, n))
+                    if closed.is_set():  # the run ended as this arrived: give its bytes back too
+                        close()
+                        return
             except Exception:  # noqa: BLE001 - the stream broke: same as the client going away
                 pass
-            inbox.put(interact.GONE)
+            inbox.put((interact.GONE, 0))
 
         def receive(timeout: float) -> Any:
             try:
-                return inbox.get(timeout=timeout)
+                msg, n = inbox.get(timeout=timeout)
             except queue.Empty:
                 return None
+            if n and inflight is not None:
+                inflight.release(n)
+            if isinstance(msg, worker_pb2.WorkerInteractContinue):
+                slots.release()
+            return msg
 
-        interaction = interact.Interaction(start, receive)
+        def close() -> None:
+            """The run is over: stop reading, and give back what it never read."""
+            closed.set()
+            while True:
+                try:
+                    msg, n = inbox.get_nowait()
+                except queue.Empty:
+                    return
+                if n and inflight is not None:
+                    inflight.release(n)
+
+        client = _client(context)
+        held: list[activity.Request] = []  # the tracked request, once it is
+
+        def on_pause(since: float) -> None:
+            # `nnd ps` shows the run as paused, and a request that queues meanwhile hears who holds the model.
+            for tracked in held:
+                tracked.paused_since = time.time() if since else 0.0
+            if since:
+                self.paused = (client, since + interaction.bound()[0])
+            else:
+                self.paused = None
+
+        interaction = interact.Interaction(start, receive, caps=interact.PauseCaps(**(caps or {})), on_pause=on_pause)
         kind = "session" if run.HasField("session") else "generate" if run.generate else "trace"
         steps = (run.request.generate.max_new_tokens or 20) if kind == "generate" else 0
         out: queue.Queue[Any] = queue.Queue()
 
         def work() -> None:
             try:
-                with self._run_lock:  # alone: a paused run must not hold other clients' rows
-                    if stop.is_set():
-                        raise errors.Cancelled("request cancelled before it ran")
+                self._turn(stop)  # alone: a paused run must not hold other clients' rows
+                try:
                     out.put(_STARTED)
                     self._interact(run, out.put, stop.is_set, interaction)
+                finally:
+                    self.paused = None
+                    self._run_lock.release()
                 out.put(_END)
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
                 out.put(exc)
+            finally:
+                close()
 
         who = dict(user=self._user(context), rows=max(1, len(run.request.invokes)))
-        with self.activity.track(kind, _client(context), steps, **who) as tracked, _log_if_cancelled(stop, tracked):
+        with self.activity.track(kind, client, steps, **who) as tracked, _log_if_cancelled(stop, tracked):
+            held.append(tracked)
             threading.Thread(target=read, name="interact-read", daemon=True).start()
             threading.Thread(target=work, name="interact", daemon=True).start()
             while True:
@@ -285,13 +371,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
 
 @contextlib.contextmanager
-def _log_if_cancelled(stop: threading.Event, tracked: activity.Request) -> Iterator[None]:
+def _log_if_cancelled(stop: Stop, tracked: activity.Request) -> Iterator[None]:
     """One INFO line when a request ends because its client cancelled or went away (an interrupted cell,
     a restarted kernel): who, what, and how far it got."""
     try:
         yield
     finally:
-        if stop.is_set():
+        if stop.is_set() and not stop.expired:
             where = f" after {tracked.step} of {tracked.steps} steps" if tracked.steps else ""
             state = "while running" if tracked.running else "before it ran"
             log.info("%s from %s%s cancelled %s%s (the client cancelled or went away)", tracked.kind, tracked.client,

@@ -25,11 +25,21 @@ import threading
 from typing import Any
 
 
+class _Ticket:
+    """A waiter's place in line: `granted` once the model is handed to it, woken either way."""
+
+    __slots__ = ("event", "granted")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.granted = False
+
+
 class Turns:
     def __init__(self) -> None:
         self._mutex = threading.Lock()
         self._held = False
-        self._queue: collections.deque[threading.Event] = collections.deque()
+        self._queue: collections.deque[_Ticket] = collections.deque()
         self.lent = 0  # turns lent so far (tests and `nnd ps` read it)
 
     def locked(self) -> bool:
@@ -39,27 +49,46 @@ class Turns:
         """Requests waiting for the model now."""
         return len(self._queue)
 
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+    def acquire(self, blocking: bool = True, timeout: float = -1, stop: Any = None) -> bool:
+        """Take the model, waiting up to `timeout` (None or < 0: no limit). With `stop` (a worker/stop.py
+        Stop), a waiter also gives up when its request is cancelled or its deadline passes: no thread
+        waits on for a request that has ended."""
         with self._mutex:
             if not self._held and not self._queue:
                 self._held = True
                 return True
             if not blocking:
                 return False
-            ticket = threading.Event()
+            ticket = _Ticket()
             self._queue.append(ticket)
-        if ticket.wait(None if timeout is None or timeout < 0 else timeout):
-            return True
+        limit = None if timeout is None or timeout < 0 else timeout
+        forget: Any = None
+        if stop is not None and hasattr(stop, "on_set"):  # a bare threading.Event (tests) is only checked after
+            forget = stop.on_set(ticket.event.set)
+            left = stop.remaining()
+            if left is not None:
+                limit = left if limit is None else min(limit, left)
+        try:
+            ticket.event.wait(limit)
+        finally:
+            if forget is not None:
+                forget()
         with self._mutex:
-            if ticket.is_set():  # handed over just as the wait ran out: the turn is ours
+            if ticket.granted:  # handed over (perhaps just as the wait ended): the turn is ours
                 return True
             self._queue.remove(ticket)
             return False
 
+    def _hand_over(self) -> None:
+        # Under the mutex: ownership passes straight to the first waiter; the model never looks free.
+        ticket = self._queue.popleft()
+        ticket.granted = True
+        ticket.event.set()
+
     def release(self) -> None:
         with self._mutex:
             if self._queue:
-                self._queue.popleft().set()  # ownership passes on; the model never looks free
+                self._hand_over()
             else:
                 self._held = False
 
@@ -68,11 +97,11 @@ class Turns:
         with self._mutex:
             if not self._queue:
                 return
-            ticket = threading.Event()
-            self._queue.popleft().set()
+            ticket = _Ticket()
+            self._hand_over()
             self._queue.append(ticket)
             self.lent += 1
-        ticket.wait()
+        ticket.event.wait()
 
     def __enter__(self) -> Turns:
         self.acquire()

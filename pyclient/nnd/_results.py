@@ -142,11 +142,17 @@ class Results:
     compute_s: float = 0.0
 
 
-def _say_queued(ahead: int) -> None:
+def _say_queued(queued: nnd_pb2.Queued) -> None:
     """One line, in the notebook cell or terminal, while a request waits for a shared model."""
     import sys
 
-    print(f"nnd: the model is busy; waiting for its turn ({ahead} ahead)", file=sys.stderr, flush=True)
+    why = "the model is busy"
+    if queued.paused_by:  # held by another client's run stopped at a sync point: say whose, and how long at most
+        why = (
+            f"the model is paused at a sync point by another client ({queued.paused_by}) for at most "
+            f"{queued.paused_for_at_most_s:.1f} s more"
+        )
+    print(f"nnd: {why}; waiting for its turn ({queued.ahead} ahead)", file=sys.stderr, flush=True)
 
 
 def collect(
@@ -190,7 +196,7 @@ def collect(
             elif kind == "done":
                 out.compute_s = msg.done.compute_s
             elif kind == "queued" and not msg.queued.running:
-                _say_queued(msg.queued.ahead)
+                _say_queued(msg.queued)
             elif kind == "paused" and until_paused:
                 break
         joined = blobs.joined()

@@ -107,6 +107,11 @@ class Router:
                         self.fallbacks += 1
                         break
                     raise translate(err) from None
+                if _at_capacity(err) and not answered:
+                    # The worker's socket takes no more calls now (gRPC refused before anything ran):
+                    # this call goes through the daemon, which reaches the worker by its own socket.
+                    self.fallbacks += 1
+                    break
                 if err.code() == grpc.StatusCode.UNAVAILABLE:
                     lost = self._lost(model, route, call if not answered else None, err, translate)
                     self._forget(model, route)  # after reading the call's metadata: closing ends it
@@ -193,6 +198,11 @@ def _never_ran(err: grpc.RpcError) -> bool:
     if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
         return any(k == ROUTE_KEY and v == STALE for k, v in err.trailing_metadata() or ())
     return _not_connected(err)
+
+
+def _at_capacity(err: grpc.RpcError) -> bool:
+    """gRPC's own refusal at a server's call limit (maximum_concurrent_rpcs): the call never started."""
+    return err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit exceeded" in (err.details() or "")
 
 
 def _not_connected(err: grpc.RpcError) -> bool:

@@ -271,10 +271,14 @@ def cmd_logs(ns: argparse.Namespace) -> int:
 
 
 def _progress(r: object) -> str:
-    """'step 12/600' for a generation, 'next in line' / 'after 2' for a queued request, '-' otherwise."""
+    """'step 12/600' for a generation, 'next in line' / 'after 2' for a queued request, 'at a sync point for
+    3s' for a paused one, '-' otherwise."""
     if getattr(r, "state", "") == "queued":
         ahead = getattr(r, "position", 0)
         return "next in line" if ahead <= 1 else f"after {ahead}"
+    if getattr(r, "state", "") == "paused":  # holds the model while its client computes the next step
+        since = getattr(r, "paused_since", 0.0)
+        return f"at a sync point for {_human_duration(max(0.0, time.time() - since))}" if since else "at a sync point"
     steps = getattr(r, "steps", 0)
     return f"step {getattr(r, 'step', 0)}/{steps}" if steps else "-"
 

@@ -88,6 +88,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sequence-length", type=int, default=8192, help="tokens per prompt")
     p.add_argument("--max-queue-depth", type=int, default=64, help="requests queued per model")
     p.add_argument("--deadline", type=float, default=600.0, help="default request deadline, seconds")
+    p.add_argument(
+        "--max-pause",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="longest a run may stay paused at one sync point waiting for its client, whatever the client's "
+        "pause_timeout (a paused run holds its model; 0: no cap)",
+    )
+    p.add_argument(
+        "--max-paused-total",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="longest one request may spend paused in all, over all its sync points (0: no cap)",
+    )
     p.add_argument("--max-tokenize-bytes", default="4MiB", help="text one Tokenize request may carry")
     p.add_argument(
         "--max-inflight-bytes", default="1GiB", help="Trace/Generate/Session bytes the daemon holds at once, all clients"

@@ -50,7 +50,7 @@ class ServerInfo(_message.Message):
     def __init__(self, version: _Optional[str] = ..., protocol: _Optional[str] = ..., ops: _Optional[_Iterable[str]] = ..., attributes: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., libraries: _Optional[_Mapping[str, str]] = ..., devices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_request_bytes", "max_constant_bytes", "max_saved_bytes", "max_invokes", "max_sequence_length", "max_new_tokens", "default_deadline_s", "max_queue_depth", "max_dispatched_models", "max_upload_bytes", "max_tokenize_bytes", "max_inflight_bytes", "helper_memory_bytes", "helper_cpu_s")
+    __slots__ = ("max_request_bytes", "max_constant_bytes", "max_saved_bytes", "max_invokes", "max_sequence_length", "max_new_tokens", "default_deadline_s", "max_queue_depth", "max_dispatched_models", "max_upload_bytes", "max_tokenize_bytes", "max_inflight_bytes", "helper_memory_bytes", "helper_cpu_s", "max_pause_s", "max_paused_total_s")
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_CONSTANT_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_SAVED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,8 @@ class Limits(_message.Message):
     MAX_INFLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     HELPER_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     HELPER_CPU_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_PAUSE_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_PAUSED_TOTAL_S_FIELD_NUMBER: _ClassVar[int]
     max_request_bytes: int
     max_constant_bytes: int
     max_saved_bytes: int
@@ -79,7 +81,9 @@ class Limits(_message.Message):
     max_inflight_bytes: int
     helper_memory_bytes: int
     helper_cpu_s: float
-    def __init__(self, max_request_bytes: _Optional[int] = ..., max_constant_bytes: _Optional[int] = ..., max_saved_bytes: _Optional[int] = ..., max_invokes: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., default_deadline_s: _Optional[float] = ..., max_queue_depth: _Optional[int] = ..., max_dispatched_models: _Optional[int] = ..., max_upload_bytes: _Optional[int] = ..., max_tokenize_bytes: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., helper_memory_bytes: _Optional[int] = ..., helper_cpu_s: _Optional[float] = ...) -> None: ...
+    max_pause_s: float
+    max_paused_total_s: float
+    def __init__(self, max_request_bytes: _Optional[int] = ..., max_constant_bytes: _Optional[int] = ..., max_saved_bytes: _Optional[int] = ..., max_invokes: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., default_deadline_s: _Optional[float] = ..., max_queue_depth: _Optional[int] = ..., max_dispatched_models: _Optional[int] = ..., max_upload_bytes: _Optional[int] = ..., max_tokenize_bytes: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., helper_memory_bytes: _Optional[int] = ..., helper_cpu_s: _Optional[float] = ..., max_pause_s: _Optional[float] = ..., max_paused_total_s: _Optional[float] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("device", "device_map", "dtype", "compute_dtype", "max_memory", "tp_size")
@@ -271,7 +275,7 @@ class DeviceMemory(_message.Message):
     def __init__(self, device: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class RequestInFlight(_message.Message):
-    __slots__ = ("kind", "client", "state", "since", "step", "steps", "position", "user")
+    __slots__ = ("kind", "client", "state", "since", "step", "steps", "position", "paused_since", "user")
     KIND_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +283,7 @@ class RequestInFlight(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_SINCE_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
     kind: str
     client: str
@@ -287,8 +292,9 @@ class RequestInFlight(_message.Message):
     step: int
     steps: int
     position: int
+    paused_since: float
     user: str
-    def __init__(self, kind: _Optional[str] = ..., client: _Optional[str] = ..., state: _Optional[str] = ..., since: _Optional[float] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., position: _Optional[int] = ..., user: _Optional[str] = ...) -> None: ...
+    def __init__(self, kind: _Optional[str] = ..., client: _Optional[str] = ..., state: _Optional[str] = ..., since: _Optional[float] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., position: _Optional[int] = ..., paused_since: _Optional[float] = ..., user: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("name", "state", "task", "architecture", "config", "num_parameters", "placement", "dispatched_placement", "modules", "weights", "worker_rss_bytes", "worker_pids", "idle_s", "expires_at", "last_error", "dtype", "estimated_bytes", "tp_size", "ranks", "requests", "route", "worker_requests", "config_json", "loaded_by", "dispatched_by", "dispatched_at")
@@ -621,12 +627,16 @@ class TraceDone(_message.Message):
     def __init__(self, compute_s: _Optional[float] = ...) -> None: ...
 
 class Queued(_message.Message):
-    __slots__ = ("ahead", "running")
+    __slots__ = ("ahead", "running", "paused_by", "paused_for_at_most_s")
     AHEAD_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_BY_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FOR_AT_MOST_S_FIELD_NUMBER: _ClassVar[int]
     ahead: int
     running: bool
-    def __init__(self, ahead: _Optional[int] = ..., running: _Optional[bool] = ...) -> None: ...
+    paused_by: str
+    paused_for_at_most_s: float
+    def __init__(self, ahead: _Optional[int] = ..., running: _Optional[bool] = ..., paused_by: _Optional[str] = ..., paused_for_at_most_s: _Optional[float] = ...) -> None: ...
 
 class TraceResponse(_message.Message):
     __slots__ = ("saved", "chunk", "step", "done", "paused", "queued")

@@ -1,6 +1,8 @@
-"""The daemon-wide budget of request bytes in flight: Trace/Generate/Session
-requests and their results are held in the daemon's memory while it forwards
-them, so their sum over all clients is bounded (`max_inflight_bytes`).
+"""A process-wide budget of request bytes in flight (`max_inflight_bytes`), one semantics for the
+daemon and a worker: Trace/Generate/Session requests and their results are held in the daemon's
+memory while it forwards them, and in a worker's while they wait for the model (with the
+continuations an Interact stream has sent and its paused run has not read yet), so their sum over
+all clients is bounded in each process.
 
 One item is always let through when nothing else is held: a single request is
 bounded by the per-request limits (max_request_bytes, max_saved_bytes) instead.
@@ -16,8 +18,9 @@ from nnd_daemon import errors
 
 
 class InflightBudget:
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, holder: str = "the daemon") -> None:
         self.limit = limit  # 0: unbounded
+        self.holder = holder  # named in the refusal
         self._held = 0
         self._lock = threading.Lock()
 
@@ -30,7 +33,7 @@ class InflightBudget:
         with self._lock:
             if self.limit and self._held and self._held + n > self.limit:
                 raise errors.ResourceExhausted(
-                    f"{what} ({n} bytes) does not fit: the daemon holds {self._held} bytes of other requests and "
+                    f"{what} ({n} bytes) does not fit: {self.holder} holds {self._held} bytes of other requests and "
                     f"results, and its limit is max_inflight_bytes={self.limit}; retry shortly"
                 )
             self._held += n

@@ -1,0 +1,65 @@
+"""Helper fairness (issue #26): a cheap helper call (Tokenize, Decode) never queues behind an
+expensive one (a Scan, a meta build) another client shaped, against a real daemon.
+
+The expensive call is made to last as long as the test needs by stopping the heavy helper process
+(SIGSTOP) while it runs: the interleaving is forced, not timed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import grpc
+import psutil
+
+import nnd
+from nnd.v1 import nnd_pb2, nnd_pb2_grpc
+
+PROMPT = "Hello world"
+
+
+def _helpers(daemon) -> dict[str, psutil.Process]:
+    out = {}
+    for p in psutil.Process(daemon.proc.pid).children():
+        cmd = p.cmdline()
+        if "nnd_daemon.helper" in cmd:
+            sock = cmd[cmd.index("--socket") + 1]
+            out[os.path.basename(sock)] = p
+    return out
+
+
+def test_tokenize_and_decode_answer_while_a_scan_holds_the_heavy_helper(fresh_daemon, tiny_models):
+    from transformers import AutoTokenizer
+
+    want = AutoTokenizer.from_pretrained(tiny_models["gpt2"])(PROMPT)["input_ids"]
+    model = nnd.TransformersModel(tiny_models["gpt2"], address=fresh_daemon.address, device="cpu")
+    stub = nnd_pb2_grpc.NndStub(grpc.insecure_channel(fresh_daemon.address))
+    stub.Tokenize(nnd_pb2.TokenizeRequest(model=model.name, texts=[PROMPT]), timeout=120)  # both lanes up
+    helpers = _helpers(fresh_daemon)
+    assert set(helpers) == {"helper.sock", "helper-light.sock"}
+    heavy = helpers["helper.sock"]
+    scanned = []
+
+    def scan():
+        with model.scan(PROMPT):
+            shape = nnd.save(model.transformer.h[0].output.shape)
+        scanned.append(tuple(shape))
+
+    heavy.send_signal(signal.SIGSTOP)
+    try:
+        scanner = threading.Thread(target=scan, daemon=True)
+        scanner.start()
+        while heavy.status() != psutil.STATUS_STOPPED:
+            threading.Event().wait(0.01)
+        # The Scan is on its way to (or waiting in) the stopped heavy helper; the bystander's cheap calls are not.
+        threading.Event().wait(0.5)
+        got = stub.Tokenize(nnd_pb2.TokenizeRequest(model=model.name, texts=[PROMPT]), timeout=30)
+        assert list(got.ids[0].ids) == want
+        text = stub.Decode(nnd_pb2.DecodeRequest(model=model.name, ids=[nnd_pb2.TokenIds(ids=want)]), timeout=30)
+        assert text.texts == [PROMPT]
+        assert scanner.is_alive()  # the Scan really was held meanwhile
+    finally:
+        heavy.send_signal(signal.SIGCONT)
+    scanner.join(120)
+    assert scanned and scanned[0][-1] == 64
