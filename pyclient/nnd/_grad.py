@@ -97,6 +97,8 @@ class _Replay:
         torch = _torchmod.loaded()
         request = type(self.request)()
         request.CopyFrom(self.request)
+        request.shm = False  # the replay returns only gradients: over the stream, no shared region
+        request.shm_region = ""
         graph = request.graph
         next_id = max((n.id for n in graph.nodes), default=0) + 1
         loc = next((n.loc for n in graph.nodes if n.id == self.saves[0][0]), None)
