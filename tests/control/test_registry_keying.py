@@ -64,9 +64,9 @@ def test_loads_that_agree_share_and_others_are_named_after_their_choices(reg):
     eager = reg.load(nnd_pb2.LoadModelRequest(model=M, options=nnd_pb2.LoadOptions(attn_implementation="eager")))
     assert eager.name == f"{M}@attn_implementation=eager"
     # The first entry chose cpu already: another device is another model.
-    assert _load(reg, device="meta", dtype="float32") == f"{M}@device=meta,dtype=float32"
+    assert _load(reg, device="cuda:1", dtype="float32") == f"{M}@device=cuda:1,dtype=float32"
     assert sorted(e.name for e in reg.entries()) == sorted(
-        [M, f"{M}@dtype=bfloat16", f"{M}@attn_implementation=eager", f"{M}@device=meta,dtype=float32"]
+        [M, f"{M}@dtype=bfloat16", f"{M}@attn_implementation=eager", f"{M}@device=cuda:1,dtype=float32"]
     )
     assert reg.get(M).meta.source == reg.get(f"{M}@dtype=bfloat16").meta.source == M
 
