@@ -258,6 +258,17 @@ def session_computes_between_blocks(model: Any) -> dict[str, Any]:
     return {"out": out, "scale": float(scale), "delta": delta}
 
 
+def stop_in_one_invoke_serves_its_sibling(model: Any) -> dict[str, Any]:
+    # tracer.stop() in one invoke ends that invoke's body; the sibling parked at the same module is served.
+    with model.trace() as tracer:
+        with tracer.invoke(PROMPT):
+            first = model.transformer.h[0].output.save()
+            tracer.stop()
+        with tracer.invoke("The Colosseum is in the city of"):
+            second = model.transformer.h[0].output.save()
+    return {"first": first, "second": second}
+
+
 BLOCKS = {
     f.__name__: f
     for f in (
@@ -281,5 +292,6 @@ BLOCKS = {
         barrier_then_each_invoke_reads_its_own,
         many_invokes_a_sync_in_one,
         session_computes_between_blocks,
+        stop_in_one_invoke_serves_its_sibling,
     )
 }
