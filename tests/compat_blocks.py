@@ -244,6 +244,31 @@ def many_invokes_a_sync_in_one(model: Any) -> dict[str, Any]:
     return {"items": items, "last": last}
 
 
+def session_computes_between_blocks(model: Any) -> dict[str, Any]:
+    # Python between a session's blocks computes on an earlier block's values (as the LLM-depth
+    # tutorial's sessions do), and a later block uses the result.
+    with model.session():
+        with model.trace(PROMPT):
+            h = model.transformer.h[0].output.save()
+        scale = h.norm().save()  # a session's values leave it saved, in nnsight
+        delta = (h[:, -1] / scale).save()
+        with model.trace(PROMPT):
+            model.transformer.h[1].output[:, -1] += delta
+            out = model.lm_head.output.save()
+    return {"out": out, "scale": float(scale), "delta": delta}
+
+
+def stop_in_one_invoke_serves_its_sibling(model: Any) -> dict[str, Any]:
+    # tracer.stop() in one invoke ends that invoke's body; the sibling parked at the same module is served.
+    with model.trace() as tracer:
+        with tracer.invoke(PROMPT):
+            first = model.transformer.h[0].output.save()
+            tracer.stop()
+        with tracer.invoke("The Colosseum is in the city of"):
+            second = model.transformer.h[0].output.save()
+    return {"first": first, "second": second}
+
+
 BLOCKS = {
     f.__name__: f
     for f in (
@@ -266,5 +291,7 @@ BLOCKS = {
         barrier_turns_per_layer,
         barrier_then_each_invoke_reads_its_own,
         many_invokes_a_sync_in_one,
+        session_computes_between_blocks,
+        stop_in_one_invoke_serves_its_sibling,
     )
 }

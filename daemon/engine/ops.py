@@ -256,7 +256,7 @@ _BINARY = set(_OPERATORS) - _UNARY
 # Result shares memory with args[0] (so later in-place writes reach it).
 _ALIASING = (
     "getitem view reshape transpose permute squeeze unsqueeze flatten expand contiguous detach to float half "
-    "bfloat16 double long int bool cpu view_as expand_as narrow select unflatten movedim swapaxes"
+    "bfloat16 double long int bool cpu view_as expand_as narrow select unflatten movedim swapaxes chunk split"
 ).split()
 _METHODS = (
     "softmax log_softmax argmax argmin topk max min mean sum prod norm einsum clone detach to float half bfloat16 "

@@ -101,6 +101,14 @@ class Backend:
     def invoke_added(self, tracer: Tracer) -> None:
         """`tracer.invoke(...)` added batch rows while the block records."""
 
+    def between_blocks(self) -> bool:
+        """True when the block has ended but its values can still be computed now (a session's, between its blocks)."""
+        return False
+
+    def ended_value(self, tracer: Tracer, ref: int) -> Any:
+        """The real value of node `ref` of the ended block `tracer`, now (see `between_blocks`)."""
+        raise NotImplementedError
+
 
 class RemoteTrace(Backend):
     """`model.trace(...)`: one request on exit (Trace), or an Interact stream once a sync point needs a value."""
@@ -331,10 +339,17 @@ class SessionMember(Backend):
         return self.session.builder()  # ids and keys shared with the session's other blocks
 
     def live(self) -> bool:
-        return self.session.recording
+        # Between the session's blocks its values are not recorded on: Python computes on their real values.
+        return self.session.recording and self.session.recording_block() is not None
 
     def recorder(self, tracer: Tracer) -> Tracer:
         return self.session.current()
+
+    def between_blocks(self) -> bool:
+        return self.session.recording and self.session.recording_block() is None
+
+    def ended_value(self, tracer: Tracer, ref: int) -> Any:
+        return self.session.sync(tracer, ref)
 
     def complete(self, request: nnd_pb2.TraceRequest, options: dict[str, Any]) -> None:
         self.kind.complete(request, options)

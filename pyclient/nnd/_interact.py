@@ -85,15 +85,19 @@ class Interaction:
         """The real value of node `ref` of `tracer` (default: this run's block), now: the run goes
         on until it exists and pauses there."""
         tracer = tracer or self.tracer
+        # A value of a session's block that has ended (Python between the blocks): every block that
+        # ended is already in the session's request, so none is added again.
+        ended = self.session is not None and tracer in self.session.blocks
         if self.responses is None:
             start = nnd_pb2.InteractStart(want=[ref])
             if self.session is not None:
                 start.session.CopyFrom(self.session.request())
-                start.session.traces.add(request=tracer.request(), generate=tracer.backend.generates)
+                if not ended:
+                    start.session.traces.add(request=tracer.request(), generate=tracer.backend.generates)
             else:
                 start.request.CopyFrom(tracer.request())
                 start.generate = tracer.backend.generates
-            self._now_in(tracer)
+            self._now_in(self.session.blocks[-1] if ended and self.session is not None else tracer)
             timeout = tracer.options.get("pause_timeout")
             if timeout is not None:
                 start.pause_timeout_s = float(timeout)
@@ -102,6 +106,11 @@ class Interaction:
             self.responses = tracer.model._conn.bidi(
                 "Interact", model, self._requests, timeout=tracer.options.get("timeout")
             )
+        elif ended:
+            assert self.session is not None
+            more = self._next_traces(want=[ref])
+            self._now_in(self.session.blocks[-1])
+            self.outbox.put(nnd_pb2.InteractRequest(more=more))
         elif tracer is self.tracer:
             more = nnd_pb2.InteractContinue(graph=self._new_nodes(), want=[ref])
             self._now_in(tracer)

@@ -166,6 +166,11 @@ class Turns:
                 exec(body.code, namespace)  # noqa: S102 - the user's own invoke body, in the user's process
         except _Abandoned:
             pass
+        except Exception as e:  # noqa: BLE001 - tracer.stop() ends this body only; else the block's thread raises it
+            from nnd._tracer import StopBlock
+
+            if not isinstance(e, StopBlock):
+                body.error = e
         except BaseException as e:  # noqa: BLE001 - handed to the block's thread, which raises it
             body.error = e
         body.state = _DONE

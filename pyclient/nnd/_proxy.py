@@ -128,6 +128,12 @@ class Proxy:
         if self._value is _UNSET:
             if self._live():
                 raise value_not_known("`.value`", _source.location().text)
+            if self._tracer.backend.between_blocks():  # a session's Python between its blocks: run up to it
+                if self._node is None and self._pending is not None:
+                    base, name = self._pending
+                    return getattr(base.value, name)
+                self._value = self._tracer.backend.ended_value(self._tracer, self._ref())
+                return self._value
             failure = getattr(self._tracer, "_failure", None)
             if failure:
                 raise ValueNotKnown(f"the block did not complete ({failure}), so this value has none")

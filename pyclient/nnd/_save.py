@@ -13,13 +13,19 @@ T = TypeVar("T")
 def save(value: T) -> T:
     """Keep `value` after the block: a proxy's name is rebound to its real
     value. Values already known while recording (shapes, ints) are recorded as
-    a save of a constant and returned as they are; outside a block, `value` is
-    returned unchanged."""
+    a save of a constant and returned as they are. Between a session's blocks
+    `value` is returned unchanged; outside any block it is a ValueError, as in
+    nnsight."""
     if isinstance(value, Proxy):
         return value.save()  # type: ignore[return-value]
     tracer = _context.current_or_none()
     if tracer is None:
-        return value
+        if _context.innermost_session() is not None:
+            return value
+        raise ValueError(
+            "save() was called outside a block: it marks a value to return from a `with model.trace(...):` "
+            "block, so call it inside one"
+        )
     if isinstance(value, _meta.Size):
         value.save()
     if type(value) in (list, dict, tuple):  # a container: the block's values inside it come back

@@ -58,6 +58,13 @@ class Session:
         earlier block's values."""
         return GraphBuilder(counter=self._counter, keys=self._keys)
 
+    def recording_block(self) -> Tracer | None:
+        """The session's block being recorded now, if any."""
+        tracer = _context.current_or_none()
+        if tracer is None or tracer.backend.session is not self or not tracer._recording:
+            return None
+        return tracer
+
     def current(self) -> Tracer:
         """The session's block being recorded now."""
         tracer = _context.current_or_none()
@@ -73,8 +80,8 @@ class Session:
         self.blocks.append(tracer)
 
     def sync(self, tracer: Tracer, ref: int) -> Any:
-        """A real value inside one of the session's blocks: the session runs as an Interact stream
-        from here on (_interact.py), its earlier blocks first."""
+        """A real value inside one of the session's blocks, or of an ended block between blocks: the
+        session runs as an Interact stream from here on (_interact.py), its earlier blocks first."""
         if self._interaction is None:
             self._interaction = _interact.Interaction(tracer, self)
         return self._interaction.value(ref, tracer)

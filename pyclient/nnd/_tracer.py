@@ -89,6 +89,10 @@ class Invoker:
         self._tracer._invoke = self._previous
         if self._deferred:
             return _withbody.finish(exc_type, self._trace_fn)
+        if exc_type is not None and issubclass(exc_type, StopBlock) and self.index is not None:
+            # tracer.stop() in one invoke ends that invoke's body; its siblings are still recorded and
+            # served, as nnsight serves the invokes parked where the stop fires.
+            return True
         return None
 
 
@@ -358,7 +362,14 @@ class Tracer:
             self.__exit__(None, None, None)
             return True
         if self._turns is not None and exc_type is None:
-            self._turns.run()  # bodies still waiting for more participants: run them (a barrier short of them fails)
+            try:
+                self._turns.run()  # bodies still waiting for more participants: run them (a barrier short of them fails)
+            except BaseException:
+                _objects.unmount()
+                _context.pop(self)
+                self._recording = False
+                self.backend.cancel()
+                raise
         _objects.unmount()
         self.holders = self._saved_objects + self._outer  # filled after the block (a session's: after the session)
         self._outer = []

@@ -48,3 +48,14 @@ def test_a_barrier_short_of_participants_fails(model):
             with tracer.invoke("d e f"):
                 barrier()
                 model.transformer.h[0].output.save()
+
+
+def test_a_failed_barrier_leaves_no_block_open(model):
+    from nnd import _context
+
+    with pytest.raises(ValueError):
+        with model.trace() as tracer:
+            barrier = tracer.barrier(2)
+            with tracer.invoke("a b c"):
+                barrier()
+    assert _context.current_or_none() is None and not hasattr([], "save")

@@ -163,3 +163,10 @@ def test_libraries_imported_after_a_block_see_object_as_it_was(fake):
         [sys.executable, "-c", _AFTER_A_BLOCK, address], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_nnd_save_outside_a_block_raises_as_nnsights():
+    import nnd
+
+    with pytest.raises(ValueError, match="outside a block"):
+        nnd.save(5)
