@@ -34,6 +34,12 @@ GENERATE_OPTIONS = frozenset(
 
 
 def generate_options(**opts: Any) -> nnd_pb2.GenerateOptions:
+    """The GenerateOptions message for `model.generate(...)`'s keywords."""
+    # On the wire 0 means "not given" (the default length): an explicit 0 or less is refused here, as
+    # transformers' generate refuses it, rather than quietly generating the default number of tokens.
+    asked = opts.get("max_new_tokens")
+    if asked is not None and int(asked) < 1:
+        raise ValueError(f"`max_new_tokens` must be greater than 0, but is {asked}.")
     gen = nnd_pb2.GenerateOptions(
         max_new_tokens=int(opts.get("max_new_tokens") or 0),
         min_new_tokens=int(opts.get("min_new_tokens") or 0),
