@@ -122,3 +122,32 @@ def test_a_missing_local_folder_is_no_such_directory(served, where):
     assert res.returncode == 1, res.stderr
     assert "no such directory" in res.stderr and where in res.stderr, res.stderr
     assert "repo id" not in res.stderr.lower().replace("a repo id such as", ""), res.stderr
+
+
+STREAM = """
+import os, signal, sys, threading
+import nnd
+model = nnd.TransformersModel(sys.argv[1], address=sys.argv[2])
+for token in model.stream("Hello world", max_new_tokens=100, min_new_tokens=100):
+    if token.step == 1:
+        print("streaming", flush=True)
+        # Ctrl-C as a terminal sends it: the loop spends nearly all its time waiting for the next token
+        threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGINT)).start()
+"""
+
+
+def test_ctrl_c_during_stream_is_one_line(served, dispatched, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "stream.py"
+    script.write_text(STREAM)
+    res = subprocess.run(
+        [sys.executable, str(script), dispatched, served.address], capture_output=True, text=True, timeout=120
+    )
+    assert res.stdout.startswith("streaming"), (res.stdout, res.stderr)
+    err = res.stderr
+    assert res.returncode != 0 and "KeyboardInterrupt: nnd: interrupted: cancelled after" in err, err
+    assert "of 100 steps" in err, err
+    assert "grpc" not in err and "threading" not in err and "During handling" not in err, err
+    assert len(err.splitlines()) <= 8, err

@@ -77,10 +77,19 @@ def stream(model: TransformersModel, prompt: Any, **opts: Any) -> Iterator[StepT
     )
     request.edits.extend(model._edits)  # an edited handle streams what its generate blocks generate
     responses = model._conn.stream("Generate", request, timeout=timeout)
+    steps = 0
     try:
         for msg in responses:
             if msg.WhichOneof("kind") == "step":
+                steps += 1
                 yield StepToken(msg.step.step, tuple(msg.step.ids), tuple(msg.step.text))
+    except KeyboardInterrupt:
+        # Ctrl-C while waiting for the next token: the call is cancelled (finally, below); one line that
+        # says how far it got, as a generate block's, instead of gRPC's and threading's frames.
+        total = request.generate.max_new_tokens
+        raise KeyboardInterrupt(
+            f"nnd: interrupted: cancelled after {steps} of {total or 'its'} steps; the daemon stopped the request"
+        ) from None
     finally:
         responses.close()  # type: ignore[attr-defined]  # a generator: closing cancels the call
 
