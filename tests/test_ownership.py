@@ -153,3 +153,27 @@ def test_an_idle_model_is_released_by_its_own_user_but_not_by_another(shared_box
     own = _cli(d, ALICE, base, "release", model)
     assert own.returncode == 0, own.stderr
     _wait_log(d, f"released {model} for uid {ALICE} (dispatched by uid {ALICE})")
+
+
+def test_another_placement_for_a_model_another_user_dispatched_says_what_is_dispatched(shared_box):
+    # Issue #30: bob asking for float16 re-dispatched alice's model under her (or, for tp_size=2 on a
+    # model dispatched as nf4, blamed a dtype bob never asked for); now he is told what is dispatched,
+    # by whom, and his choices, and her worker keeps running.
+    import json
+
+    d, model, base = shared_box
+    res = _cli(d, ALICE, base, "load", model, "--dispatch", "--device", "cpu")
+    assert res.returncode == 0, res.stderr
+    before = {m["name"]: m for m in json.loads(_cli(d, ALICE, base, "ps", "--json").stdout)}[model]
+    asked = _cli(d, BOB, base, "dispatch", model, "--dtype", "float16")
+    assert asked.returncode == 1, (asked.stdout, asked.stderr)
+    msg = asked.stderr
+    assert "already dispatched with device=cpu" in msg and f"by uid {ALICE}" in msg, msg
+    assert "asks for dtype=float16" in msg, msg
+    assert "use it as it is" in msg and f"nnd release {model}" in msg and "--force" in msg, msg
+    assert "another folder" in msg, msg
+    after = {m["name"]: m for m in json.loads(_cli(d, ALICE, base, "ps", "--json").stdout)}[model]
+    assert after["state"] == "DISPATCHED" and after["worker_pids"] == before["worker_pids"]
+    # the same placement (or none) is simply the model as it is
+    assert _cli(d, BOB, base, "dispatch", model, "--device", "cpu").returncode == 0
+    assert _cli(d, ALICE, base, "release", model).returncode == 0

@@ -36,7 +36,7 @@ from nnd.v1 import helper_pb2, nnd_pb2, worker_pb2
 from nnd_daemon import errors, identity, intake, loadoptions
 from nnd_daemon.control import events, gpus, metamodel, modelroots, statedir, statefile, tplaunch, uploads
 from nnd_daemon.control.helper import Helper, Lanes
-from nnd_daemon.control.settings import Settings, parse_duration
+from nnd_daemon.control.settings import Settings, parse_bytes, parse_duration
 from nnd_daemon.control.supervisor import Launcher, WorkerFactory, WorkerHandle, WorkerOrder, log_name
 
 log = logging.getLogger("nnd.registry")
@@ -279,6 +279,7 @@ class Registry:
             # One folder is one model, however it is reached (a link, a relative path, /proc/self/root/...).
             name = local_key(name)
             self._check_allowed(name, req.trust_remote_code)
+            _check_local_path(name)
         if req.keep_alive:
             _keep_alive_seconds(req.keep_alive)
         loadoptions.check(req.options)
@@ -413,6 +414,9 @@ class Registry:
         if again is not None:
             override = again.placement
         placement = _merge(entry.placement, override)
+        # Before the checks on the merged placement: they would blame fields of the placement it is
+        # dispatched with (a dtype another handle chose) for what this caller asked.
+        self._check_conflict(entry, override, placement, user)
         loadoptions.check_placement(placement)
         # Refuse a tensor-parallel degree this model or machine cannot run, before any process starts.
         tplaunch.check(entry.meta.config, placement, self.gpus.count())
@@ -425,9 +429,14 @@ class Registry:
                 if override is None or placement == entry.dispatched_placement:
                     entry.last_used = self._clock()
                     return
-                self._release_locked(entry)  # a new placement: start over
+                self._check_conflict(entry, override, placement, user)
+            # Every check a new placement can fail comes before the working dispatch is released:
+            # a refused placement leaves the model as other clients are using it.
+            _check_fits_max_memory(entry, placement)
             self._check_budget(entry, placement)
             self._check_user(entry, placement, user or "")
+            if entry.state == DISPATCHED:
+                self._release_locked(entry)  # a new placement: start over
             self._make_room(entry)
             entry.state = DISPATCHING
             began = time.monotonic()
@@ -491,6 +500,30 @@ class Registry:
             "dispatched %s on %s (%s, worker pid %s) for %s in %.2f s", entry.name, _describe(placement),
             entry.dtype or "default dtype", ",".join(map(str, worker.pids)) or "-", _who(user), took,
             extra=_fields("dispatch", entry.name, user, duration_s=took, placement=_describe(placement)),
+        )
+
+    def _check_conflict(
+        self, entry: Entry, override: nnd_pb2.Placement | None, placement: nnd_pb2.Placement, user: str | None
+    ) -> None:
+        """Refuse a new placement for a model another user dispatched, or one with requests on it: say what
+        is dispatched, by whom, and the caller's choices (a re-dispatch would end their work)."""
+        dispatched = entry.dispatched_placement
+        if override is None or user is None or entry.state != DISPATCHED or dispatched is None:
+            return
+        if placement == dispatched:
+            return
+        owner = entry.dispatched_by
+        others = bool(owner) and owner != user
+        if not (others or entry.active):
+            return  # the caller's own idle model: dispatched again with the new placement
+        by = f"by {owner} at {_when(entry.dispatched_at)}" if owner else "by the daemon"
+        busy = f", and {entry.active} request(s) run or wait on it" if entry.active else ""
+        raise errors.FailedPrecondition(
+            f"{entry.name} is already dispatched with {_describe(dispatched)} ({entry.dtype or 'default dtype'}) "
+            f"{by}{busy}; this call asks for {_describe(override)}. Either use it as it is (no placement of your "
+            f"own), release it first (`nnd release {entry.name}`"
+            + (", with --force as it is not yours" if others else "")
+            + "), or load a copy of the checkpoint (another folder) with a placement of its own"
         )
 
     def _check_budget(self, entry: Entry, placement: nnd_pb2.Placement) -> None:
@@ -1004,6 +1037,19 @@ def local_key(name: str) -> str:
     return os.path.realpath(name) if os.path.isabs(name) or os.path.exists(name) else name
 
 
+def _check_local_path(name: str) -> None:
+    """A name that can only be a path (a Hub repo id is NAME or ORG/NAME) and is not there is a missing
+    directory, said so, rather than the Hub's repo-id rules that transformers would quote."""
+    looks_local = name.startswith(("/", "./", "../", "~")) or name in (".", "..") or name.count("/") > 1
+    if looks_local and not os.path.exists(name):
+        raise errors.NotFound(
+            f"no such directory: {name[:200]!r} (as the daemon sees it); a local model is a folder with a "
+            "config.json, a Hub model a repo id such as gpt2 or org/name"
+        )
+    if looks_local and not os.path.isdir(name):
+        raise errors.InvalidArgument(f"{name[:200]!r} is not a directory; a local model is a folder with a config.json")
+
+
 def _allows(pattern: str, name: str) -> bool:
     """Whether an --allow-model entry admits `name`: paths compare by real path, so
     `allowed/../other` and links out of an allowed folder are not inside it."""
@@ -1067,6 +1113,22 @@ def _check_gpus_visible(placement: nnd_pb2.Placement, seen: int) -> None:
                 f"the placement asks for {value}, but the daemon sees {seen} GPU{'s' if seen != 1 else ''}{why}; "
                 "use --device cpu, or start nnd serve where that GPU is visible"
             )
+
+
+def _check_fits_max_memory(entry: Entry, placement: nnd_pb2.Placement) -> None:
+    """Refuse a max_memory whose devices together cannot hold the weights, before any worker starts
+    (transformers would put the rest on meta or disk; the worker's check_resident is the final word)."""
+    if not placement.max_memory:
+        return
+    total = sum(parse_bytes(v) for v in placement.max_memory.values())
+    need = entry.meta.estimate_bytes(placement.dtype)
+    if need > total:
+        limits = ", ".join(f"{k}={v}" for k, v in sorted(placement.max_memory.items()))
+        raise errors.ResourceExhausted(
+            f"the placement's max_memory ({limits}) allows {_gib(total)} in all, but {entry.name} needs about "
+            f"{_gib(need)} of weights ({placement.dtype or 'default dtype'}); the rest would be left on meta "
+            "or disk: raise max_memory or pick a smaller dtype"
+        )
 
 
 def _gib(n: float) -> str:

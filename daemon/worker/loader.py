@@ -115,6 +115,7 @@ def load(req: worker_pb2.WorkerLoadRequest, report: Report) -> tuple[torch.nn.Mo
     # Only the folder's vetted files, pinned open while transformers reads them (modelfiles.py).
     with modelfiles.opened(req.model) as path:
         model, tokenizer = _load(req, path, common, report)
+    check_resident(model, req.placement)
     modelfiles.restore_names(req.model, model, tokenizer)
     dtype = req.placement.dtype if req.placement.dtype in QUANTIZED else str(model.dtype).removeprefix("torch.")
     return model, tokenizer, dtype
@@ -147,6 +148,41 @@ def _load(req: worker_pb2.WorkerLoadRequest, path: str, common: dict[str, Any], 
     except Exception:  # noqa: BLE001 - token ids still work without one
         tokenizer = None
     return model, tokenizer
+
+
+# Where accelerate leaves weights it could not place within max_memory: every request would then fail
+# with "Cannot copy out of meta tensor" (or read them back from disk on each forward), so the load fails.
+_NOT_RESIDENT = ("meta", "disk")
+
+
+def check_resident(model: torch.nn.Module, placement: nnd_pb2.Placement) -> None:
+    """Fail the load when any weight was left on meta or offloaded to disk, with the figures."""
+    placed = weight_bytes(model)
+    offloaded = sorted(
+        name or "(the whole model)"
+        for name, device in (getattr(model, "hf_device_map", None) or {}).items()
+        if str(device) in _NOT_RESIDENT
+    )
+    left = placed.get("meta", 0)
+    if not left and not offloaded:
+        return
+    resident = ", ".join(f"{_mib(n)} on {d}" for d, n in sorted(placed.items()) if d not in _NOT_RESIDENT)
+    limits = ", ".join(f"{k}={v}" for k, v in sorted(placement.max_memory.items()))
+    if offloaded:
+        shown = ", ".join(offloaded[:5]) + (", ..." if len(offloaded) > 5 else "")
+        where = f"{len(offloaded)} module(s) offloaded to disk or meta: {shown}"
+    else:
+        where = "parameters on meta"
+    raise errors.ResourceExhausted(
+        f"the placement leaves {_mib(left)} of weights off any device ({where}); "
+        f"{resident or 'nothing'} is resident"
+        + (f", with max_memory {limits}" if limits else "")
+        + "; raise max_memory (or --max-memory) or pick a smaller dtype, so that every weight fits on a device"
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
 
 
 def weight_bytes(model: torch.nn.Module) -> dict[str, int]:

@@ -47,6 +47,11 @@ def is_model_input(name: str, value: Any) -> bool:
 def generate_options(**opts: Any) -> nnd_pb2.GenerateOptions:
     """The GenerateOptions of a block's settings: nnd's own fields, and every other keyword
     (transformers' generate() settings) laid over `generation_config=` as its JSON."""
+    # On the wire 0 means "not given" (the default length): an explicit 0 or less is refused here, as
+    # transformers' generate refuses it, rather than quietly generating the default number of tokens.
+    asked = opts.get("max_new_tokens")
+    if asked is not None and int(asked) < 1:
+        raise ValueError(f"`max_new_tokens` must be greater than 0, but is {asked}.")
     gen = nnd_pb2.GenerateOptions(
         max_new_tokens=int(opts.get("max_new_tokens") or 0),
         min_new_tokens=int(opts.get("min_new_tokens") or 0),
@@ -95,10 +100,19 @@ def stream(model: TransformersModel, prompt: Any, **opts: Any) -> Iterator[StepT
     )
     request.edits.extend(model._edits)  # an edited handle streams what its generate blocks generate
     responses = model._conn.stream("Generate", request, timeout=timeout)
+    steps = 0
     try:
         for msg in responses:
             if msg.WhichOneof("kind") == "step":
+                steps += 1
                 yield StepToken(msg.step.step, tuple(msg.step.ids), tuple(msg.step.text))
+    except KeyboardInterrupt:
+        # Ctrl-C while waiting for the next token: the call is cancelled (finally, below); one line that
+        # says how far it got, as a generate block's, instead of gRPC's and threading's frames.
+        total = request.generate.max_new_tokens
+        raise KeyboardInterrupt(
+            f"nnd: interrupted: cancelled after {steps} of {total or 'its'} steps; the daemon stopped the request"
+        ) from None
     finally:
         responses.close()  # type: ignore[attr-defined]  # a generator: closing cancels the call
 

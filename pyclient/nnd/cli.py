@@ -57,6 +57,17 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _positive_int(text: str) -> int:
+    # 0 would reach the daemon as "not given" and generate its default length instead.
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value} (as transformers' generate requires)")
+    return value
+
+
 def _placement(ns: argparse.Namespace) -> Any:
     from nnd.v1 import nnd_pb2
 
@@ -428,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("generate", cmd_generate, "generate text, printed as it comes")
     p.add_argument("model")
     p.add_argument("prompt")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=32, help="tokens to generate (at least 1)")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: the model's default)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
