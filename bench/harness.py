@@ -36,7 +36,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 BENCH = pathlib.Path(__file__).resolve().parent
 ROOT = BENCH.parent
-TESTS = ROOT / "tests"
+TESTS = ROOT / "tests" / "support"  # tinymodels
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 

@@ -27,7 +27,7 @@ ATOL = 1e-5
 def ref(tiny_models, tmp_path_factory) -> dict[str, Any]:
     """Every case of nnsight_fidelity.py, run once under nnsight."""
     out = tmp_path_factory.mktemp("fidelity") / "ref.pt"
-    script = os.path.join(os.path.dirname(__file__), "nnsight_fidelity.py")
+    script = os.path.join(os.path.dirname(__file__), "support", "nnsight_fidelity.py")
     res = subprocess.run(
         [sys.executable, script, tiny_models["gpt2"], str(out)], capture_output=True, text=True, timeout=600
     )

@@ -36,7 +36,7 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def ref(paths: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("loadopts-ref") / "ref.pt"
-    script = os.path.join(os.path.dirname(__file__), "nnsight_load_options.py")
+    script = os.path.join(os.path.dirname(__file__), "support", "nnsight_load_options.py")
     res = subprocess.run(
         [sys.executable, script, paths["options"], str(out)], capture_output=True, text=True, timeout=600
     )

@@ -18,7 +18,7 @@ import torch
 
 import nnd
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))
 import compat_blocks  # noqa: E402
 
 if importlib.util.find_spec("nnsight") is None:
@@ -31,7 +31,7 @@ ATOL = 1e-5
 def pair(daemon, tiny_models, tmp_path_factory):
     path = tiny_models["gpt2"]
     out = tmp_path_factory.mktemp("nnsight_compat") / "ref.pt"
-    script = os.path.join(os.path.dirname(__file__), "nnsight_compat_reference.py")
+    script = os.path.join(os.path.dirname(__file__), "support", "nnsight_compat_reference.py")
     subprocess.run([sys.executable, script, path, str(out)], check=True, capture_output=True, timeout=900)
     ref = torch.load(out, weights_only=False)
     ours = nnd.TransformersModel(path, address=daemon.address, device="cpu", dispatch=True)

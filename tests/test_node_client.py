@@ -353,7 +353,7 @@ class _Driver:
             self.proc.wait()
 
 
-def test_node_client_follows_routes_across_a_worker_restart(node_client, daemon, tmp_path, tiny_models):
+def test_node_client_follows_routes_across_a_worker_restart(node_client, process_daemon, tmp_path, tiny_models):
     """The Node client's traces go to the worker, not through the daemon; a stale epoch and a restarted
     worker are re-routed around; a worker it cannot reach is reached through the daemon."""
     from nnd.connection import Connection
@@ -362,7 +362,7 @@ def test_node_client_follows_routes_across_a_worker_restart(node_client, daemon,
     # lines about forwarding name it.
     model = str(tmp_path / "routed-gpt2")
     shutil.copytree(tiny_models["gpt2"], model)
-    d = daemon
+    d = process_daemon  # its worker a process of its own: killing it leaves the daemon serving
     conn = Connection(d.address)
     driver = _Driver(node_client, d.address, model)
 

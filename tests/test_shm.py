@@ -96,7 +96,7 @@ def test_without_a_region_results_are_streamed(shm_daemon: Daemon, tiny_models: 
 KEEPER = textwrap.dedent(
     """
     import sys
-    sys.path.insert(0, sys.argv[3])
+    sys.path[:0] = [sys.argv[3], sys.argv[3] + "/support"]
     import test_shm
     address, model = sys.argv[1:3]
     kept = [test_shm._run(address, model, "hello world", shm=True) for _ in range(2)]  # the 2nd in a region
@@ -291,7 +291,7 @@ def test_a_malformed_region_name_is_refused(shm_daemon: Daemon, tiny_models: dic
 REGION_CLIENT = textwrap.dedent(
     """
     import os, signal, sys
-    sys.path.insert(0, sys.argv[4])
+    sys.path[:0] = [sys.argv[4], sys.argv[4] + "/support"]
     import test_shm
     from nnd import _shm
     address, model, how = sys.argv[1:4]

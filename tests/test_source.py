@@ -24,7 +24,7 @@ ATOL = 1e-5
 @pytest.fixture(scope="module")
 def references(tiny_models, tmp_path_factory):
     out = tmp_path_factory.mktemp("nnsight_source") / "ref.pt"
-    script = os.path.join(os.path.dirname(__file__), "nnsight_source_reference.py")
+    script = os.path.join(os.path.dirname(__file__), "support", "nnsight_source_reference.py")
     models = [f"{kind}={tiny_models[kind]}" for kind in SITES]
     subprocess.run([sys.executable, script, str(out), *models], check=True, capture_output=True, timeout=600)
     return torch.load(out)

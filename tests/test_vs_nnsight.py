@@ -27,7 +27,7 @@ def pair(request, daemon, tiny_models, tmp_path_factory):
     kind = request.param
     path = tiny_models[kind]
     out = tmp_path_factory.mktemp("nnsight") / f"{kind}.pt"
-    script = os.path.join(os.path.dirname(__file__), "nnsight_reference.py")
+    script = os.path.join(os.path.dirname(__file__), "support", "nnsight_reference.py")
     subprocess.run([sys.executable, script, kind, path, str(out)], check=True, capture_output=True, timeout=600)
     ref = torch.load(out)
     ours = nnd.TransformersModel(path, address=daemon.address, device="cpu", dispatch=True)

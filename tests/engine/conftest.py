@@ -12,6 +12,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "support"))
 
 import torch  # noqa: E402
 import wire_results  # noqa: E402

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 _PROCESSES = ("-m", "nnd.cli")  # nnd serve itself
-_IN_PROCESS = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "inprocess_daemon.py"),)
+_IN_PROCESS = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "inprocess_daemon.py"),)
 
 
 @dataclass
