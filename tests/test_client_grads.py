@@ -15,7 +15,7 @@ import torch
 
 import nnd
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))
 import grad_blocks  # noqa: E402
 
 if importlib.util.find_spec("nnsight") is None:
@@ -27,7 +27,7 @@ ATOL = 1e-5
 @pytest.fixture(scope="module")
 def reference(tiny_models, tmp_path_factory):
     out = tmp_path_factory.mktemp("grad_reference") / "ref.pt"
-    script = os.path.join(os.path.dirname(__file__), "grad_reference.py")
+    script = os.path.join(os.path.dirname(__file__), "support", "grad_reference.py")
     subprocess.run([sys.executable, script, tiny_models["gpt2"], str(out)], check=True, capture_output=True, timeout=900)
     return torch.load(out, weights_only=False)
 

@@ -16,7 +16,7 @@ import torch
 
 import nnd
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))
 if importlib.util.find_spec("nnsight") is None or importlib.util.find_spec("einops") is None:
     pytest.skip("nnsight 0.8.1 and einops are needed", allow_module_level=True)
 
@@ -30,7 +30,7 @@ PROMPT = compat_api_blocks.PROMPT
 def pair(daemon, tiny_models, tmp_path_factory):
     path = tiny_models["gpt2"]
     out = tmp_path_factory.mktemp("nnsight_api") / "ref.pt"
-    script = os.path.join(os.path.dirname(__file__), "nnsight_api_reference.py")
+    script = os.path.join(os.path.dirname(__file__), "support", "nnsight_api_reference.py")
     subprocess.run([sys.executable, script, path, str(out)], check=True, capture_output=True, timeout=900)
     ref = torch.load(out, weights_only=False)
     ours = nnd.TransformersModel(path, address=daemon.address, device="cpu", dispatch=True)

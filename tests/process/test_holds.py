@@ -8,9 +8,7 @@ attacker speaks the wire protocol itself (raw Interact messages), as a hostile c
 
 from __future__ import annotations
 
-import os
 import queue
-import sys
 import threading
 
 import grpc
@@ -18,12 +16,10 @@ import numpy as np
 import pytest
 import torch
 from daemonproc import start_daemon
+from graphs import Graph  # noqa: E402
 
 import nnd
 from nnd.v1 import nnd_pb2, nnd_pb2_grpc
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "engine"))
-from graphs import Graph  # noqa: E402
 
 PROMPT = "Hello world"
 MAX_PAUSE = 3
