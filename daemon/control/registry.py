@@ -291,6 +291,9 @@ class Registry:
                     if name in self._entries:
                         return self._entries[name]
                 else:
+                    held = self._entries.get(name)
+                    if held is not None and held.upload:  # a model sent as data answers to its name
+                        return held
                     # One checkpoint may be loaded several ways: a handle gets the entry whose placement
                     # and load options agree with its own, else an entry of its own (variant_tag).
                     found = self._agreeing(source, req)

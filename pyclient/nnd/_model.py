@@ -240,8 +240,8 @@ class TransformersModel(_envoy.Envoy):
         daemon's files when transformers is installed, else a small
         `RemoteTokenizer` with encode/decode."""
         if self._tokenizer is None:
-            built = _tokenizer.build(self._conn, self._name, **self.__dict__.get("_tokenizer_kwargs", {}))
-            self._tokenizer = _tokenizer.for_task(built, self._info.task)
+            asked = self.__dict__.get("_tokenizer_kwargs", {})
+            self._tokenizer = _tokenizer.for_task(_tokenizer.build(self._conn, self._name, **asked), self._info.task, asked)
         return self._tokenizer
 
     @property

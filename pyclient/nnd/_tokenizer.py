@@ -42,15 +42,17 @@ def build(conn: Connection, model: str, **kwargs: Any) -> Any:
 _ENCODER_DECODER_TASKS = frozenset({"text2text-generation", "summarization", "translation"})
 
 
-def for_task(tokenizer: Any, task: str) -> Any:
+def for_task(tokenizer: Any, task: str, asked: dict[str, Any] | None = None) -> Any:
     """Set up as nnsight's model.tokenizer is, so that `model.tokenizer(prompts, padding=True)` gives
     the ids nnsight's does: a pad token (the eos token) when the files name none, and padding on the
     left for a model that generates (where nnd's invokes are left-padded too), on the right for an
-    encoder-decoder."""
+    encoder-decoder. `asked`: the handle's tokenizer_kwargs; a padding_side named there stays."""
     if not hasattr(tokenizer, "padding_side"):
         return tokenizer  # a RemoteTokenizer: it pads nothing
     if getattr(tokenizer, "pad_token", None) is None and getattr(tokenizer, "eos_token", None) is not None:
         tokenizer.pad_token = tokenizer.eos_token
+    if asked and "padding_side" in asked:
+        return tokenizer
     if task == "text-generation":
         tokenizer.padding_side = "left"
     elif task in _ENCODER_DECODER_TASKS:

@@ -232,13 +232,13 @@ def test_the_worker_holds_queued_requests_to_max_inflight_bytes(tmp_path, tiny_m
             attacker.send(_pause_at_first_block(tiny_models["gpt2"], 1e6))
             attacker.until_paused()
             for _ in range(2):  # two fit in 2 MiB beside each other
-                call = trace(big, timeout=300)
+                call = trace(big, timeout=300, metadata=[("nnd-epoch", str(route.epoch))])
                 queued.append(call)
                 threading.Thread(target=lambda c=call: list(_swallow(c)), daemon=True).start()
             while sum(r.state == "queued" for r in _requests(daemon.address)) < 2:
                 threading.Event().wait(0.05)
             with pytest.raises(grpc.RpcError) as refused:
-                list(trace(big, timeout=60))
+                list(trace(big, timeout=60, metadata=[("nnd-epoch", str(route.epoch))]))
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "max_inflight_bytes" in refused.value.details() and "the worker" in refused.value.details()
         finally:

@@ -74,7 +74,7 @@ def test_unknown_model_is_one_line_error(daemon):
 def test_load_of_missing_path_is_not_found(daemon, tmp_path):
     res = daemon.cli("load", str(tmp_path / "nothing-here"), check=False)
     assert res.returncode == 1
-    assert "cannot load model" in res.stderr and "Traceback" not in res.stderr
+    assert "no such directory" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_stopped_daemon_is_one_line_error(tmp_path):

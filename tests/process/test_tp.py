@@ -138,7 +138,7 @@ def test_the_group_has_a_route_and_rank_0_serves_it(tpd, tp2, paths):
             list(stub.Trace(request, metadata=[("nnd-epoch", str(route.epoch - 1))], timeout=60))
         assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert ("nnd-route", "stale") in tuple(stale.value.trailing_metadata())
-        too_many = nnd_pb2.TraceRequest(model=paths["tp2"], invokes=[nnd_pb2.Invoke(text="x")] * 1000)
+        too_many = nnd_pb2.TraceRequest(model=paths["tp2"], invokes=[nnd_pb2.Invoke(text="x")] * 5000)
         with pytest.raises(grpc.RpcError) as limit:
             list(stub.Trace(too_many, metadata=[("nnd-epoch", str(route.epoch))], timeout=60))
         assert limit.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_invokes" in limit.value.details()
