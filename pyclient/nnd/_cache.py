@@ -44,10 +44,11 @@ class Cache:
         self.model = model
         self.entries: dict[str, list[Entry]] = {}
         self.filled = False
+        self._rank: dict[str, int] | None = None  # module path -> index in the tree (pre-order)
 
     def fill(self, raw: Any) -> None:
         self.entries = {}
-        for path, calls in (raw or {}).items():
+        for path, calls in sorted((raw or {}).items(), key=lambda item: self._order(item[0])):
             items = []
             for call in calls:
                 inputs = call.get("inputs")
@@ -56,6 +57,20 @@ class Cache:
                 items.append(Entry(output=call.get("output"), inputs=inputs))
             self.entries[key_of(path)] = items
         self.filled = True
+
+    def _order(self, path: str) -> tuple[int, ...]:
+        """Where `path` comes among the modules' outputs in a forward, as nnsight's cache lists them: the
+        module tree in post-order (a module's children, in order, before the module itself). The wire's
+        map keeps no order; a path the tree does not know goes last."""
+        rank = self._rank
+        if rank is None:
+            info = getattr(self.model, "_info", None)
+            rank = self._rank = {m.path: i for i, m in enumerate(getattr(info, "modules", ()))}
+        if path not in rank:
+            return (len(rank) + 1,)
+        parts = path.split(".") if path else []
+        chain = [".".join(parts[:n]) for n in range(len(parts) + 1)]
+        return (*(rank.get(a, len(rank)) for a in chain), len(rank))
 
 
 class CacheView:

@@ -26,9 +26,12 @@ class Session:
     daemon's time for all its blocks."""
 
     def __init__(self, model: TransformersModel, **options: Any) -> None:
+        from nnd._tracer import _remote_note
+
+        _remote_note(options.pop("remote", False))  # nnsight's remote=: as on a trace, this daemon runs it
         unknown = set(options) - {"keep_alive"}
         if unknown:
-            raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; a session takes: keep_alive")
+            raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; a session takes: keep_alive, remote")
         self.model = model
         self._options = options
         self.blocks: list[Tracer] = []

@@ -139,3 +139,12 @@ def test_a_block_that_fails_while_recording_sends_nothing(model, fake):
                 model.transformer.h[0].output.save()
             raise ZeroDivisionError
     assert methods(fake) == []
+
+
+def test_a_session_takes_nnsights_remote_option_and_refuses_unknown_ones(model):
+    """`llm.session(remote=REMOTE)` is how nnsight code opens sessions (remote=False: in process, here the
+    daemon); any other unknown option is still an error naming it."""
+    with model.session(remote=False):
+        pass
+    with pytest.raises(TypeError, match="bogus"):
+        model.session(bogus=1)

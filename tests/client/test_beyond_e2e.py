@@ -148,6 +148,25 @@ def test_cache_matches_forward_hooks(gpt2, reference):
     assert "transformer.h.0.mlp" in cache and len(cache["transformer.h.0"]) == 1
 
 
+def test_cache_keys_list_the_layers_in_the_order_they_ran(gpt2, reference):
+    """nnsight's cache lists modules as their outputs came in the forward, so `list(cache.keys())[i]` is
+    the i-th layer; the wire's map has no order of its own. (nnd orders by the module tree, children
+    before parents, which is the forward's order for the layers and the blocks; inside a block a module
+    defined out of call order, GPT-2's `mlp.act` after `mlp.c_proj`, is listed in definition order.)"""
+    with gpt2.trace(PROMPT) as tracer:
+        cache = tracer.cache()
+    ran: list[str] = []
+    handles = [m.register_forward_hook(lambda mod, a, o, n=n: ran.append(n)) for n, m in reference.named_modules()]
+    try:
+        with torch.no_grad():
+            reference(**_ids(gpt2, PROMPT))
+    finally:
+        for h in handles:
+            h.remove()
+    layers = [f"model.{n}" if n else "model" for n in dict.fromkeys(ran) if n.count(".") <= 2]  # blocks, layers, root
+    assert [k for k in cache.keys() if k.count(".") <= 3] == layers
+
+
 def test_cache_inputs_and_one_entry_per_step(gpt2):
     with gpt2.generate(PROMPT, max_new_tokens=3) as tracer:
         cache = tracer.cache(modules=[gpt2.transformer.h[0], "model.layers.1"], include_inputs=True)
