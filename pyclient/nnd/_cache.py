@@ -63,9 +63,8 @@ class Cache:
         module tree in post-order (a module's children, in order, before the module itself). The wire's
         map keeps no order; a path the tree does not know goes last."""
         rank = self._rank
-        if rank is None:
-            info = getattr(self.model, "_info", None)
-            rank = self._rank = {m.path: i for i, m in enumerate(getattr(info, "modules", ()))}
+        if rank is None:  # the envoy tree (a dispatch's ModelInfo carries no module list)
+            rank = self._rank = {env.path: i for i, env in enumerate(self.model.modules())}
         if path not in rank:
             return (len(rank) + 1,)
         parts = path.split(".") if path else []
