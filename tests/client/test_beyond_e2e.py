@@ -148,11 +148,14 @@ def test_cache_matches_forward_hooks(gpt2, reference):
     assert "transformer.h.0.mlp" in cache and len(cache["transformer.h.0"]) == 1
 
 
-def test_cache_keys_list_the_layers_in_the_order_they_ran(gpt2, reference):
+@pytest.mark.parametrize("dispatched", [False, True])
+def test_cache_keys_list_the_layers_in_the_order_they_ran(gpt2, reference, daemon, tiny_models, dispatched):
     """nnsight's cache lists modules as their outputs came in the forward, so `list(cache.keys())[i]` is
     the i-th layer; the wire's map has no order of its own. (nnd orders by the module tree, children
     before parents, which is the forward's order for the layers and the blocks; inside a block a module
     defined out of call order, GPT-2's `mlp.act` after `mlp.c_proj`, is listed in definition order.)"""
+    if dispatched:  # a handle made with dispatch=True holds the Dispatch's answer, which lists no modules
+        gpt2 = nnd.TransformersModel(tiny_models["gpt2"], address=daemon.address, device="cpu", dispatch=True)
     with gpt2.trace(PROMPT) as tracer:
         cache = tracer.cache()
     ran: list[str] = []
