@@ -5,7 +5,7 @@
 - generate 32 tokens with one `.save()` per step vs HF generate on the GPU;
 - a 256 MiB result made in GPU memory, streamed and through shared memory.
 
-Random weights (tests/tinymodels.py's tokenizer), built on the GPU into the run's
+Random weights (tests/support/tinymodels.py's tokenizer), built on the GPU into the run's
 temp folder. Times are medians of interleaved repeats after a warm-up, with
 `torch.cuda.synchronize()` inside every timed call, so they include the kernels.
 Run by `scripts/gpu-check` and `python bench/run.py --only gpu`.

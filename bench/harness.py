@@ -218,7 +218,7 @@ def cleanup() -> None:
 
 
 def model(kind: str = "gpt2", *, layers: int = 2, width: int = 64) -> str:
-    """Path of a tiny-vocab model (tests/tinymodels.py), built once per run."""
+    """Path of a tiny-vocab model (tests/support/tinymodels.py), built once per run."""
     key = (kind, layers, width)
     if key not in _MODELS:
         import tinymodels

@@ -38,7 +38,7 @@ MODULES = {
 
 NOTES = [
     "ratio = nnd ÷ alternative (times, bytes: lower is better; GB/s and traces/s: higher is better).",
-    "Models are tests/tinymodels.py builds with random weights and a 320-token vocabulary, so the "
+    "Models are tests/support/tinymodels.py builds with random weights and a 320-token vocabulary, so the "
     "embedding and lm_head are tiny: 'GPT-2 12×768' has GPT-2-small's blocks but ~85M parameters (341 MB).",
     "Timings: warm-up, then the median of N, alternatives interleaved with nnd; torch uses one thread "
     "everywhere (torch.set_num_threads(1) in-process, OMP_NUM_THREADS=1 for the daemon and its workers).",
