@@ -30,8 +30,8 @@ PROMPT = compat_api_blocks.PROMPT
 def pair(daemon, tiny_models, tmp_path_factory):
     path = tiny_models["gpt2"]
     out = tmp_path_factory.mktemp("nnsight_api") / "ref.pt"
-    script = os.path.join(os.path.dirname(__file__), "support", "nnsight_api_reference.py")
-    subprocess.run([sys.executable, script, path, str(out)], check=True, capture_output=True, timeout=900)
+    script = os.path.join(os.path.dirname(__file__), "support", "nnsight_blocks_reference.py")
+    subprocess.run([sys.executable, script, "compat_api_blocks", path, str(out)], check=True, capture_output=True, timeout=900)
     ref = torch.load(out, weights_only=False)
     ours = nnd.TransformersModel(path, address=daemon.address, device="cpu", dispatch=True)
     yield ours, ref

@@ -1,5 +1,5 @@
 """nnsight code runs unchanged: the blocks of tests/compat_blocks.py, run by
-nnsight 0.8.1 (tests/nnsight_compat_reference.py, in a process of its own so
+nnsight 0.8.1 (tests/support/nnsight_blocks_reference.py, in a process of its own so
 its patches stay out of this one) and by nnd on the same weights, give equal
 results: loops with appends over generate steps, branches on values, `.item()`,
 f-strings, numpy, outer containers, `.save()` on any object, a sync inside
@@ -31,8 +31,8 @@ ATOL = 1e-5
 def pair(daemon, tiny_models, tmp_path_factory):
     path = tiny_models["gpt2"]
     out = tmp_path_factory.mktemp("nnsight_compat") / "ref.pt"
-    script = os.path.join(os.path.dirname(__file__), "support", "nnsight_compat_reference.py")
-    subprocess.run([sys.executable, script, path, str(out)], check=True, capture_output=True, timeout=900)
+    script = os.path.join(os.path.dirname(__file__), "support", "nnsight_blocks_reference.py")
+    subprocess.run([sys.executable, script, "compat_blocks", path, str(out)], check=True, capture_output=True, timeout=900)
     ref = torch.load(out, weights_only=False)
     ours = nnd.TransformersModel(path, address=daemon.address, device="cpu", dispatch=True)
     yield ours, ref

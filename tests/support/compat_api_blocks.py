@@ -1,5 +1,5 @@
 """The API surface real nnsight 0.8.1 code touches (issue #27), as blocks run
-unchanged by nnsight (tests/nnsight_api_reference.py, in a process of its own)
+unchanged by nnsight (tests/support/nnsight_blocks_reference.py, in a process of its own)
 and by nnd (tests/test_nnsight_api.py) on the same weights: the model handle
 as transformers users know it, generate() keywords, module attributes,
 torch.nn.functional, range/list indices, einops, cache keys, `tracer.all()`

@@ -1,5 +1,5 @@
 """Blocks written as nnsight 0.8.1 users write them, run unchanged by nnsight
-(tests/nnsight_compat_reference.py, in a process of its own) and by nnd
+(tests/support/nnsight_blocks_reference.py, in a process of its own) and by nnd
 (tests/test_nnsight_compat.py). Each takes a model (nnsight's LanguageModel or
 nnd's TransformersModel, same weights) and returns plain results to compare.
 

@@ -1,11 +1,12 @@
-"""Run tests/compat_api_blocks.py with nnsight 0.8.1 in a process of its own and
-save every block's results (or the error it raised).
+"""Run a module of blocks (tests/support/compat_blocks.py, compat_api_blocks.py) with nnsight 0.8.1
+in a process of its own and save every block's results (or the error it raised).
 
-Usage: python nnsight_api_reference.py MODEL_PATH OUT.pt
+Usage: python nnsight_blocks_reference.py BLOCKS_MODULE MODEL_PATH OUT.pt
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -22,22 +23,22 @@ def _plain(value):
     return value
 
 
-def main(path: str, out: str) -> None:
+def main(blocks_module: str, path: str, out: str) -> None:
     import nnsight
     from transformers import AutoTokenizer
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import compat_api_blocks
+    blocks = importlib.import_module(blocks_module).BLOCKS
 
     model = nnsight.LanguageModel(path, tokenizer=AutoTokenizer.from_pretrained(path), device_map="cpu", dispatch=True)
     results = {}
-    for name, block in compat_api_blocks.BLOCKS.items():
+    for name, block in blocks.items():
         try:
             results[name] = _plain(block(model))
-        except Exception as exc:  # noqa: BLE001 - recorded: the test says which block nnsight refused
+        except Exception as exc:  # noqa: BLE001 - recorded, the test says which block nnsight refused
             results[name] = {"nnsight_failed": f"{type(exc).__name__}: {exc}"}
     torch.save(results, out)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
