@@ -10,26 +10,13 @@ type.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 
-# Trailing-metadata key carrying `exc_type` to the client.
-EXC_TYPE_KEY = "nnd-exception-type"
-# Initial-metadata key a worker sends once a queued request has the model (it runs, no longer waits).
-STARTED_KEY = "nnd-started"
-# Initial-metadata key a worker sends with a request's Queued message: it waits behind others. A
-# request without it had the model at once (its header would be one more write per trace).
-QUEUED_KEY = "nnd-queued"
+from nnd.v1.contract import EXC_TYPE_KEY
 
-
-def started_from(metadata: Iterable[tuple[str, Any]] | None) -> bool:
-    """Whether a worker had begun running a call, from the initial metadata it sent (None: none
-    came): it says `nnd-started` once a queued request has the model; one that never said
-    `nnd-queued` had it at once."""
-    keys = {key for key, _ in metadata or ()}
-    return STARTED_KEY in keys or QUEUED_KEY not in keys
 # Longest status message sent, in bytes as gRPC percent-encodes them. gRPC
 # clients refuse metadata over 8 KiB (a status message is metadata) and report
 # RESOURCE_EXHAUSTED instead of the real status, so an error quoting a huge

@@ -1,5 +1,5 @@
-"""Definitions the control plane, the helper and the workers share: gRPC options,
-the metadata keys of the data path (routes), the files a tensor-parallel group
+"""Definitions the control plane, the helper and the workers share (the wire contract's keys and
+options are nnd/v1/contract.py's): the files a tensor-parallel group
 leaves beside its socket, and how a child process dies with the daemon."""
 
 from __future__ import annotations
@@ -15,13 +15,6 @@ from typing import Any
 from nnd.v1.shm import SHM_DIR, alive, reap_dead
 from nnd_daemon import errors
 
-# Both servers and the daemon's channels to workers: results stream in chunks
-# of a few MiB, but a single message may be large.
-MAX_MESSAGE = 512 * 2**20
-GRPC_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE),
-    ("grpc.max_send_message_length", MAX_MESSAGE),
-]
 
 def die_with_parent(parent: int) -> None:
     """End this process (a worker, the helper) once `parent`, the daemon, has gone: neither may
@@ -36,22 +29,6 @@ def die_with_parent(parent: int) -> None:
     if parent:
         threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
-
-# Metadata of the data path (protos/nnd/v1/nnd.proto, Route).
-EPOCH_KEY = "nnd-epoch"  # the route epoch a client followed
-ROUTE_KEY = "nnd-route"  # trailing metadata "stale": wrong epoch, nothing ran
-STALE = "stale"
-MODEL_KEY = "nnd-model"  # set by the daemon when it forwards bytes it did not parse
-# Set by the daemon on a request it forwards whose client sent no deadline: the worker applies the
-# daemon's --deadline itself (and says so when it ends the request); the call's own gRPC timeout is
-# that plus FORWARD_GRACE_S, a backstop that must not win the race and end the call without the reason.
-DEFAULT_DEADLINE_KEY = "nnd-default-deadline"
-FORWARD_GRACE_S = 5.0
-
-# The data methods a worker serves to clients (the rest of nnd.v1.Nnd is the daemon's).
-DATA_METHODS = ("Trace", "Generate", "Session")
-# Metadata naming a request's client for `nnd ps` (the Python client sends user@host:pid); the daemon passes it on.
-CLIENT_KEY = "nnd-client"
 
 # Tensor-parallel groups (control/tplaunch.py starts them, worker/tp.py runs them).
 # Seconds a rank may wait in one collective, or for the other ranks at the end of a request,

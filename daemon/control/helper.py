@@ -33,8 +33,8 @@ from typing import Any
 import grpc
 import psutil
 
-from nnd.v1 import helper_pb2, helper_pb2_grpc
-from nnd_daemon import errors, shared
+from nnd.v1 import contract, helper_pb2, helper_pb2_grpc
+from nnd_daemon import errors
 from nnd_daemon.control import admission, statedir
 from nnd_daemon.control.fairgate import FairGate
 
@@ -142,7 +142,7 @@ class Helper:
                 self._kill()
                 raise errors.Unavailable(f"the helper process did not start within {self.start_timeout_s:.0f} s")
             time.sleep(0.02)
-        self._channel = grpc.insecure_channel("unix://" + self.socket, options=shared.GRPC_OPTIONS)
+        self._channel = grpc.insecure_channel("unix://" + self.socket, options=contract.GRPC_OPTIONS)
         grpc.channel_ready_future(self._channel).result(timeout=max(1.0, deadline - time.monotonic()))
         self._stub = helper_pb2_grpc.HelperStub(self._channel)
         self._ps = psutil.Process(self._proc.pid)
@@ -259,10 +259,7 @@ class Helper:
             self._kill()  # its work goes on otherwise, and the next call's CPU time would include it
             self._discard()
             return errors.DeadlineExceeded(f"{what} did not finish before its deadline; it was stopped")
-        exc_type = ""
-        for key, value in err.trailing_metadata() or ():
-            if key == errors.EXC_TYPE_KEY:
-                exc_type = value
+        exc_type = contract.exc_type_of(err)
         if exc_type == "MemoryError":
             return errors.ResourceExhausted(
                 f"{what} needs more memory than the helper process may use: helper_memory_bytes="

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 import grpc
 import psutil
 
-from nnd.v1 import nnd_pb2, worker_pb2, worker_pb2_grpc
+from nnd.v1 import contract, nnd_pb2, worker_pb2, worker_pb2_grpc
 from nnd_daemon import errors, identity, shared
 from nnd_daemon.control import gpus, statedir, tplaunch
 
@@ -47,7 +47,7 @@ log = logging.getLogger("nnd.supervisor")
 _serial = itertools.count(1)
 
 # (Not SingleThreadedUnaryStream: with it, concurrent calls to one worker were not concurrent.)
-OPTIONS = shared.GRPC_OPTIONS
+OPTIONS = contract.GRPC_OPTIONS
 TOKEN_ENV = "NND_WORKER_TOKEN"  # worker/listen.py reads it (the command line is public)
 
 
@@ -313,7 +313,7 @@ class Worker:
         # Clients' data requests, forwarded as bytes (worker/gateway.py parses them); results pass
         # through the daemon as bytes too, never decoded here.
         self.forward_raw = {
-            method: self.channel.unary_stream(f"/nnd.v1.Nnd/{method}") for method in shared.DATA_METHODS
+            method: self.channel.unary_stream(f"/nnd.v1.Nnd/{method}") for method in contract.DATA_METHODS
         }
         self.forward_interact = self.channel.stream_stream("/nnd.v1.Nnd/Interact")
 
@@ -492,10 +492,7 @@ class Worker:
             died = self.proc is not None and self.proc.poll() is not None
             reason = self.describe_exit() if died else err.details()
             return self.lost(f"died: {reason}" if died else f"cannot be reached: {reason}", started)
-        exc_type = ""
-        for key, value in err.trailing_metadata() or ():
-            if key == errors.EXC_TYPE_KEY:
-                exc_type = value
+        exc_type = contract.exc_type_of(err)
         mapped = errors.NndError(err.details() or str(code), exc_type=exc_type)
         mapped.code = code
         return mapped
@@ -612,16 +609,16 @@ def _process(pid: int) -> psutil.Process | None:
 
 def _client_metadata(client: grpc.ServicerContext) -> list[tuple[str, str]]:
     """Who asked, for the worker's `nnd ps` view: the client's own name for itself, else its peer address."""
-    who = dict(client.invocation_metadata() or ()).get(shared.CLIENT_KEY) or client.peer() or ""
-    return [(shared.CLIENT_KEY, str(who)[:80])] if who else []
+    who = dict(client.invocation_metadata() or ()).get(contract.CLIENT_KEY) or client.peer() or ""
+    return [(contract.CLIENT_KEY, str(who)[:80])] if who else []
 
 
 _RUNNING = nnd_pb2.TraceResponse(queued=nnd_pb2.Queued(running=True)).SerializeToString()
 
 
 def _started(call: Any) -> bool | None:
-    """Whether the worker had begun running `call`'s request when it failed (errors.started_from)."""
+    """Whether the worker had begun running `call`'s request when it failed (contract.started_from)."""
     try:
-        return errors.started_from(call.initial_metadata())
+        return contract.started_from(call.initial_metadata())
     except Exception:  # noqa: BLE001 - only a hint for the error message
         return None

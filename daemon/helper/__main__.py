@@ -17,6 +17,7 @@ from concurrent import futures
 
 import grpc
 
+from nnd.v1 import contract
 from nnd_daemon import errors, shared
 
 
@@ -49,7 +50,7 @@ def serve(socket: str, cache: int) -> grpc.Server:
     from nnd_daemon.helper.service import HelperService, memory_error
 
     mapped = errors.ErrorInterceptor(logging.getLogger("nnd.helper"), translate=memory_error)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=shared.GRPC_OPTIONS, interceptors=[mapped])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=contract.GRPC_OPTIONS, interceptors=[mapped])
     helper_pb2_grpc.add_HelperServicer_to_server(HelperService(cache), server)
     server.add_insecure_port("unix://" + socket)
     server.start()

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from nnd.v1 import worker_pb2_grpc
+from nnd.v1 import contract, worker_pb2_grpc
 from nnd_daemon import logfmt, shared
 from nnd_daemon.worker import listen
 from nnd_daemon.worker.service import WorkerService
@@ -81,7 +81,7 @@ def main() -> None:
     if rank:
         from nnd_daemon.worker import tp
 
-        tp.main(ns, shared.GRPC_OPTIONS, _limits(ns))
+        tp.main(ns, contract.GRPC_OPTIONS, _limits(ns))
         return
     servers = serve(ns)
     signal.signal(signal.SIGTERM, lambda *_: listen.stop(servers, 2))

@@ -20,8 +20,8 @@ from typing import Any
 
 import grpc
 
-from nnd.v1 import nnd_pb2, worker_pb2
-from nnd_daemon import aliases, errors, identity, intake, shared
+from nnd.v1 import contract, nnd_pb2, worker_pb2
+from nnd_daemon import aliases, errors, identity, intake
 from nnd_daemon.inflight import InflightBudget
 from nnd_daemon.worker.stop import Stop
 
@@ -90,7 +90,7 @@ class Gateway:
             method: grpc.unary_stream_rpc_method_handler(
                 self._method(method, route), request_deserializer=None, response_serializer=_serialize
             )
-            for method in shared.DATA_METHODS
+            for method in contract.DATA_METHODS
         }
         handlers["Interact"] = grpc.stream_stream_rpc_method_handler(
             lambda raws, context: self.interact(raws, context, route=route),
@@ -106,11 +106,11 @@ class Gateway:
         return serve
 
     def _check_epoch(self, context: grpc.ServicerContext, route: bool = False) -> None:
-        sent = dict(context.invocation_metadata()).get(shared.EPOCH_KEY)
+        sent = dict(context.invocation_metadata()).get(contract.EPOCH_KEY)
         if sent is None and route:
             # Without it a restarted worker on a reused socket would run a call meant for its predecessor.
             raise errors.FailedPrecondition(
-                f"a call on a model's route must send the route's epoch as `{shared.EPOCH_KEY}` metadata "
+                f"a call on a model's route must send the route's epoch as `{contract.EPOCH_KEY}` metadata "
                 "(GetRoute's epoch); nothing ran"
             )
         if sent is not None and sent != str(self.epoch):
@@ -118,7 +118,7 @@ class Gateway:
             raise errors.FailedPrecondition(
                 f"stale route: the worker of {self.name} is at epoch {self.epoch}, not {sent}; "
                 "fetch the route again (GetRoute)",
-                trailers=((shared.ROUTE_KEY, shared.STALE),),
+                trailers=((contract.ROUTE_KEY, contract.STALE),),
             )
 
     def _check_model(self, model: str, route: bool) -> None:
@@ -274,7 +274,7 @@ class Gateway:
         # The deadline is a point in time checked where the request already waits or polls (stop.py),
         # not a timer thread per request: the client's own timeout, else the daemon's --deadline.
         remaining = context.time_remaining()
-        forwarded_default = dict(context.invocation_metadata() or ()).get(shared.DEFAULT_DEADLINE_KEY) == "1"
+        forwarded_default = dict(context.invocation_metadata() or ()).get(contract.DEFAULT_DEADLINE_KEY) == "1"
         own = not forwarded_default and remaining is not None and remaining < 1e8
         seconds = remaining if own else float(self.limits.default_deadline_s)
         stop = Stop(seconds)
@@ -314,7 +314,7 @@ class Gateway:
 def client_of(context: grpc.ServicerContext) -> str:
     """Who sent a request: the client's own `nnd-client` metadata (free text, shortened), else the peer."""
     for key, value in context.invocation_metadata() or ():
-        if key == shared.CLIENT_KEY and isinstance(value, str):
+        if key == contract.CLIENT_KEY and isinstance(value, str):
             return value[:80]
     return context.peer() or "?"
 

@@ -16,7 +16,8 @@ from typing import Any
 
 import grpc
 
-from nnd_daemon import errors, identity, shared
+from nnd.v1 import contract
+from nnd_daemon import errors, identity
 from nnd_daemon.tokens import TokenInterceptor
 from nnd_daemon.worker.gateway import Gateway
 
@@ -68,7 +69,7 @@ def start(
         interceptors = [TokenInterceptor(token), mapped] if token else [mapped]
         public = grpc.server(
             futures.ThreadPoolExecutor(max_workers=RPC_THREADS),
-            options=shared.GRPC_OPTIONS,
+            options=contract.GRPC_OPTIONS,
             interceptors=interceptors,
             maximum_concurrent_rpcs=PUBLIC_CALLS,
         )
@@ -81,7 +82,7 @@ def start(
         public.start()
         servers.append(public)
     private = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=RPC_THREADS), options=shared.GRPC_OPTIONS, interceptors=[mapped]
+        futures.ThreadPoolExecutor(max_workers=RPC_THREADS), options=contract.GRPC_OPTIONS, interceptors=[mapped]
     )
     add_worker(service, private)
     private.add_generic_rpc_handlers((gateway.handler(),))

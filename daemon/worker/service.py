@@ -14,8 +14,8 @@ from typing import Any
 import grpc
 import psutil
 
-from nnd.v1 import nnd_pb2, worker_pb2, worker_pb2_grpc
-from nnd_daemon import errors, shared
+from nnd.v1 import contract, nnd_pb2, worker_pb2, worker_pb2_grpc
+from nnd_daemon import errors
 from nnd_daemon.worker import activity, loader, turns
 from nnd_daemon.worker.stop import Stop
 
@@ -95,8 +95,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         ahead = self._run_lock.waiting() + self._run_lock.locked()
         if ahead:
             # "It waits" goes out with the message; a request that did not wait sends no header at all
-            # (errors.started_from: one write fewer per trace).
-            context.send_initial_metadata(((errors.QUEUED_KEY, "1"),))
+            # (contract.started_from: one write fewer per trace).
+            context.send_initial_metadata(((contract.QUEUED_KEY, "1"),))
             yield self._queued(ahead)
         who = dict(user=self._user(context), rows=max(1, len(request.request.invokes)))
         with self.activity.track(kind, _client(context), steps, **who) as tracked, _log_if_cancelled(stop, tracked):
@@ -330,7 +330,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     return
                 if item is _STARTED:
                     tracked.running = True
-                    context.send_initial_metadata(((errors.STARTED_KEY, "1"),))
+                    context.send_initial_metadata(((contract.STARTED_KEY, "1"),))
                     continue
                 if isinstance(item, BaseException):
                     raise on_error(item)
@@ -387,7 +387,7 @@ def _log_if_cancelled(stop: Stop, tracked: activity.Request) -> Iterator[None]:
 def _client(context: grpc.ServicerContext) -> str:
     """Who sent a request: the client's own `nnd-client` metadata (free text, shortened), else the peer."""
     for key, value in context.invocation_metadata() or ():
-        if key == shared.CLIENT_KEY and isinstance(value, str):
+        if key == contract.CLIENT_KEY and isinstance(value, str):
             return value[:80]
     return context.peer() or "?"
 

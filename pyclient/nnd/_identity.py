@@ -9,8 +9,6 @@ import socket
 
 from nnd import _address
 
-USER_KEY = "nnd-user"
-
 
 def fetch_ticket(address: str, timeout: float = 2.0) -> str | None:
     path = _address.unix_path(address)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from nnd import _withbody
 from nnd._usage import value_not_known
 from nnd.v1 import graph_pb2, values_pb2
+from nnd.v1.contract import steps_of
 
 if TYPE_CHECKING:
     from nnd._tracer import Tracer
@@ -136,25 +137,6 @@ class Loop:
             return _withbody.finish(exc_type, self._trace_before)
         self._tracer._builder.pop_scope()
         return False
-
-
-def steps_of(sel: graph_pb2.StepSelector, total: int) -> list[int]:
-    """The steps a selector picks out of `total` (what the daemon's executor selects)."""
-    span = range(total)
-    kind = sel.WhichOneof("kind")
-    if kind == "all":
-        return list(span)
-    if kind == "range":
-        r = sel.range
-        part = span[
-            slice(
-                r.start if r.HasField("start") else None,
-                r.stop if r.HasField("stop") else None,
-                r.step if r.HasField("step") else None,
-            )
-        ]
-        return list(part)
-    return [span[s] for s in sel.steps.steps if -total <= s < total]
 
 
 class StepIter:

@@ -23,14 +23,8 @@ import grpc
 
 from nnd import _chunks
 from nnd.errors import DaemonUnavailable
-from nnd.v1 import nnd_pb2, nnd_pb2_grpc
+from nnd.v1 import contract, nnd_pb2, nnd_pb2_grpc
 
-EPOCH_KEY = "nnd-epoch"
-ROUTE_KEY = "nnd-route"
-STALE = "stale"
-STARTED_KEY = "nnd-started"
-QUEUED_KEY = "nnd-queued"  # a request that waited says so; one that did not had the model at once
-DATA_METHODS = frozenset({"Trace", "Generate", "Session"})
 # gRPC's words when no connection could be made: the request never left the client.
 _NOT_CONNECTED = ("failed to connect", "No such file or directory", "Connection refused", "connections to all backends")
 
@@ -84,7 +78,7 @@ class Router:
             if route is None:  # no worker (or none this client can reach): the daemon runs the request
                 yield from via_daemon(left)
                 return
-            meta = [*self._metadata(), (EPOCH_KEY, str(route.epoch))]
+            meta = [*self._metadata(), (contract.EPOCH_KEY, str(route.epoch))]
             call = getattr(route.stub, method)(argument(), timeout=left, metadata=meta)
             self.direct_calls += 1
             answered = False  # a response came: the request had begun, whatever the metadata says
@@ -161,8 +155,7 @@ class Router:
         started: bool | None = True
         if call is not None:
             try:
-                keys = {key for key, _ in call.initial_metadata() or ()}
-                started = STARTED_KEY in keys or QUEUED_KEY not in keys
+                started = contract.started_from(call.initial_metadata())
             except Exception:  # noqa: BLE001 - only a hint for the message
                 started = None
         try:
@@ -196,7 +189,7 @@ class Router:
 def _never_ran(err: grpc.RpcError) -> bool:
     """The worker refused the call for its epoch, or no connection was made: nothing ran."""
     if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
-        return any(k == ROUTE_KEY and v == STALE for k, v in err.trailing_metadata() or ())
+        return any(k == contract.ROUTE_KEY and v == contract.STALE for k, v in err.trailing_metadata() or ())
     return _not_connected(err)
 
 

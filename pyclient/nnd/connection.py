@@ -12,18 +12,16 @@ import grpc
 
 from nnd import _address, _chunks, _identity, _route
 from nnd.errors import DaemonUnavailable, NndError, from_rpc_error
-from nnd.v1 import nnd_pb2_grpc
+from nnd.v1 import contract, nnd_pb2_grpc
 
 try:  # imported up front: a process that has changed user may no longer read the module's file
     import grp
 except ImportError:  # not on Windows
     grp = None  # type: ignore[assignment]
 
-# Results stream in chunks of a few MiB; allow generous single messages.
-MAX_MESSAGE = 256 * 1024 * 1024
+# The contract's message-size limit, as the daemon's servers have it.
 CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE),
-    ("grpc.max_send_message_length", MAX_MESSAGE),
+    *contract.GRPC_OPTIONS,
     # Streamed results are read on the caller's thread: no helper thread per call.
     ("SingleThreadedUnaryStream", 1),
 ]
@@ -111,9 +109,9 @@ class Connection:
         self._ticket = _identity.fetch_ticket(self.address) if not self.tls else None
 
     def _metadata(self) -> list[tuple[str, str]]:
-        who = [("nnd-client", _CLIENT)]  # shown by `nnd ps` beside this process's requests
+        who = [(contract.CLIENT_KEY, _CLIENT)]  # shown by `nnd ps` beside this process's requests
         if self._ticket:
-            who.append((_identity.USER_KEY, self._ticket))
+            who.append((contract.USER_KEY, self._ticket))
         return [("authorization", f"Bearer {self.token}"), *who] if self.token else who
 
     def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
@@ -126,7 +124,7 @@ class Connection:
     def stream(self, method: str, request: Any, *, timeout: float | None = None) -> Iterator[Any]:
         """A server-streaming call; iterating raises nnd exceptions. Closing the
         iterator cancels the call on the daemon."""
-        if self.direct and method in _route.DATA_METHODS and not getattr(request, "scan", False):
+        if self.direct and method in contract.DATA_METHODS and not getattr(request, "scan", False):
             yield from self.router.stream(
                 method, request, timeout, lambda left: self._stream(method, request, left), self._translate
             )
