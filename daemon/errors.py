@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from nnd.v1 import contract
 from nnd.v1.contract import EXC_TYPE_KEY
 
 # Longest status message sent, in bytes as gRPC percent-encodes them. gRPC
@@ -73,6 +74,24 @@ class DeadlineExceeded(NndError):
 
 class PermissionDenied(NndError):
     code = grpc.StatusCode.PERMISSION_DENIED
+
+
+def relayed(code: grpc.StatusCode | int, message: str, exc_type: str = "") -> NndError:
+    """The error another nnd process answered with (a worker, the helper, a tensor-parallel group's
+    rank 0), to pass on unchanged: its status code (or the code's number), message and exception type.
+    A plain NndError, never one of the subclasses: the daemon's own hooks (events.on_error) count only
+    refusals it made itself."""
+    if isinstance(code, int):
+        code = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
+    err = NndError(message, exc_type=exc_type)
+    err.code = code
+    return err
+
+
+def from_rpc(err: grpc.RpcError) -> NndError:
+    """`relayed` for a failed call to another nnd process: the status it ended with, as it said it."""
+    code = err.code()
+    return relayed(code, err.details() or str(code), contract.exc_type_of(err))
 
 
 def limit_name(message: str) -> str:

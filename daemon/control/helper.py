@@ -265,9 +265,7 @@ class Helper:
                 f"{what} needs more memory than the helper process may use: helper_memory_bytes="
                 f"{_size(self.memory_bytes)} (nnd serve --helper-memory)"
             )
-        mapped = errors.NndError(err.details() or str(code), exc_type=exc_type)
-        mapped.code = code
-        return mapped
+        return errors.from_rpc(err)
 
     # -- the calls the daemon makes --------------------------------------------
     def describe(self, ref: helper_pb2.HelperModel) -> helper_pb2.MetaDescription:

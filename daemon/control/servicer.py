@@ -248,12 +248,7 @@ class NndServicer:
         graph = graph_pb2.Graph()
         graph.CopyFrom(request.graph)
         _resolve_aliases(entry.meta, [graph])
-        if self.settings.limits.max_request_bytes and graph.ByteSize() > self.settings.limits.max_request_bytes:
-            raise errors.ResourceExhausted(
-                f"the edit is {graph.ByteSize()} bytes, over the limit max_request_bytes="
-                f"{self.settings.limits.max_request_bytes}"
-            )
-        intake.check_depth(graph, "the edit")
+        intake.check_part(graph, graph.ByteSize(), self.settings.limits, "the edit")
         check = helper_pb2.HelperEditRequest(model=entry.meta.ref, graph=graph)
         self.registry.helper.call("CheckEdit", check, what="this edit's check", client=context)
         edit = entry.meta.edits.create(

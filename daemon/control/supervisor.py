@@ -492,10 +492,7 @@ class Worker:
             died = self.proc is not None and self.proc.poll() is not None
             reason = self.describe_exit() if died else err.details()
             return self.lost(f"died: {reason}" if died else f"cannot be reached: {reason}", started)
-        exc_type = contract.exc_type_of(err)
-        mapped = errors.NndError(err.details() or str(code), exc_type=exc_type)
-        mapped.code = code
-        return mapped
+        return errors.from_rpc(err)
 
     def _wait_exit(self, timeout: float) -> None:
         if self.proc is not None:

@@ -154,8 +154,7 @@ class Gateway:
                 raise
             self._check_model(run.session.model if run.HasField("session") else run.request.model, route)
             keep_alive = run.session.keep_alive if run.HasField("session") else run.request.keep_alive
-            kind = "session" if run.HasField("session") else "generate" if run.generate else "trace"
-            user = self._begin(kind, keep_alive, context)
+            user = self._begin(intake.kind_of(run), keep_alive, context)
             try:
                 yield from self._run(
                     run, context, lambda stop, on_error: self.service.run(run, context, stop, on_error)
@@ -180,25 +179,9 @@ class Gateway:
             raise errors.InvalidArgument("an Interact stream starts with an InteractStart")
         start = first.start
         self._check_model(start.session.model if start.HasField("session") else start.request.model, route)
-        if start.HasField("session"):
-            session = start.session
-            if not session.traces or session.scan:
-                raise errors.InvalidArgument("an interactive session needs its traces (and runs no scans)")
-            self._complete(session.model, session.traces)
-            run = worker_pb2.WorkerRunRequest(
-                session=session, edits=self._stacks([i for t in session.traces for i in t.request.edits])
-            )
-            keep_alive = session.keep_alive
-        else:
-            request = start.request
-            intake.check(request, self.limits, generate=start.generate)
-            aliases.rewrite_graphs([request.graph], self._aliases())
-            run = worker_pb2.WorkerRunRequest(
-                request=request, generate=start.generate, edits=self._stacks(list(request.edits))
-            )
-            keep_alive = request.keep_alive
-        kind = "session" if start.HasField("session") else "generate" if start.generate else "trace"
-        user = self._begin(kind, keep_alive, context)
+        run = intake.prepare_start(start, self.limits, rewrite=self._rewrite, stacks=self._stacks)
+        keep_alive = run.session.keep_alive if run.HasField("session") else run.request.keep_alive
+        user = self._begin(intake.kind_of(run), keep_alive, context)
 
         def messages() -> Iterator[worker_pb2.WorkerInteractContinue | errors.NndError]:
             for raw in raws:
@@ -218,33 +201,14 @@ class Gateway:
                         "the run was ended"
                     )
                     return
-                more = msg.more
-                try:  # each continuation is held to the limits the stream's first message was
-                    limit = int(self.limits.max_request_bytes)
-                    if limit and len(raw) > limit:
-                        raise errors.ResourceExhausted(
-                            f"a continuation of {len(raw)} bytes is over the daemon's limit max_request_bytes={limit}"
-                        )
-                    intake.check_nodes(more.graph, "a continuation")
-                    intake.check_depth(more, "a continuation")
+                try:  # held to the limits the stream's first message was
+                    part = intake.prepare_continue(
+                        msg.more, len(raw), run, self.limits, rewrite=self._rewrite, stacks=self._stacks
+                    )
                 except errors.NndError as err:  # the paused run fails with it
                     yield err
                     return
-                aliases.rewrite_graphs([more.graph], self._aliases())
-                if more.traces:
-                    if not run.HasField("session"):
-                        yield errors.InvalidArgument("only an interactive session takes further traces")
-                        return
-                    try:
-                        self._complete(run.session.model, more.traces)
-                        # The edits new traces name, looked up now: a later block may name one the first did not.
-                        stacks = self._stacks([i for t in more.traces for i in t.request.edits])
-                    except errors.NndError as err:  # the paused run fails with it
-                        yield err
-                        return
-                    yield worker_pb2.WorkerInteractContinue(more=more, edits=stacks)
-                    continue
-                yield worker_pb2.WorkerInteractContinue(more=more)
+                yield part
 
         try:
             yield from self._run(
@@ -256,14 +220,6 @@ class Gateway:
             )
         finally:
             self.service.activity.end(user)
-
-    def _complete(self, model: str, traces: Any) -> None:
-        """A session's traces, checked and with alias paths rewritten (as `intake.prepare` does)."""
-        for trace in traces:
-            if not trace.request.model:
-                trace.request.model = model
-            intake.check(trace.request, self.limits, generate=trace.generate)
-        aliases.rewrite_graphs([t.request.graph for t in traces], self._aliases())
 
     def _run(
         self,
@@ -306,9 +262,12 @@ class Gateway:
             method,
             raw,
             self.limits,
-            rewrite=lambda graphs: aliases.rewrite_graphs(graphs, self._aliases()),
+            rewrite=self._rewrite,
             stacks=self._stacks,
         )
+
+    def _rewrite(self, graphs: list[Any]) -> None:
+        aliases.rewrite_graphs(graphs, self._aliases())
 
 
 def client_of(context: grpc.ServicerContext) -> str:

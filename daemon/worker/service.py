@@ -15,7 +15,7 @@ import grpc
 import psutil
 
 from nnd.v1 import contract, nnd_pb2, worker_pb2, worker_pb2_grpc
-from nnd_daemon import errors
+from nnd_daemon import errors, intake
 from nnd_daemon.worker import activity, loader, turns
 from nnd_daemon.worker.stop import Stop
 
@@ -88,8 +88,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             raise errors.FailedPrecondition("worker has no model loaded")
         stop = stop or Stop()
         context.add_callback(stop.set)
-        kind = "session" if request.HasField("session") else "generate" if request.generate else "trace"
-        steps = (request.request.generate.max_new_tokens or 20) if kind == "generate" else 0
+        kind, steps = intake.kind_of(request), intake.steps_of(request)
         # Tell a client whose request must wait why nothing happens yet (its place in line). Its turn is then
         # announced by a message too (initial metadata has gone out with the first one).
         ahead = self._run_lock.waiting() + self._run_lock.locked()
@@ -300,8 +299,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 self.paused = None
 
         interaction = interact.Interaction(start, receive, caps=interact.PauseCaps(**(caps or {})), on_pause=on_pause)
-        kind = "session" if run.HasField("session") else "generate" if run.generate else "trace"
-        steps = (run.request.generate.max_new_tokens or 20) if kind == "generate" else 0
+        kind, steps = intake.kind_of(run), intake.steps_of(run)
         out: queue.Queue[Any] = queue.Queue()
 
         def work() -> None:

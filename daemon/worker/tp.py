@@ -75,17 +75,6 @@ def _code(exc: BaseException | None) -> int:
     return 2  # grpc UNKNOWN: anything unforeseen
 
 
-def _error_of(code: int, message: str) -> errors.NndError:
-    """The NndError of gRPC status value `code` (what failed rank 0's wait, as the other ranks raise it)."""
-    pending: list[type[errors.NndError]] = [errors.NndError]
-    while pending:
-        cls = pending.pop()
-        if int(cls.code.value[0]) == code:
-            return cls(message)
-        pending += cls.__subclasses__()
-    return errors.NndError(message)
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -192,7 +181,7 @@ class Group:
         if kind == TIMEOUT:
             return None
         if kind == FAILED:
-            return _error_of(code, payload.decode(errors="replace"))
+            return errors.relayed(code, payload.decode(errors="replace"))
         raise errors.Unavailable(f"rank {self.rank}: expected a continuation from rank 0, got message kind {kind}")
 
     # -- lockstep

@@ -180,7 +180,7 @@ class RemoteGenerate(RemoteTrace):
         request.generate.CopyFrom(generate_options(**settings))
 
     def steps_known(self, options: dict[str, Any]) -> int:
-        from nnd._generation import DEFAULT_MAX_NEW_TOKENS
+        from nnd.v1.contract import DEFAULT_MAX_NEW_TOKENS
 
         return int(options.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
 

@@ -14,8 +14,6 @@ if TYPE_CHECKING:
     from nnd._model import TransformersModel
 
 
-DEFAULT_MAX_NEW_TOKENS = 20  # the daemon's (and transformers') length when none is given
-
 GENERATE_OPTIONS = frozenset(
     {
         "max_new_tokens",

@@ -41,6 +41,12 @@ QUEUED_KEY = "nnd-queued"
 # Initial metadata a worker sends once a queued request has the model (it runs, no longer waits).
 STARTED_KEY = "nnd-started"
 
+# ---------------------------------------------------------------- request defaults
+
+# New tokens a Generate makes when GenerateOptions.max_new_tokens is 0 and the model's
+# generation_config names none (transformers' own default).
+DEFAULT_MAX_NEW_TOKENS = 20
+
 # ---------------------------------------------------------------- methods and transport
 
 # The unary-request data methods a worker serves to clients and the daemon forwards to it unparsed
