@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
 from nnd.v1 import contract, graph_pb2, nnd_pb2, worker_pb2
@@ -134,6 +135,17 @@ def steps_of(run: worker_pb2.WorkerRunRequest) -> int:
     if kind_of(run) != "generate":
         return 0
     return run.request.generate.max_new_tokens or contract.DEFAULT_MAX_NEW_TOKENS
+
+
+def limits_arg(limits: nnd_pb2.Limits) -> str:
+    """The daemon's limits as one command-line argument of a worker: nnd.v1.Limits in protobuf's JSON
+    form (the one form limits travel in, to workers and to the helper)."""
+    return json_format.MessageToJson(limits, preserving_proto_field_name=True, indent=None)
+
+
+def limits_of_arg(text: str) -> nnd_pb2.Limits:
+    """`limits_arg`'s result read back; empty: no limits (every field 0)."""
+    return json_format.Parse(text, nnd_pb2.Limits()) if text else nnd_pb2.Limits()
 
 
 def pick(limits: Any, fields: tuple[str, ...]) -> dict[str, Any]:

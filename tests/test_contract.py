@@ -99,3 +99,24 @@ def test_trailers_read_the_last_value_and_empty_when_absent():
     assert contract.started_from(None) is True
     assert contract.started_from([(contract.QUEUED_KEY, "1")]) is False
     assert contract.started_from([(contract.QUEUED_KEY, "1"), (contract.STARTED_KEY, "1")]) is True
+
+
+def test_nnd_serves_flag_defaults_are_the_limits_defaults():
+    # The defaults are written in settings.Limits; the client's `nnd serve` flags (which cannot import
+    # the daemon) must show the same values, or a daemon started without flags would differ from one
+    # built from Limits() (the in-process engine's, the tests').
+    from nnd.cli import build_parser
+    from nnd_daemon.control.cli_serve import settings_from_args
+    from nnd_daemon.control.settings import Limits
+
+    ns = build_parser().parse_args(["serve", "--address", "unix:///tmp/nnd-test-unused.sock", "--state-dir", "/tmp"])
+    assert settings_from_args(ns).limits == Limits()
+
+
+def test_limits_travel_to_a_worker_as_the_proto_and_back():
+    from nnd_daemon import intake
+    from nnd_daemon.control.settings import Limits
+
+    sent = Limits(max_invokes=3, default_deadline_s=1.5).to_proto()
+    assert intake.limits_of_arg(intake.limits_arg(sent)) == sent
+    assert intake.limits_of_arg("") == type(sent)()

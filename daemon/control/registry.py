@@ -33,7 +33,7 @@ from typing import Any
 import psutil
 
 from nnd.v1 import helper_pb2, nnd_pb2, worker_pb2
-from nnd_daemon import errors, identity, intake, loadoptions
+from nnd_daemon import errors, identity, loadoptions
 from nnd_daemon.control import events, gpus, metamodel, modelroots, statedir, statefile, tplaunch, uploads
 from nnd_daemon.control.helper import Helper, Lanes
 from nnd_daemon.control.settings import Settings, parse_bytes, parse_duration
@@ -236,11 +236,8 @@ class Registry:
             log_dir=self.log_dir,
             public_dir=self.run_dir,
             start_timeout_s=settings.worker_start_timeout_s,
-            limits=intake.pick(lim, intake.ENGINE_LIMIT_FIELDS),
-            request_limits={
-                **intake.pick(lim, intake.REQUEST_LIMIT_FIELDS),
-                "max_queue_share": settings.users.max_queue_share,
-            },
+            limits=lim.to_proto(),
+            queue_share=settings.users.max_queue_share,
             batch_window_ms=settings.batch_window_ms,
             token=token,  # workers ask clients for the daemon's token too
             identity_key=self.tickets.key.hex(),

@@ -8,9 +8,7 @@ worker checks them. Local clients send them to the worker directly (GetRoute).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import json
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -135,7 +133,7 @@ class NndServicer:
                 session=session,
                 edits=stacks,
                 aliases=self.registry.alias_config(entry).aliases,
-                limits_json=json.dumps(dataclasses.asdict(self.settings.limits)),
+                limits=self.settings.limits.to_proto(),
             )
             out = self.registry.helper.call("Scan", scan, what=what, timeout=self._deadline(context), client=context)
         for message in out.responses:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import logging
 import os
 import signal
@@ -40,7 +39,7 @@ import grpc
 import psutil
 
 from nnd.v1 import contract, nnd_pb2, worker_pb2, worker_pb2_grpc
-from nnd_daemon import errors, identity, shared
+from nnd_daemon import errors, identity, intake, shared
 from nnd_daemon.control import gpus, statedir, tplaunch
 
 log = logging.getLogger("nnd.supervisor")
@@ -164,8 +163,9 @@ class Launcher:
     log_dir: str
     public_dir: str
     start_timeout_s: float
-    limits: dict[str, int] = field(default_factory=dict)
-    request_limits: dict[str, float] = field(default_factory=dict)
+    limits: nnd_pb2.Limits = field(default_factory=nnd_pb2.Limits)
+    # One user's share of a model's queue (settings.UserLimits.max_queue_share; 0: none).
+    queue_share: float = 0.0
     batch_window_ms: float = 0.0
     token: str | None = None
     # The key `nnd-user` tickets are checked with (identity.py), hex; handed over in the environment.
@@ -186,7 +186,7 @@ class Launcher:
             batch_window_ms=self.batch_window_ms,
             epoch=order.epoch,
             public_dir=self.public_dir,
-            request_limits=self.request_limits,
+            queue_share=self.queue_share,
             token=self.token,
             identity_key=self.identity_key,
             log_args=(["--log-requests"] if self.log_requests else []) + ["--log-format", self.log_format],
@@ -214,12 +214,12 @@ class Worker:
         log_dir: str,
         on_exit: OnExit,
         *,
-        limits: dict[str, int] | None = None,
+        limits: nnd_pb2.Limits | None = None,
         placement: nnd_pb2.Placement | None = None,
         batch_window_ms: float = 0.0,
         epoch: int = 0,
         public_dir: str = "",
-        request_limits: dict[str, float] | None = None,
+        queue_share: float = 0.0,
         token: str | None = None,
         identity_key: str = "",
         log_args: list[str] | None = None,
@@ -231,11 +231,11 @@ class Worker:
         self.log_bytes = log_bytes
         self.run_dir = run_dir
         self.epoch = epoch
-        self.request_limits = request_limits or {}
+        self.queue_share = queue_share
         self._token = token
         # The last Status answer (watchdog pings refresh it): activity for keep-alive and LRU.
         self.last_status: worker_pb2.WorkerStatus | None = None
-        self.limits = limits or {}
+        self.limits = limits or nnd_pb2.Limits()
         self.batch_window_ms = batch_window_ms  # the worker's cross-client batching window (batching.py)
         # Tensor parallel: `proc` is torchrun's agent, `rank_pids` its ranks (rank 0 serves the socket).
         self.placement = placement or nnd_pb2.Placement()
@@ -273,8 +273,8 @@ class Worker:
         statedir.rotate_log(self.log_path, self.log_bytes)
         logf = os.fdopen(statedir.open_log(self.log_path), "ab")  # owned by the child; never through a link
         args = ["--socket", self.socket, "--name", self.name, *self._log_args]
-        args += ["--parent", str(os.getpid()), "--limits", json.dumps(self.limits)]
-        args += ["--epoch", str(self.epoch), "--request-limits", json.dumps(self.request_limits)]
+        args += ["--parent", str(os.getpid()), "--limits", intake.limits_arg(self.limits)]
+        args += ["--epoch", str(self.epoch), "--queue-share", repr(float(self.queue_share))]
         if self.public:
             args += ["--public", self.public]
         if self.batch_window_ms > 0 and self.tp_size <= 1:

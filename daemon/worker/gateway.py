@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -32,15 +31,22 @@ class Gateway:
     """Checks and completes a client's data request, then runs it on `service`."""
 
     def __init__(
-        self, service: Any, name: str, epoch: int, limits: dict[str, float], tickets: identity.Tickets | None = None
+        self,
+        service: Any,
+        name: str,
+        epoch: int,
+        limits: nnd_pb2.Limits,
+        tickets: identity.Tickets | None = None,
+        *,
+        queue_share: float = 0.0,
     ) -> None:
         self.service = service
         self.name = name
         self.epoch = epoch
-        # The request limits the daemon passed at start (intake.REQUEST_LIMIT_FIELDS).
-        self.limits = SimpleNamespace(**{f: limits.get(f, 0) for f in intake.REQUEST_LIMIT_FIELDS})
+        # The daemon's limits, passed at start; the gateway checks intake.REQUEST_LIMIT_FIELDS of them.
+        self.limits = limits
         # One user's share of the queue (settings.UserLimits.max_queue_share; 0: none).
-        self.queue_share = float(limits.get("max_queue_share", 0) or 0)
+        self.queue_share = float(queue_share)
         # Verifies the `nnd-user` tickets clients (and the daemon, forwarding) send (identity.py).
         self.tickets = tickets
         # Request bytes held while they wait for the model, and Interact continuations not yet read by
