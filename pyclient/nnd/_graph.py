@@ -41,10 +41,6 @@ class GraphBuilder:
         # Client tensors that require grad, used by the graph: id(tensor) -> (tensor, Param node id).
         self.params: dict[int, tuple[Any, int]] = {}
 
-    @property
-    def next_id(self) -> int:
-        return self._counter[0]
-
     # -- scopes
     @property
     def scope(self) -> int:

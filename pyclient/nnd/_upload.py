@@ -18,7 +18,7 @@ import json
 import os
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -233,13 +233,6 @@ class UploadedModel(_Uploaded, TransformersModel):
         super().__init__("", task=task or infer_task(model), **kwargs)
         if tok is not None:
             self._tokenizer = tok
-
-
-def upload_files(
-    conn: Any, kind: str, files: Sequence[tuple[str, bytes | str]], request: nnd_pb2.LoadModelRequest
-) -> tuple[nnd_pb2.ModelInfo, UploadInfo]:
-    """Upload `files` of `kind` and load them with `request` (for other tools and tests)."""
-    return send(conn, Payload(kind, list(files)), request)
 
 
 def modules_json(module: Any) -> bytes:
