@@ -28,7 +28,7 @@ import grpc
 
 from nnd.v1 import contract, helper_pb2_grpc
 from nnd_daemon import errors
-from nnd_daemon.control.helper import Helper
+from nnd_daemon.control.helper_supervisor import Helper
 from nnd_daemon.control.registry import Processes
 from nnd_daemon.control.supervisor import TOKEN_ENV, Launcher, Worker
 

@@ -25,7 +25,7 @@ import nnd
 from nnd import _nnsight, _upload
 from nnd.v1 import nnd_pb2, nnd_pb2_grpc
 from nnd_daemon import errors
-from nnd_daemon.worker import exported
+from nnd_daemon.export import exported
 
 COUNT = int(os.environ.get("NND_FUZZ_EXPORT", "50"))
 THROUGH_DAEMON = 6

@@ -8,7 +8,7 @@ import os
 import sys
 
 from nnd.v1 import address as _address
-from nnd_daemon import logfmt, shared
+from nnd_daemon import logfmt, shmreap
 from nnd_daemon.control import config
 from nnd_daemon.control.auth import Access, AccessError
 from nnd_daemon.control.registry import Processes
@@ -139,7 +139,7 @@ def run(ns: argparse.Namespace, processes: Processes | None = None) -> int:
         print(f"nnd: {exc}", file=sys.stderr)
         return 1
     settings = settings_from_args(ns)
-    shared.remove_segments()  # shared memory of workers gone with an earlier daemon (SIGKILL, older versions)
+    shmreap.remove_segments()  # shared memory of workers gone with an earlier daemon (SIGKILL, older versions)
     from nnd_daemon.control.server import serve
 
     serve(settings, access, grace=ns.grace, processes=processes)

@@ -39,7 +39,7 @@ import grpc
 import psutil
 
 from nnd.v1 import contract, nnd_pb2, worker_pb2, worker_pb2_grpc
-from nnd_daemon import errors, identity, intake, shared
+from nnd_daemon import errors, identity, intake, shmreap, tpgroup
 from nnd_daemon.control import gpus, statedir, tplaunch
 
 log = logging.getLogger("nnd.supervisor")
@@ -357,7 +357,7 @@ class Worker:
         self.proc.wait()
         self.exit_reason = self.describe_exit()
         for pid in self.pids:  # shared-memory results a dead worker left behind (older versions)
-            shared.remove_segments(pid)
+            shmreap.remove_segments(pid)
         self._ended.set()
         if not self._stopping:
             log.warning("worker for %s %s: %s", self.name, "hung" if self.fault else "died", self.exit_reason)
@@ -569,7 +569,7 @@ class Worker:
 
     def _group_stopping(self) -> bool:
         """Rank 0 recorded why it stops the group (worker/tp.py, Group.fail)."""
-        return os.path.exists(shared.reason_path(self.socket))
+        return os.path.exists(tpgroup.reason_path(self.socket))
 
     def _rank_gone(self) -> bool:
         for rank in self._ranks:

@@ -39,7 +39,7 @@ from torch._export.serde import schema as S
 from torch._export.serde.union import _Union
 
 from nnd_daemon import errors
-from nnd_daemon.worker import sym_expr
+from nnd_daemon.export import sym_expr
 
 _MAX_DEPTH = 400  # JSON nesting; a HOP subgraph costs ~8 levels
 _MAX_STRING = 1 << 20

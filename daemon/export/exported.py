@@ -46,7 +46,7 @@ import torch
 
 from nnd.v1 import worker_pb2
 from nnd_daemon import errors
-from nnd_daemon.worker import export_schema
+from nnd_daemon.export import export_schema
 
 PROGRAM = "program.pt2"
 MODULES = "modules.json"
@@ -270,8 +270,7 @@ def load(
     req: worker_pb2.WorkerLoadRequest, report: Callable[[int, int, str], None]
 ) -> tuple[torch.nn.Module, Any, str]:
     """A worker's Load for an uploaded exported program: (module, no tokenizer, dtype)."""
-    from nnd_daemon.shared import QUANTIZED
-    from nnd_daemon.worker.loader import torch_dtype
+    from nnd_daemon.modelclass import QUANTIZED, torch_dtype
 
     placement = req.placement
     if placement.tp_size > 1:

@@ -1,6 +1,6 @@
 """Helper process entry: `python -I -m nnd_daemon.helper --socket PATH`.
 
-Started and supervised by the daemon (control/helper.py), never by hand. It
+Started and supervised by the daemon (control/helper_supervisor.py), never by hand. It
 does the work whose cost a client shapes, under an address-space limit
 (RLIMIT_AS, set here) and a per-call CPU-time bound (the daemon's watchdog), so
 that work can fail, or kill this process, but never the daemon.
@@ -18,7 +18,7 @@ from concurrent import futures
 import grpc
 
 from nnd.v1 import contract
-from nnd_daemon import errors, shared
+from nnd_daemon import errors, parentwatch
 
 
 def main() -> None:
@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--memory-bytes", type=int, default=0, help="RLIMIT_AS in bytes (0: none)")
     parser.add_argument("--cache", type=int, default=8, help="META models kept (least recently used go first)")
     ns = parser.parse_args()
-    shared.die_with_parent(ns.parent)
+    parentwatch.die_with_parent(ns.parent)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s helper %(levelname)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Imported before the limit goes up and before serving: no call pays for it, and it cannot fail on it.

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from nnd.v1 import contract, worker_pb2_grpc
-from nnd_daemon import intake, logfmt, shared
+from nnd_daemon import intake, logfmt, parentwatch
 from nnd_daemon.worker import listen
 from nnd_daemon.worker.service import WorkerService
 
@@ -68,7 +68,7 @@ def main() -> None:
     # Under torchrun (tensor parallel) this process is one rank of a group; tp.py runs it.
     rank = os.environ.get("RANK", "") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     if not rank:
-        shared.die_with_parent(ns.parent)
+        parentwatch.die_with_parent(ns.parent)
     who = f"{ns.name} rank {rank}" if rank else ns.name
     text = f"%(asctime)s worker[{who}] %(levelname)s %(message)s"
     logfmt.setup("INFO", ns.log_format, text, model=ns.name, **({"rank": rank} if rank else {}))

@@ -17,7 +17,7 @@ import grpc
 
 from nnd.v1 import contract
 from nnd_daemon import errors, identity, intake
-from nnd_daemon.tokens import TokenInterceptor
+from nnd_daemon.bearer_tokens import TokenInterceptor
 from nnd_daemon.worker.gateway import Gateway
 
 # The daemon hands a worker its token here, not on the command line (which `ps` shows).

@@ -6,7 +6,7 @@ dimension of 1 is exported from a batch of 2, since torch fixes a dimension
 whose example size is 1), writes the program with `torch.export.save`, and
 uploads it with the original module types (modules.json). The daemon reads the
 program without running any of its Python (see the daemon's
-worker/exported.py) and rebuilds the module tree with `torch.export.unflatten`:
+export/exported.py) and rebuilds the module tree with `torch.export.unflatten`:
 the same module paths, so `wrapped[0].output`, `.input`, edits, skips and
 `wrapped.layer(x)` calls work as on a transformers model, in `trace` and in
 `scan` (which runs the META program, weights on the meta device, under fake
@@ -102,7 +102,7 @@ def export(module: Any, example_inputs: Any, *, dynamic: bool = True) -> bytes:
             node.meta.pop("stack_trace", None)
     program._example_inputs = None  # the daemon never reads them; they may be private data
     # Guards are Python source torch compiles when it rebuilds the module; the daemon refuses them
-    # (worker/export_schema.py) and checks inputs against the graph's shapes itself.
+    # (export/export_schema.py) and checks inputs against the graph's shapes itself.
     program._guards_code = []
     buffer = io.BytesIO()
     torch.export.save(program, buffer)
