@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from nnd import connection
 from nnd.v1 import contract, graph_pb2
+from nnd.wire import connection
 from nnd_daemon.control import server, supervisor
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -22,7 +22,7 @@ from daemonproc import start_daemon
 from exportcraft import edited, file_call, read_program, with_program
 
 import nnd
-from nnd import _nnsight, _upload
+from nnd.models import _nnsight, _upload
 from nnd.v1 import nnd_pb2, nnd_pb2_grpc, worker_pb2
 from nnd_daemon import errors
 from nnd_daemon.control import metamodel, uploads
