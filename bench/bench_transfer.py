@@ -157,7 +157,7 @@ def run(quick: bool) -> list[Row]:
         if not torch.equal(baseline(), got[:1]):
             raise RuntimeError("the baseline computes something else")
         del got
-        from nnd import _shm
+        from nnd.wire import _shm
 
         # Whether the client names a region of its pool in its requests (else: results are streamed).
         pool = _shm.pool()

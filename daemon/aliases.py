@@ -19,7 +19,7 @@ hide a child or another alias is refused.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -311,7 +311,3 @@ def rewrite_graphs(graphs: Iterable[graph_pb2.Graph], table: AliasTable | None) 
         return
     for graph in graphs:
         rewrite_graph(graph, table)
-
-
-def module_aliases(table: AliasTable | None) -> Mapping[str, list[str]]:
-    return table.aliases_of() if table is not None else {}

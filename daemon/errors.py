@@ -10,26 +10,14 @@ type.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 
-# Trailing-metadata key carrying `exc_type` to the client.
-EXC_TYPE_KEY = "nnd-exception-type"
-# Initial-metadata key a worker sends once a queued request has the model (it runs, no longer waits).
-STARTED_KEY = "nnd-started"
-# Initial-metadata key a worker sends with a request's Queued message: it waits behind others. A
-# request without it had the model at once (its header would be one more write per trace).
-QUEUED_KEY = "nnd-queued"
+from nnd.v1 import contract
+from nnd.v1.contract import EXC_TYPE_KEY
 
-
-def started_from(metadata: Iterable[tuple[str, Any]] | None) -> bool:
-    """Whether a worker had begun running a call, from the initial metadata it sent (None: none
-    came): it says `nnd-started` once a queued request has the model; one that never said
-    `nnd-queued` had it at once."""
-    keys = {key for key, _ in metadata or ()}
-    return STARTED_KEY in keys or QUEUED_KEY not in keys
 # Longest status message sent, in bytes as gRPC percent-encodes them. gRPC
 # clients refuse metadata over 8 KiB (a status message is metadata) and report
 # RESOURCE_EXHAUSTED instead of the real status, so an error quoting a huge
@@ -86,6 +74,24 @@ class DeadlineExceeded(NndError):
 
 class PermissionDenied(NndError):
     code = grpc.StatusCode.PERMISSION_DENIED
+
+
+def relayed(code: grpc.StatusCode | int, message: str, exc_type: str = "") -> NndError:
+    """The error another nnd process answered with (a worker, the helper, a tensor-parallel group's
+    rank 0), to pass on unchanged: its status code (or the code's number), message and exception type.
+    A plain NndError, never one of the subclasses: the daemon's own hooks (events.on_error) count only
+    refusals it made itself."""
+    if isinstance(code, int):
+        code = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
+    err = NndError(message, exc_type=exc_type)
+    err.code = code
+    return err
+
+
+def from_rpc(err: grpc.RpcError) -> NndError:
+    """`relayed` for a failed call to another nnd process: the status it ended with, as it said it."""
+    code = err.code()
+    return relayed(code, err.details() or str(code), contract.exc_type_of(err))
 
 
 def limit_name(message: str) -> str:

@@ -25,9 +25,10 @@ import threading
 import time
 from typing import Any
 
+from nnd.v1.contract import USER_KEY
+
 log = logging.getLogger("nnd.identity")
 
-USER_KEY = "nnd-user"
 # The workers' copy of the key (never on a command line, which other users can read).
 KEY_ENV = "NND_WORKER_IDENTITY_KEY"
 TICKET_TTL_S = 7 * 24 * 3600

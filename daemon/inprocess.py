@@ -26,9 +26,9 @@ from typing import Any
 
 import grpc
 
-from nnd.v1 import helper_pb2_grpc
-from nnd_daemon import errors, shared
-from nnd_daemon.control.helper import Helper
+from nnd.v1 import contract, helper_pb2_grpc
+from nnd_daemon import errors
+from nnd_daemon.control.helper_supervisor import Helper
 from nnd_daemon.control.registry import Processes
 from nnd_daemon.control.supervisor import TOKEN_ENV, Launcher, Worker
 
@@ -117,7 +117,7 @@ class InProcessHelper(Helper):
         from nnd_daemon.helper import __main__ as helper_main
 
         self._proc = ServedHere([helper_main.serve(self.socket, self.cache)], grace=1.0)  # type: ignore[assignment]
-        self._channel = grpc.insecure_channel("unix://" + self.socket, options=shared.GRPC_OPTIONS)
+        self._channel = grpc.insecure_channel("unix://" + self.socket, options=contract.GRPC_OPTIONS)
         grpc.channel_ready_future(self._channel).result(timeout=self.start_timeout_s)
         self._stub = helper_pb2_grpc.HelperStub(self._channel)
         return self._stub

@@ -1,16 +1,18 @@
 """A request's intake, before any work: its bytes parsed, checked against the daemon's limits
-(size, depth, nodes, invokes), alias paths rewritten and stored edits attached (`prepare`).
-The worker takes in data requests, the helper scans, the daemon edits; no torch here:
-the control plane imports it."""
+(size, depth, nodes, invokes), alias paths rewritten and stored edits attached (`prepare`; an
+Interact stream's first message `prepare_start`, its later ones `prepare_continue`), and its kind
+(`kind_of`). The worker takes in data requests, the helper scans, the daemon edits (`check_part`);
+no torch here: the control plane imports it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
-from nnd.v1 import nnd_pb2, worker_pb2
+from nnd.v1 import contract, graph_pb2, nnd_pb2, worker_pb2
 from nnd_daemon import errors
 
 # Protobuf parsers refuse messages nested more than 100 deep, and the daemon
@@ -62,6 +64,16 @@ def _repeated(fd: Any) -> bool:
     return bool(flag) if flag is not None else fd.label == fd.LABEL_REPEATED
 
 
+def check_part(message: Any, size: int, limits: Any, what: str) -> None:
+    """A part of a request that arrives on its own (an Interact continuation, a stored edit's graph),
+    `size` bytes: held to the limits a whole request is (max_request_bytes, nodes, depth)."""
+    limit = int(getattr(limits, "max_request_bytes", 0) or 0)
+    if limit and size > limit:
+        raise errors.ResourceExhausted(f"{what} is {size} bytes, over the daemon's limit max_request_bytes={limit}")
+    check_nodes(message if isinstance(message, graph_pb2.Graph) else message.graph, what)
+    check_depth(message, what)
+
+
 def check(request: nnd_pb2.TraceRequest, limits: Any, *, generate: bool) -> None:
     """`limits`: anything with the request-limit fields of nnd.v1.Limits."""
     if not request.model:
@@ -108,6 +120,34 @@ REQUEST_LIMIT_FIELDS = (
 ENGINE_LIMIT_FIELDS = ("max_saved_bytes", "max_sequence_length", "max_new_tokens", "max_constant_bytes")
 
 
+# The kinds of request a worker counts (`nnd ps`, worker/activity.py); a scan is the helper's.
+KINDS = ("trace", "generate", "session")
+
+
+def kind_of(run: worker_pb2.WorkerRunRequest | nnd_pb2.InteractStart) -> str:
+    """What a prepared run (or an Interact stream's start) is: one of KINDS."""
+    return "session" if run.HasField("session") else "generate" if run.generate else "trace"
+
+
+def steps_of(run: worker_pb2.WorkerRunRequest) -> int:
+    """The steps a run is expected to take, for `nnd ps`'s progress: a Generate's new tokens (the
+    protocol's default when it asks for none), else 0."""
+    if kind_of(run) != "generate":
+        return 0
+    return run.request.generate.max_new_tokens or contract.DEFAULT_MAX_NEW_TOKENS
+
+
+def limits_arg(limits: nnd_pb2.Limits) -> str:
+    """The daemon's limits as one command-line argument of a worker: nnd.v1.Limits in protobuf's JSON
+    form (the one form limits travel in, to workers and to the helper)."""
+    return json_format.MessageToJson(limits, preserving_proto_field_name=True, indent=None)
+
+
+def limits_of_arg(text: str) -> nnd_pb2.Limits:
+    """`limits_arg`'s result read back; empty: no limits (every field 0)."""
+    return json_format.Parse(text, nnd_pb2.Limits()) if text else nnd_pb2.Limits()
+
+
 def pick(limits: Any, fields: tuple[str, ...]) -> dict[str, Any]:
     """`fields` of `limits` (anything with them as attributes) as a dict; absent ones 0."""
     return {f: getattr(limits, f, 0) for f in fields}
@@ -148,16 +188,69 @@ def prepare(
             raise errors.InvalidArgument("the session has no trace: add at least one")
         if session.scan and not scan:
             raise errors.InvalidArgument("a scan session runs on the daemon, not on a worker: send it there")
-        ids: list[str] = []
-        for trace in session.traces:
-            if not trace.request.model:
-                trace.request.model = session.model
-            check(trace.request, limits, generate=trace.generate and not session.scan)
-            ids.extend(trace.request.edits)
-        rewrite([t.request.graph for t in session.traces])
-        return worker_pb2.WorkerRunRequest(session=session, edits=stacks(ids))
-    request = parse(nnd_pb2.TraceRequest, raw)
-    generate = method == "Generate"
+        return _session(session, limits, rewrite=rewrite, stacks=stacks)
+    return _trace(parse(nnd_pb2.TraceRequest, raw), method == "Generate", limits, rewrite=rewrite, stacks=stacks)
+
+
+def prepare_start(
+    start: nnd_pb2.InteractStart,
+    limits: Any,
+    *,
+    rewrite: Callable[[list[Any]], None],
+    stacks: Callable[[list[str]], dict[str, worker_pb2.EditStack]],
+) -> worker_pb2.WorkerRunRequest:
+    """An Interact stream's first message as the run it starts, taken in as a Trace, Generate or
+    Session is (`prepare`)."""
+    if start.HasField("session"):
+        session = start.session
+        if not session.traces or session.scan:
+            raise errors.InvalidArgument("an interactive session needs its traces (and runs no scans)")
+        return _session(session, limits, rewrite=rewrite, stacks=stacks)
+    return _trace(start.request, start.generate, limits, rewrite=rewrite, stacks=stacks)
+
+
+def prepare_continue(
+    more: nnd_pb2.InteractContinue,
+    size: int,
+    run: worker_pb2.WorkerRunRequest,
+    limits: Any,
+    *,
+    rewrite: Callable[[list[Any]], None],
+    stacks: Callable[[list[str]], dict[str, worker_pb2.EditStack]],
+) -> worker_pb2.WorkerInteractContinue:
+    """A later message of `run`'s Interact stream (`size` bytes on the wire), held to the limits its
+    first message was, alias paths rewritten; a session's new traces checked as `prepare` checks
+    a session's, with the stored edits they name (looked up now: a later block may name one the
+    first did not)."""
+    check_part(more, size, limits, "a continuation")
+    rewrite([more.graph])
+    if not more.traces:
+        return worker_pb2.WorkerInteractContinue(more=more)
+    if not run.HasField("session"):
+        raise errors.InvalidArgument("only an interactive session takes further traces")
+    check_traces(run.session.model, more.traces, limits)
+    rewrite([t.request.graph for t in more.traces])
+    return worker_pb2.WorkerInteractContinue(more=more, edits=stacks([i for t in more.traces for i in t.request.edits]))
+
+
+def check_traces(model: str, traces: Any, limits: Any, *, scan: bool = False) -> None:
+    """A session's traces, each checked as a request; a trace naming no model is for the session's."""
+    for trace in traces:
+        if not trace.request.model:
+            trace.request.model = model
+        check(trace.request, limits, generate=trace.generate and not scan)
+
+
+def _session(session: nnd_pb2.SessionRequest, limits: Any, *, rewrite: Any, stacks: Any) -> worker_pb2.WorkerRunRequest:
+    check_traces(session.model, session.traces, limits, scan=session.scan)
+    rewrite([t.request.graph for t in session.traces])
+    ids = [i for t in session.traces for i in t.request.edits]
+    return worker_pb2.WorkerRunRequest(session=session, edits=stacks(ids))
+
+
+def _trace(
+    request: nnd_pb2.TraceRequest, generate: bool, limits: Any, *, rewrite: Any, stacks: Any
+) -> worker_pb2.WorkerRunRequest:
     check(request, limits, generate=generate)
     rewrite([request.graph])
     return worker_pb2.WorkerRunRequest(request=request, generate=generate, edits=stacks(list(request.edits)))

@@ -11,7 +11,7 @@ from typing import Any
 
 from nnd.v1 import nnd_pb2
 from nnd_daemon import errors
-from nnd_daemon.shared import QUANTIZED
+from nnd_daemon.modelclass import QUANTIZED
 
 # A config is a few KiB (a large label map: a few MiB), as config.json files are.
 MAX_CONFIG_JSON_BYTES = 16 * 2**20

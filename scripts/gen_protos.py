@@ -48,9 +48,7 @@ def main() -> None:
         target.mkdir(parents=True, exist_ok=True)
         for f in fresh:
             shutil.copy(f, target / f.name)
-        (target / "__init__.py").write_text(
-            '"""Generated gRPC stubs for nnd.v1 (scripts/gen_protos.py); do not edit."""\n'
-        )
+        # __init__.py, address.py, contract.py and shm.py beside them are written by hand.
         print(f"wrote {len(fresh)} files to {target}")
 
 

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from nnd.v1 import nnd_pb2
 from nnd_daemon import errors
 from nnd_daemon.worker.gateway import Gateway
 from nnd_daemon.worker.stop import Stop
@@ -29,7 +30,7 @@ class _Context:
 
 
 def _gateway(deadline_s: float) -> Gateway:
-    return Gateway(SimpleNamespace(model=None), "m", 0, {"default_deadline_s": deadline_s})
+    return Gateway(SimpleNamespace(model=None), "m", 0, nnd_pb2.Limits(default_deadline_s=deadline_s))
 
 
 def test_a_request_starts_no_thread_for_its_deadline(monkeypatch):

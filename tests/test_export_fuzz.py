@@ -22,10 +22,10 @@ from daemonproc import start_daemon
 from exportcraft import file_call, read_program, with_program
 
 import nnd
-from nnd import _nnsight, _upload
+from nnd.models import _nnsight, _upload
 from nnd.v1 import nnd_pb2, nnd_pb2_grpc
 from nnd_daemon import errors
-from nnd_daemon.worker import exported
+from nnd_daemon.export import exported
 
 COUNT = int(os.environ.get("NND_FUZZ_EXPORT", "50"))
 THROUGH_DAEMON = 6

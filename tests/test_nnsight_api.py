@@ -78,7 +78,7 @@ def test_stream_takes_generate_keywords(pair):
 
 def test_remote_true_means_this_daemon_said_once(pair):
     ours, _ = pair
-    import nnd._tracer as tracer_module
+    import nnd.tracing._tracer as tracer_module
 
     tracer_module._remote_noted = False
     with pytest.warns(UserWarning, match="daemon"):

@@ -356,7 +356,7 @@ class _Driver:
 def test_node_client_follows_routes_across_a_worker_restart(node_client, process_daemon, tmp_path, tiny_models):
     """The Node client's traces go to the worker, not through the daemon; a stale epoch and a restarted
     worker are re-routed around; a worker it cannot reach is reached through the daemon."""
-    from nnd.connection import Connection
+    from nnd.wire.connection import Connection
 
     # A copy of its own on the shared daemon: its worker gets killed here, and the daemon's log
     # lines about forwarding name it.

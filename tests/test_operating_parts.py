@@ -96,7 +96,7 @@ class _Context:
 def test_the_who_socket_names_the_peers_uid_and_only_genuine_tickets_count(tmp_path):
     import getpass
 
-    from nnd import _identity
+    from nnd.wire import _identity
     from nnd_daemon import identity
 
     tickets = identity.Tickets()

@@ -17,8 +17,8 @@ import torch
 from daemonproc import Daemon, start_daemon
 
 import nnd
-from nnd import _results
 from nnd.v1 import graph_pb2, nnd_pb2, nnd_pb2_grpc
+from nnd.wire import _results
 
 LIMIT = 8_000_000  # max_saved_bytes of the daemon here
 

@@ -31,8 +31,8 @@ import torch
 from daemonproc import Daemon, start_daemon
 
 import nnd
-from nnd import _results, _shm
 from nnd.v1 import graph_pb2, nnd_pb2, nnd_pb2_grpc
+from nnd.wire import _results, _shm
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux /dev/shm")
 
@@ -293,7 +293,7 @@ REGION_CLIENT = textwrap.dedent(
     import os, signal, sys
     sys.path[:0] = [sys.argv[4], sys.argv[4] + "/support"]
     import test_shm
-    from nnd import _shm
+    from nnd.wire import _shm
     address, model, how = sys.argv[1:4]
     kept = [test_shm._run(address, model, "hello world", shm=True) for _ in range(3)]  # 2 regions in use
     print(os.getpid(), " ".join(region for _, region in kept), flush=True)

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from nnd_daemon import errors
-from nnd_daemon.tokens import TokenInterceptor
+from nnd_daemon.bearer_tokens import TokenInterceptor
 
 SERVICE = "test.Statuses"
 TOKEN = "s3cret"

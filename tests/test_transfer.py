@@ -18,8 +18,8 @@ import torch
 from daemonproc import Daemon
 
 import nnd
-from nnd import _results
 from nnd.v1 import graph_pb2, nnd_pb2
+from nnd.wire import _results
 
 COPIES = 24_000  # h is [1, T, 64]: 24000 copies of it are several 4 MiB chunks in float32
 

@@ -22,13 +22,13 @@ from daemonproc import start_daemon
 from exportcraft import edited, file_call, read_program, with_program
 
 import nnd
-from nnd import _nnsight, _upload
+from nnd.models import _nnsight, _upload
 from nnd.v1 import nnd_pb2, nnd_pb2_grpc, worker_pb2
 from nnd_daemon import errors
 from nnd_daemon.control import metamodel, uploads
 from nnd_daemon.control.settings import Limits, Settings
+from nnd_daemon.export import export_schema, exported, sym_expr
 from nnd_daemon.helper import meta as helper_meta
-from nnd_daemon.worker import export_schema, exported, sym_expr
 
 
 class _Context:

@@ -26,7 +26,8 @@ from typing import Any
 
 import grpc
 
-from nnd_daemon import errors, shared
+from nnd.v1 import contract
+from nnd_daemon import errors
 
 log = logging.getLogger("nnd.admission")
 
@@ -53,7 +54,7 @@ def caller_of(context: grpc.ServicerContext) -> str:
     client sends user@host:pid, so two notebooks on one unix socket are two callers)."""
     named = ""
     for key, value in context.invocation_metadata() or ():
-        if key == shared.CLIENT_KEY and isinstance(value, str):
+        if key == contract.CLIENT_KEY and isinstance(value, str):
             named = value[:80]
     return f"{client_of(context.peer() or '?')} {named}"
 

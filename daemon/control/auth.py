@@ -2,7 +2,7 @@
 
 Two parts: `Access`, the listening policy, checked before anything binds
 (TCP needs a token, mTLS, or an explicit `--insecure` on loopback), and
-`TokenInterceptor` (tokens.py), the one place a bearer token is checked on every call.
+`TokenInterceptor` (bearer_tokens.py), the one place a bearer token is checked on every call.
 The unix socket is guarded by its file mode; with a token configured it needs
 the token too, so one rule covers both listeners.
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from nnd.v1 import address as _address
-from nnd_daemon.tokens import TokenInterceptor, bearer
+from nnd_daemon.bearer_tokens import TokenInterceptor, bearer
 
 log = logging.getLogger("nnd.auth")
 

@@ -8,7 +8,7 @@ import os
 import sys
 
 from nnd.v1 import address as _address
-from nnd_daemon import logfmt, shared
+from nnd_daemon import logfmt, shmreap
 from nnd_daemon.control import config
 from nnd_daemon.control.auth import Access, AccessError
 from nnd_daemon.control.registry import Processes
@@ -20,6 +20,16 @@ def default_state_dir() -> str:
         return os.environ["STATE_DIRECTORY"].split(":")[0]
     base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
     return os.path.join(base, "nnd")
+
+
+# The limits' defaults are written once, here (settings.Limits); `nnd serve`'s flags show the same
+# values (tests/test_contract.py checks that they agree), and a namespace without a flag gets these.
+DEFAULTS = Limits()
+
+
+def _bytes(ns: argparse.Namespace, name: str, default: int) -> int:
+    value = getattr(ns, name, None)
+    return default if value is None else parse_bytes(value)
 
 
 def settings_from_args(ns: argparse.Namespace) -> Settings:
@@ -38,15 +48,15 @@ def settings_from_args(ns: argparse.Namespace) -> Settings:
         max_sequence_length=ns.max_sequence_length,
         max_new_tokens=ns.max_new_tokens,
         default_deadline_s=ns.deadline,
-        max_pause_s=max(0.0, getattr(ns, "max_pause", 5.0)),
-        max_paused_total_s=max(0.0, getattr(ns, "max_paused_total", 30.0)),
+        max_pause_s=max(0.0, getattr(ns, "max_pause", DEFAULTS.max_pause_s)),
+        max_paused_total_s=max(0.0, getattr(ns, "max_paused_total", DEFAULTS.max_paused_total_s)),
         max_queue_depth=ns.max_queue_depth,
         max_dispatched_models=ns.max_dispatched,
         max_upload_bytes=-1 if ns.no_uploads else parse_bytes(ns.max_upload_bytes),
-        max_tokenize_bytes=parse_bytes(getattr(ns, "max_tokenize_bytes", "4MiB")),
-        max_inflight_bytes=parse_bytes(getattr(ns, "max_inflight_bytes", "1GiB")),
-        helper_memory_bytes=parse_bytes(getattr(ns, "helper_memory", "4GiB")),
-        helper_cpu_s=max(0.0, getattr(ns, "helper_cpu_s", 60.0)),
+        max_tokenize_bytes=_bytes(ns, "max_tokenize_bytes", DEFAULTS.max_tokenize_bytes),
+        max_inflight_bytes=_bytes(ns, "max_inflight_bytes", DEFAULTS.max_inflight_bytes),
+        helper_memory_bytes=_bytes(ns, "helper_memory", DEFAULTS.helper_memory_bytes),
+        helper_cpu_s=max(0.0, getattr(ns, "helper_cpu_s", DEFAULTS.helper_cpu_s)),
     )
     return Settings(
         address=address,
@@ -129,7 +139,7 @@ def run(ns: argparse.Namespace, processes: Processes | None = None) -> int:
         print(f"nnd: {exc}", file=sys.stderr)
         return 1
     settings = settings_from_args(ns)
-    shared.remove_segments()  # shared memory of workers gone with an earlier daemon (SIGKILL, older versions)
+    shmreap.remove_segments()  # shared memory of workers gone with an earlier daemon (SIGKILL, older versions)
     from nnd_daemon.control.server import serve
 
     serve(settings, access, grace=ns.grace, processes=processes)

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from nnd import cli_serve_args
+from nnd.cli import serve_args as cli_serve_args
 
 if sys.version_info >= (3, 11):
     import tomllib

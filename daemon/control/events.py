@@ -48,7 +48,7 @@ class Events:
 
     def on_error(self, method: str, err: errors.NndError) -> None:
         """The daemon's ErrorInterceptor hook: a refusal the daemon made itself. Errors a worker
-        answered arrive as plain NndError (supervisor.translate): the worker counted those."""
+        answered arrive as plain NndError (errors.relayed): the worker counted those."""
         if isinstance(err, errors.ResourceExhausted):
             self.count(self.refusals, errors.limit_name(err.message))
 

@@ -1,7 +1,7 @@
 """The META state of a model, as the daemon keeps it: a description (module
 tree, sizes, config summary) and data (aliases, stored edits), no module. The
 module, config and tokenizer live in the helper process (helper/meta.py builds
-them; control/helper.py runs it): building them is work whose cost a client
+them; control/helper_supervisor.py runs it): building them is work whose cost a client
 shapes. Building reads no weight byte."""
 
 from __future__ import annotations

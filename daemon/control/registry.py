@@ -30,13 +30,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import psutil
-
 from nnd.v1 import helper_pb2, nnd_pb2, worker_pb2
-from nnd_daemon import errors, identity, intake, loadoptions
-from nnd_daemon.control import events, gpus, metamodel, modelroots, statedir, statefile, tplaunch, uploads
-from nnd_daemon.control.helper import Helper, Lanes
-from nnd_daemon.control.settings import Settings, parse_bytes, parse_duration
+from nnd_daemon import errors, identity, loadoptions
+from nnd_daemon.control import budgets, events, gpus, metamodel, modelroots, statedir, statefile, tplaunch, uploads
+from nnd_daemon.control.helper_supervisor import Helper, Lanes
+from nnd_daemon.control.settings import Settings, parse_duration
 from nnd_daemon.control.supervisor import Launcher, WorkerFactory, WorkerHandle, WorkerOrder, log_name
 
 log = logging.getLogger("nnd.registry")
@@ -214,7 +212,7 @@ class Registry:
         # What the metrics count as it happens (control/events.py), and the users' tickets (identity.py).
         self.events = events.Events()
         self.tickets = identity.Tickets()
-        # Meta builds, scans, tokenizing, edit and upload checks: never in this process (control/helper.py).
+        # Meta builds, scans, tokenizing, edit and upload checks: never in this process (control/helper_supervisor.py).
         if helper is None:
             helper = Lanes(
                 self.run_dir,
@@ -236,11 +234,8 @@ class Registry:
             log_dir=self.log_dir,
             public_dir=self.run_dir,
             start_timeout_s=settings.worker_start_timeout_s,
-            limits=intake.pick(lim, intake.ENGINE_LIMIT_FIELDS),
-            request_limits={
-                **intake.pick(lim, intake.REQUEST_LIMIT_FIELDS),
-                "max_queue_share": settings.users.max_queue_share,
-            },
+            limits=lim.to_proto(),
+            queue_share=settings.users.max_queue_share,
             batch_window_ms=settings.batch_window_ms,
             token=token,  # workers ask clients for the daemon's token too
             identity_key=self.tickets.key.hex(),
@@ -423,7 +418,7 @@ class Registry:
         loadoptions.check_placement(placement)
         # Refuse a tensor-parallel degree this model or machine cannot run, before any process starts.
         tplaunch.check(entry.meta.config, placement, self.gpus.count())
-        _check_gpus_visible(placement, self.gpus.count())
+        budgets.check_gpus_visible(placement, self.gpus.count())
         with self._lock:
             while entry.state == DISPATCHING:
                 self._changed.wait()
@@ -435,9 +430,9 @@ class Registry:
                 self._check_conflict(entry, override, placement, user)
             # Every check a new placement can fail comes before the working dispatch is released:
             # a refused placement leaves the model as other clients are using it.
-            _check_fits_max_memory(entry, placement)
-            self._check_budget(entry, placement)
-            self._check_user(entry, placement, user or "")
+            budgets.check_fits_max_memory(entry, placement)
+            budgets.check_budget(entry, placement, self._entries.values(), self.settings.max_memory, self.gpus)
+            budgets.check_user(entry, placement, user or "", self._entries.values(), self.settings.users)
             if entry.state == DISPATCHED:
                 self._release_locked(entry)  # a new placement: start over
             self._make_room(entry)
@@ -528,63 +523,6 @@ class Registry:
             + (", with --force as it is not yours" if others else "")
             + "), or load a copy of the checkpoint (another folder) with a placement of its own"
         )
-
-    def _check_budget(self, entry: Entry, placement: nnd_pb2.Placement) -> None:
-        need = entry.meta.estimate_bytes(placement.dtype)
-        cuda = self.gpus.count() > 0
-        device = _primary_device(placement, cuda)
-        budget = self.settings.max_memory.get(device)
-        if budget is None and device == "cpu":
-            budget = psutil.virtual_memory().available
-            source = "free host memory"
-        elif budget is None and device.startswith("cuda"):
-            budget = self.gpus.free_bytes(int(device.partition(":")[2] or 0))  # None where nvidia-smi cannot say
-            source = f"free memory of {device}"
-        else:
-            source = f"--max-memory {device}"
-        if budget is not None:
-            used = (
-                sum(
-                    e.meta.estimate_bytes(e.dtype or e.placement.dtype)
-                    for e in self._entries.values()
-                    if e is not entry
-                    and e.state in (DISPATCHED, DISPATCHING)
-                    and _primary_device(e.dispatched_placement or e.placement, cuda) == device
-                )
-                if source.startswith("--max-memory")
-                else 0
-            )
-            if need + used > budget:
-                raise errors.ResourceExhausted(
-                    f"dispatching {entry.name} needs about {_gib(need)} of weights on {device} "
-                    f"({placement.dtype or 'default dtype'}), but the budget ({source}) is {_gib(budget)}"
-                    + (f" of which {_gib(used)} is taken by other models" if used else "")
-                    + "; release a model, pick a smaller dtype (e.g. nf4) or raise the budget"
-                )
-
-    def _check_user(self, entry: Entry, placement: nnd_pb2.Placement, user: str) -> None:
-        """The per-user caps (settings.UserLimits) on what `user` has dispatched; under the lock."""
-        caps = self.settings.users
-        if not user or not (caps.max_models or caps.max_memory_bytes):
-            return
-        mine = [
-            e for e in self._entries.values()
-            if e is not entry and e.state in (DISPATCHED, DISPATCHING) and e.dispatched_by == user
-        ]
-        if caps.max_models and len(mine) >= caps.max_models:
-            raise errors.ResourceExhausted(
-                f"{user} has {len(mine)} model(s) dispatched ({', '.join(e.name for e in mine)}), the per-user cap "
-                f"(max_models_per_user={caps.max_models}); release one first"
-            )
-        if caps.max_memory_bytes:
-            held = sum(e.meta.estimate_bytes(e.dtype or e.placement.dtype) for e in mine)
-            need = entry.meta.estimate_bytes(placement.dtype)
-            if held + need > caps.max_memory_bytes:
-                raise errors.ResourceExhausted(
-                    f"dispatching {entry.name} for {user} needs about {_gib(need)} of weights; {user}'s models hold "
-                    f"{_gib(held)} and the per-user cap is {_gib(caps.max_memory_bytes)} "
-                    f"(max_memory_per_user={caps.max_memory_bytes}); release a model or pick a smaller dtype"
-                )
 
     def _make_room(self, entry: Entry) -> None:
         cap = self.settings.limits.max_dispatched_models
@@ -1075,64 +1013,3 @@ def _keep_alive_seconds(text: str) -> float | None:
         return parse_duration(text)
     except ValueError as exc:
         raise errors.InvalidArgument(f"keep_alive: {exc}") from None
-
-
-def _primary_device(placement: nnd_pb2.Placement | None, cuda: bool) -> str:
-    if placement is None:
-        return "cpu"
-    text = placement.device or placement.device_map or ""
-    if text.isdigit():
-        return f"cuda:{text}"
-    if text in ("", "cpu"):
-        return "cpu" if text == "cpu" or not cuda else "cuda:0"
-    if text == "cuda":
-        return "cuda:0"
-    if text.startswith("cuda"):
-        return text
-    return "cuda:0" if cuda else "cpu"
-
-
-def _check_gpus_visible(placement: nnd_pb2.Placement, seen: int) -> None:
-    """Refuse a placement on a GPU the workers cannot see, before a worker starts (and fails deep in torch)."""
-    text = (placement.device or placement.device_map or "").strip()
-    if text.startswith("{"):  # an explicit device map: its values name the devices
-        import json
-
-        try:
-            values = [str(v) for v in json.loads(text).values()]
-        except (ValueError, AttributeError):
-            return  # the worker reports a malformed map with its own message
-    else:
-        values = [text]
-    wanted = [v for v in values if v.startswith("cuda") or v.isdigit()]
-    if not wanted:
-        return
-    for value in wanted:
-        index = int(value) if value.isdigit() else int(value.partition(":")[2] or 0)
-        if index >= seen:
-            hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
-            why = f" (CUDA_VISIBLE_DEVICES={hidden!r})" if hidden is not None else ""
-            raise errors.FailedPrecondition(
-                f"the placement asks for {value}, but the daemon sees {seen} GPU{'s' if seen != 1 else ''}{why}; "
-                "use --device cpu, or start nnd serve where that GPU is visible"
-            )
-
-
-def _check_fits_max_memory(entry: Entry, placement: nnd_pb2.Placement) -> None:
-    """Refuse a max_memory whose devices together cannot hold the weights, before any worker starts
-    (transformers would put the rest on meta or disk; the worker's check_resident is the final word)."""
-    if not placement.max_memory:
-        return
-    total = sum(parse_bytes(v) for v in placement.max_memory.values())
-    need = entry.meta.estimate_bytes(placement.dtype)
-    if need > total:
-        limits = ", ".join(f"{k}={v}" for k, v in sorted(placement.max_memory.items()))
-        raise errors.ResourceExhausted(
-            f"the placement's max_memory ({limits}) allows {_gib(total)} in all, but {entry.name} needs about "
-            f"{_gib(need)} of weights ({placement.dtype or 'default dtype'}); the rest would be left on meta "
-            "or disk: raise max_memory or pick a smaller dtype"
-        )
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"

@@ -18,8 +18,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from nnd.v1 import address as _address
-from nnd.v1 import nnd_pb2
-from nnd_daemon import errors, identity, modelfiles, shared
+from nnd.v1 import contract, nnd_pb2
+from nnd_daemon import errors, identity, modelfiles
 from nnd_daemon.control import health, modelroots, statedir
 from nnd_daemon.control.admission import Admission
 from nnd_daemon.control.auth import Access
@@ -30,7 +30,7 @@ from nnd_daemon.control.settings import Settings
 log = logging.getLogger("nnd.server")
 
 SERVICE = "nnd.v1.Nnd"
-OPTIONS = [*shared.GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
+OPTIONS = [*contract.GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
 # gRPC handler threads. Every request waiting for a model holds one, so with
 # too few, requests queued behind a long one leave none for `nnd ps`, health
 # checks or a Release. More than a model's default queue (64) several times
@@ -40,10 +40,10 @@ HANDLER_THREADS = 256
 # GetServerInfo and health answering whatever else runs (control/admission.py).
 RESERVED_THREADS = 32
 # These stream serialized responses through unchanged (a worker's, forwarded).
-_RAW_RESPONSES = {"Scan", "Interact", *shared.DATA_METHODS}
+_RAW_RESPONSES = {"Scan", "Interact", *contract.DATA_METHODS}
 # These take the request's bytes: the daemon forwards them unparsed (to the model's
 # worker; a Scan to the helper), reading only the fields it steers by (forward.py).
-_RAW_REQUESTS = {"Scan", *shared.DATA_METHODS}
+_RAW_REQUESTS = {"Scan", *contract.DATA_METHODS}
 
 
 def _handlers(servicer: NndServicer, admission: Admission) -> grpc.GenericRpcHandler:

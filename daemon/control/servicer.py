@@ -8,9 +8,7 @@ worker checks them. Local clients send them to the worker directly (GetRoute).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import json
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -18,8 +16,8 @@ from typing import Any
 import grpc
 
 from nnd import __version__
-from nnd.v1 import graph_pb2, helper_pb2, nnd_pb2, worker_pb2
-from nnd_daemon import aliases, errors, identity, intake, shared
+from nnd.v1 import contract, graph_pb2, helper_pb2, nnd_pb2, worker_pb2
+from nnd_daemon import aliases, errors, identity, intake
 from nnd_daemon.control import forward, logread
 from nnd_daemon.control.registry import Registry
 from nnd_daemon.control.settings import Settings
@@ -44,7 +42,7 @@ class NndServicer:
     def _worker_metadata(self, entry: Any, worker: Any, context: grpc.ServicerContext) -> list[tuple[str, str]]:
         """What a forwarded request carries to the worker: the model, the epoch, and the caller's user as a
         ticket the worker can check (it trusts no name it cannot verify)."""
-        metadata = [(shared.MODEL_KEY, entry.name), (shared.EPOCH_KEY, str(worker.epoch))]
+        metadata = [(contract.MODEL_KEY, entry.name), (contract.EPOCH_KEY, str(worker.epoch))]
         user = self._user(context)
         if user:
             metadata.append((identity.USER_KEY, self.registry.tickets.mint(user, ttl_s=3600)))
@@ -135,7 +133,7 @@ class NndServicer:
                 session=session,
                 edits=stacks,
                 aliases=self.registry.alias_config(entry).aliases,
-                limits_json=json.dumps(dataclasses.asdict(self.settings.limits)),
+                limits=self.settings.limits.to_proto(),
             )
             out = self.registry.helper.call("Scan", scan, what=what, timeout=self._deadline(context), client=context)
         for message in out.responses:
@@ -149,14 +147,14 @@ class NndServicer:
 
     def _forward_deadline(self, context: grpc.ServicerContext) -> tuple[float | None, list[tuple[str, str]]]:
         """The timeout of a call forwarded to a worker, and metadata for it: the client's own deadline, else
-        the daemon's default, which the worker applies itself (shared.DEFAULT_DEADLINE_KEY)."""
+        the daemon's default, which the worker applies itself (contract.DEFAULT_DEADLINE_KEY)."""
         remaining = context.time_remaining()
         if remaining is not None and remaining < 1e8:
             return remaining, []
         default = self.settings.limits.default_deadline_s
         if not default:
             return None, []
-        return default + shared.FORWARD_GRACE_S, [(shared.DEFAULT_DEADLINE_KEY, "1")]
+        return default + contract.FORWARD_GRACE_S, [(contract.DEFAULT_DEADLINE_KEY, "1")]
 
     def Trace(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         yield from self._forward("Trace", raw, context)
@@ -248,12 +246,7 @@ class NndServicer:
         graph = graph_pb2.Graph()
         graph.CopyFrom(request.graph)
         _resolve_aliases(entry.meta, [graph])
-        if self.settings.limits.max_request_bytes and graph.ByteSize() > self.settings.limits.max_request_bytes:
-            raise errors.ResourceExhausted(
-                f"the edit is {graph.ByteSize()} bytes, over the limit max_request_bytes="
-                f"{self.settings.limits.max_request_bytes}"
-            )
-        intake.check_depth(graph, "the edit")
+        intake.check_part(graph, graph.ByteSize(), self.settings.limits, "the edit")
         check = helper_pb2.HelperEditRequest(model=entry.meta.ref, graph=graph)
         self.registry.helper.call("CheckEdit", check, what="this edit's check", client=context)
         edit = entry.meta.edits.create(

@@ -31,7 +31,7 @@ class Limits:
     max_tokenize_bytes: int = 4 * 1024 * 1024
     # Request and result bytes of Trace/Generate/Session the daemon holds at once (daemon/inflight.py; workers keep one of their own).
     max_inflight_bytes: int = 1024 * 1024 * 1024
-    # The helper process (control/helper.py): RLIMIT_AS, and CPU seconds per call.
+    # The helper process (control/helper_supervisor.py): RLIMIT_AS, and CPU seconds per call.
     helper_memory_bytes: int = 4 * 1024 * 1024 * 1024
     helper_cpu_s: float = 60.0
     # A run paused at a sync point holds its model: seconds per pause, and in all per request (0: no cap).

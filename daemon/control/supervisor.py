@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import logging
 import os
 import signal
@@ -39,15 +38,15 @@ from typing import Any, Protocol
 import grpc
 import psutil
 
-from nnd.v1 import nnd_pb2, worker_pb2, worker_pb2_grpc
-from nnd_daemon import errors, identity, shared
+from nnd.v1 import contract, nnd_pb2, worker_pb2, worker_pb2_grpc
+from nnd_daemon import errors, identity, intake, shmreap, tpgroup
 from nnd_daemon.control import gpus, statedir, tplaunch
 
 log = logging.getLogger("nnd.supervisor")
 _serial = itertools.count(1)
 
 # (Not SingleThreadedUnaryStream: with it, concurrent calls to one worker were not concurrent.)
-OPTIONS = shared.GRPC_OPTIONS
+OPTIONS = contract.GRPC_OPTIONS
 TOKEN_ENV = "NND_WORKER_TOKEN"  # worker/listen.py reads it (the command line is public)
 
 
@@ -164,8 +163,9 @@ class Launcher:
     log_dir: str
     public_dir: str
     start_timeout_s: float
-    limits: dict[str, int] = field(default_factory=dict)
-    request_limits: dict[str, float] = field(default_factory=dict)
+    limits: nnd_pb2.Limits = field(default_factory=nnd_pb2.Limits)
+    # One user's share of a model's queue (settings.UserLimits.max_queue_share; 0: none).
+    queue_share: float = 0.0
     batch_window_ms: float = 0.0
     token: str | None = None
     # The key `nnd-user` tickets are checked with (identity.py), hex; handed over in the environment.
@@ -186,7 +186,7 @@ class Launcher:
             batch_window_ms=self.batch_window_ms,
             epoch=order.epoch,
             public_dir=self.public_dir,
-            request_limits=self.request_limits,
+            queue_share=self.queue_share,
             token=self.token,
             identity_key=self.identity_key,
             log_args=(["--log-requests"] if self.log_requests else []) + ["--log-format", self.log_format],
@@ -214,12 +214,12 @@ class Worker:
         log_dir: str,
         on_exit: OnExit,
         *,
-        limits: dict[str, int] | None = None,
+        limits: nnd_pb2.Limits | None = None,
         placement: nnd_pb2.Placement | None = None,
         batch_window_ms: float = 0.0,
         epoch: int = 0,
         public_dir: str = "",
-        request_limits: dict[str, float] | None = None,
+        queue_share: float = 0.0,
         token: str | None = None,
         identity_key: str = "",
         log_args: list[str] | None = None,
@@ -231,11 +231,11 @@ class Worker:
         self.log_bytes = log_bytes
         self.run_dir = run_dir
         self.epoch = epoch
-        self.request_limits = request_limits or {}
+        self.queue_share = queue_share
         self._token = token
         # The last Status answer (watchdog pings refresh it): activity for keep-alive and LRU.
         self.last_status: worker_pb2.WorkerStatus | None = None
-        self.limits = limits or {}
+        self.limits = limits or nnd_pb2.Limits()
         self.batch_window_ms = batch_window_ms  # the worker's cross-client batching window (batching.py)
         # Tensor parallel: `proc` is torchrun's agent, `rank_pids` its ranks (rank 0 serves the socket).
         self.placement = placement or nnd_pb2.Placement()
@@ -273,8 +273,8 @@ class Worker:
         statedir.rotate_log(self.log_path, self.log_bytes)
         logf = os.fdopen(statedir.open_log(self.log_path), "ab")  # owned by the child; never through a link
         args = ["--socket", self.socket, "--name", self.name, *self._log_args]
-        args += ["--parent", str(os.getpid()), "--limits", json.dumps(self.limits)]
-        args += ["--epoch", str(self.epoch), "--request-limits", json.dumps(self.request_limits)]
+        args += ["--parent", str(os.getpid()), "--limits", intake.limits_arg(self.limits)]
+        args += ["--epoch", str(self.epoch), "--queue-share", repr(float(self.queue_share))]
         if self.public:
             args += ["--public", self.public]
         if self.batch_window_ms > 0 and self.tp_size <= 1:
@@ -313,7 +313,7 @@ class Worker:
         # Clients' data requests, forwarded as bytes (worker/gateway.py parses them); results pass
         # through the daemon as bytes too, never decoded here.
         self.forward_raw = {
-            method: self.channel.unary_stream(f"/nnd.v1.Nnd/{method}") for method in shared.DATA_METHODS
+            method: self.channel.unary_stream(f"/nnd.v1.Nnd/{method}") for method in contract.DATA_METHODS
         }
         self.forward_interact = self.channel.stream_stream("/nnd.v1.Nnd/Interact")
 
@@ -357,7 +357,7 @@ class Worker:
         self.proc.wait()
         self.exit_reason = self.describe_exit()
         for pid in self.pids:  # shared-memory results a dead worker left behind (older versions)
-            shared.remove_segments(pid)
+            shmreap.remove_segments(pid)
         self._ended.set()
         if not self._stopping:
             log.warning("worker for %s %s: %s", self.name, "hung" if self.fault else "died", self.exit_reason)
@@ -492,13 +492,7 @@ class Worker:
             died = self.proc is not None and self.proc.poll() is not None
             reason = self.describe_exit() if died else err.details()
             return self.lost(f"died: {reason}" if died else f"cannot be reached: {reason}", started)
-        exc_type = ""
-        for key, value in err.trailing_metadata() or ():
-            if key == errors.EXC_TYPE_KEY:
-                exc_type = value
-        mapped = errors.NndError(err.details() or str(code), exc_type=exc_type)
-        mapped.code = code
-        return mapped
+        return errors.from_rpc(err)
 
     def _wait_exit(self, timeout: float) -> None:
         if self.proc is not None:
@@ -575,7 +569,7 @@ class Worker:
 
     def _group_stopping(self) -> bool:
         """Rank 0 recorded why it stops the group (worker/tp.py, Group.fail)."""
-        return os.path.exists(shared.reason_path(self.socket))
+        return os.path.exists(tpgroup.reason_path(self.socket))
 
     def _rank_gone(self) -> bool:
         for rank in self._ranks:
@@ -612,16 +606,16 @@ def _process(pid: int) -> psutil.Process | None:
 
 def _client_metadata(client: grpc.ServicerContext) -> list[tuple[str, str]]:
     """Who asked, for the worker's `nnd ps` view: the client's own name for itself, else its peer address."""
-    who = dict(client.invocation_metadata() or ()).get(shared.CLIENT_KEY) or client.peer() or ""
-    return [(shared.CLIENT_KEY, str(who)[:80])] if who else []
+    who = dict(client.invocation_metadata() or ()).get(contract.CLIENT_KEY) or client.peer() or ""
+    return [(contract.CLIENT_KEY, str(who)[:80])] if who else []
 
 
 _RUNNING = nnd_pb2.TraceResponse(queued=nnd_pb2.Queued(running=True)).SerializeToString()
 
 
 def _started(call: Any) -> bool | None:
-    """Whether the worker had begun running `call`'s request when it failed (errors.started_from)."""
+    """Whether the worker had begun running `call`'s request when it failed (contract.started_from)."""
     try:
-        return errors.started_from(call.initial_metadata())
+        return contract.started_from(call.initial_metadata())
     except Exception:  # noqa: BLE001 - only a hint for the error message
         return None

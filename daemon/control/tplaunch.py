@@ -21,7 +21,8 @@ from typing import Any
 
 from nnd.v1 import nnd_pb2
 from nnd_daemon import errors
-from nnd_daemon.shared import DIVIDED_FIELDS, MOE_FIELDS, QUANTIZED, pids_path, reason_path, timeout_s
+from nnd_daemon.modelclass import QUANTIZED
+from nnd_daemon.tpgroup import DIVIDED_FIELDS, MOE_FIELDS, pids_path, reason_path, timeout_s
 
 # How long the daemon waits for torchrun to stop the rest of a group once one rank is gone.
 GROUP_EXIT_WAIT_S = 10.0

@@ -3,7 +3,7 @@
 An upload is stored once per content, in `<state_dir>/uploads/<sha256>/`: the
 client's files and `.upload.json` (kind, files, when). Files arrive into a
 `.partial-*` folder next to it, are checked (names, sizes, hash, and for an
-exported program the whole archive, see worker/exported.py) and the folder is
+exported program the whole archive, see export/exported.py) and the folder is
 renamed into place: a folder named by a hash is always complete. Two uploads
 of the same content never write it twice; a client asks HasUpload first and
 sends nothing the daemon has.
@@ -150,7 +150,7 @@ class UploadStore:
     """The uploads folder of one state directory and the RPCs on it; the registry owns one.
 
     `check(kind, folder)` checks uploaded content: the daemon's helper process
-    (control/helper.py), so a crafted upload never loads in the daemon's own; without
+    (control/helper_supervisor.py), so a crafted upload never loads in the daemon's own; without
     one (the store used as a library, in tests), this process."""
 
     def __init__(self, settings: Settings, check: Check | None = None) -> None:

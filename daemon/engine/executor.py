@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from nnd.v1 import graph_pb2
+from nnd.v1 import contract, graph_pb2
 
 from .. import errors
 from . import caches, grads, modules, rows, sharding
@@ -138,22 +138,7 @@ class Executor:
         return [self.root, *(self.loops[k] for k in sorted(self.loops))]
 
     def selected(self, scope: int, step: int) -> bool:
-        sel = self.plan.scopes[scope - 1]
-        kind = sel.WhichOneof("kind")
-        if kind == "all":
-            return True
-        span = range(max(self.total_steps, step + 1))
-        if kind == "range":
-            r = sel.range
-            part = span[
-                slice(
-                    r.start if r.HasField("start") else None,
-                    r.stop if r.HasField("stop") else None,
-                    r.step if r.HasField("step") else None,
-                )
-            ]
-            return step in part
-        return any(span[s] == step for s in sel.steps.steps if -len(span) <= s < len(span))
+        return contract.selects(self.plan.scopes[scope - 1], self.total_steps, step)
 
     def begin_step(self, step: int) -> None:
         self.step = step

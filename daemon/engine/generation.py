@@ -10,13 +10,11 @@ from typing import Any
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from nnd.v1 import nnd_pb2
+from nnd.v1 import contract, nnd_pb2
 
 from .. import errors
 from .inputs import Batch, pad_id
 from .limits import EngineLimits
-
-DEFAULT_MAX_NEW_TOKENS = 20  # transformers' own default generation length
 
 
 @dataclass
@@ -86,7 +84,7 @@ def _config(text: str) -> dict[str, Any]:
 
 def options(msg: nnd_pb2.GenerateOptions, limits: EngineLimits) -> Options:
     config = _config(msg.generation_config_json) if msg.generation_config_json else {}
-    n = msg.max_new_tokens or int(config.get("max_new_tokens") or 0) or DEFAULT_MAX_NEW_TOKENS
+    n = msg.max_new_tokens or int(config.get("max_new_tokens") or 0) or contract.DEFAULT_MAX_NEW_TOKENS
     if n < 0:
         raise errors.InvalidArgument(f"generate.max_new_tokens must be positive, got {n}")
     if limits.max_new_tokens and n > limits.max_new_tokens:

@@ -141,7 +141,7 @@ class Interaction:
             )
         return errors.DeadlineExceeded(
             f"the run was paused at a sync point for more than {self.timeout:g} s without a message from "
-            f"the client; {freed} (raise `pause_timeout` for longer pauses)"
+            f"the client; {freed} (raise the request's `pause_timeout_s`, the Python client's `pause_timeout=`, for longer pauses)"
         )
 
     def advance(self) -> None:

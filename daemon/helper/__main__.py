@@ -1,6 +1,6 @@
 """Helper process entry: `python -I -m nnd_daemon.helper --socket PATH`.
 
-Started and supervised by the daemon (control/helper.py), never by hand. It
+Started and supervised by the daemon (control/helper_supervisor.py), never by hand. It
 does the work whose cost a client shapes, under an address-space limit
 (RLIMIT_AS, set here) and a per-call CPU-time bound (the daemon's watchdog), so
 that work can fail, or kill this process, but never the daemon.
@@ -17,7 +17,8 @@ from concurrent import futures
 
 import grpc
 
-from nnd_daemon import errors, shared
+from nnd.v1 import contract
+from nnd_daemon import errors, parentwatch
 
 
 def main() -> None:
@@ -27,7 +28,7 @@ def main() -> None:
     parser.add_argument("--memory-bytes", type=int, default=0, help="RLIMIT_AS in bytes (0: none)")
     parser.add_argument("--cache", type=int, default=8, help="META models kept (least recently used go first)")
     ns = parser.parse_args()
-    shared.die_with_parent(ns.parent)
+    parentwatch.die_with_parent(ns.parent)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s helper %(levelname)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Imported before the limit goes up and before serving: no call pays for it, and it cannot fail on it.
@@ -49,7 +50,7 @@ def serve(socket: str, cache: int) -> grpc.Server:
     from nnd_daemon.helper.service import HelperService, memory_error
 
     mapped = errors.ErrorInterceptor(logging.getLogger("nnd.helper"), translate=memory_error)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=shared.GRPC_OPTIONS, interceptors=[mapped])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=contract.GRPC_OPTIONS, interceptors=[mapped])
     helper_pb2_grpc.add_HelperServicer_to_server(HelperService(cache), server)
     server.add_insecure_port("unix://" + socket)
     server.start()

@@ -18,7 +18,7 @@ _FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 def check_upload(kind: str, folder: str) -> None:
     """Refuse content that cannot be loaded, before it is stored."""
     if kind == "exported":
-        from nnd_daemon.worker import exported
+        from nnd_daemon.export import exported
 
         exported.load_program(os.path.join(folder, exported.PROGRAM), on_meta=True)
         return

@@ -13,16 +13,8 @@ from typing import Any
 from nnd.v1 import helper_pb2, nnd_pb2
 from nnd_daemon import errors, loadoptions, modelfiles
 from nnd_daemon.helper import attributes
-from nnd_daemon.shared import (
-    BYTES_PER_PARAM,
-    DIVIDED_FIELDS,
-    MOE_FIELDS,
-    QUANTIZED,
-    default_dtype,
-    infer_task,
-    meta_safe_experts,
-    model_class,
-)
+from nnd_daemon.modelclass import BYTES_PER_PARAM, QUANTIZED, default_dtype, infer_task, meta_safe_experts, model_class
+from nnd_daemon.tpgroup import DIVIDED_FIELDS, MOE_FIELDS
 
 # A config.json is a few KiB (a large label map: a few MiB). Anything bigger is
 # refused before it is read: parsing a huge (or sparse) file only costs memory.
@@ -113,7 +105,7 @@ def build_on_meta(cls: Any, config: Any, trust_remote_code: bool) -> Any:
 
 
 def _build_exported(ref: helper_pb2.HelperModel) -> Built:
-    from nnd_daemon.worker import exported
+    from nnd_daemon.export import exported
 
     module = exported.build(ref.source, on_meta=True)
     module.eval()
@@ -167,7 +159,7 @@ def _estimate_bytes(module: Any, name: str) -> int:
 
 
 def _exported_bytes(module: Any, dtype: str) -> int:
-    from nnd_daemon.worker.loader import torch_dtype
+    from nnd_daemon.modelclass import torch_dtype
 
     width = torch_dtype(dtype).itemsize if dtype and dtype not in ("auto", *QUANTIZED) else None
     total = 0

@@ -3,13 +3,11 @@ request after a restart) and the work on them whose cost a client shapes."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tempfile
 import threading
 from collections import OrderedDict
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -64,7 +62,7 @@ class HelperService(helper_pb2_grpc.HelperServicer):
         from nnd_daemon import aliases, engine, intake
 
         built = self._model(request.model)
-        limits = SimpleNamespace(**json.loads(request.limits_json or "{}"))
+        limits = request.limits
         table = aliases.AliasTable.of(built.module, standard=False)
         for b in request.aliases:
             table.hosts.setdefault(b.host, {})[b.alias] = b.target

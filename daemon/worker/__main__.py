@@ -8,7 +8,6 @@ daemon ends it.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -16,8 +15,8 @@ from typing import Any
 
 import grpc
 
-from nnd.v1 import worker_pb2_grpc
-from nnd_daemon import logfmt, shared
+from nnd.v1 import contract, worker_pb2_grpc
+from nnd_daemon import intake, logfmt, parentwatch
 from nnd_daemon.worker import listen
 from nnd_daemon.worker.service import WorkerService
 
@@ -51,7 +50,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--socket", required=True, help="unix socket to serve on")
     parser.add_argument("--name", default="", help="model name, for logs and ps")
     parser.add_argument("--parent", type=int, default=0, help="daemon pid; the worker dies with it")
-    parser.add_argument("--limits", default="", help="engine limits as JSON (from the daemon's settings)")
+    parser.add_argument("--limits", default="", help="the daemon's limits: nnd.v1.Limits as JSON (intake.limits_arg)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     parser.add_argument(
         "--batch-window-ms",
@@ -69,7 +68,7 @@ def main() -> None:
     # Under torchrun (tensor parallel) this process is one rank of a group; tp.py runs it.
     rank = os.environ.get("RANK", "") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     if not rank:
-        shared.die_with_parent(ns.parent)
+        parentwatch.die_with_parent(ns.parent)
     who = f"{ns.name} rank {rank}" if rank else ns.name
     text = f"%(asctime)s worker[{who}] %(levelname)s %(message)s"
     logfmt.setup("INFO", ns.log_format, text, model=ns.name, **({"rank": rank} if rank else {}))
@@ -81,7 +80,7 @@ def main() -> None:
     if rank:
         from nnd_daemon.worker import tp
 
-        tp.main(ns, shared.GRPC_OPTIONS, _limits(ns))
+        tp.main(ns, contract.GRPC_OPTIONS, _limits(ns))
         return
     servers = serve(ns)
     signal.signal(signal.SIGTERM, lambda *_: listen.stop(servers, 2))
@@ -89,11 +88,8 @@ def main() -> None:
 
 
 def _limits(ns: argparse.Namespace) -> Any:
-    if not ns.limits:
-        return None
-    from nnd_daemon.engine import EngineLimits
-
-    return EngineLimits(**json.loads(ns.limits))
+    """The limits the engine enforces while a request runs (the gateway checks the rest: listen.py)."""
+    return intake.engine_limits(intake.limits_of_arg(ns.limits))
 
 
 def serve(ns: argparse.Namespace, token: str | None = None, identity_key: str | None = None) -> list[grpc.Server]:
@@ -105,7 +101,7 @@ def serve(ns: argparse.Namespace, token: str | None = None, identity_key: str | 
     if ns.batch_window_ms > 0:
         from nnd_daemon.worker import batching
 
-        max_invokes = int(json.loads(ns.request_limits or "{}").get("max_invokes", 0))
+        max_invokes = int(intake.limits_of_arg(ns.limits).max_invokes)
         service.batcher = batching.for_service(service, ns.batch_window_ms, max_invokes)
     return listen.start(service, ns, worker_pb2_grpc.add_WorkerServicer_to_server, token=token, identity_key=identity_key)
 

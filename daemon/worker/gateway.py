@@ -15,13 +15,12 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
 
-from nnd.v1 import nnd_pb2, worker_pb2
-from nnd_daemon import aliases, errors, identity, intake, shared
+from nnd.v1 import contract, nnd_pb2, worker_pb2
+from nnd_daemon import aliases, errors, identity, intake
 from nnd_daemon.inflight import InflightBudget
 from nnd_daemon.worker.stop import Stop
 
@@ -32,15 +31,22 @@ class Gateway:
     """Checks and completes a client's data request, then runs it on `service`."""
 
     def __init__(
-        self, service: Any, name: str, epoch: int, limits: dict[str, float], tickets: identity.Tickets | None = None
+        self,
+        service: Any,
+        name: str,
+        epoch: int,
+        limits: nnd_pb2.Limits,
+        tickets: identity.Tickets | None = None,
+        *,
+        queue_share: float = 0.0,
     ) -> None:
         self.service = service
         self.name = name
         self.epoch = epoch
-        # The request limits the daemon passed at start (intake.REQUEST_LIMIT_FIELDS).
-        self.limits = SimpleNamespace(**{f: limits.get(f, 0) for f in intake.REQUEST_LIMIT_FIELDS})
+        # The daemon's limits, passed at start; the gateway checks intake.REQUEST_LIMIT_FIELDS of them.
+        self.limits = limits
         # One user's share of the queue (settings.UserLimits.max_queue_share; 0: none).
-        self.queue_share = float(limits.get("max_queue_share", 0) or 0)
+        self.queue_share = float(queue_share)
         # Verifies the `nnd-user` tickets clients (and the daemon, forwarding) send (identity.py).
         self.tickets = tickets
         # Request bytes held while they wait for the model, and Interact continuations not yet read by
@@ -90,7 +96,7 @@ class Gateway:
             method: grpc.unary_stream_rpc_method_handler(
                 self._method(method, route), request_deserializer=None, response_serializer=_serialize
             )
-            for method in shared.DATA_METHODS
+            for method in contract.DATA_METHODS
         }
         handlers["Interact"] = grpc.stream_stream_rpc_method_handler(
             lambda raws, context: self.interact(raws, context, route=route),
@@ -106,11 +112,11 @@ class Gateway:
         return serve
 
     def _check_epoch(self, context: grpc.ServicerContext, route: bool = False) -> None:
-        sent = dict(context.invocation_metadata()).get(shared.EPOCH_KEY)
+        sent = dict(context.invocation_metadata()).get(contract.EPOCH_KEY)
         if sent is None and route:
             # Without it a restarted worker on a reused socket would run a call meant for its predecessor.
             raise errors.FailedPrecondition(
-                f"a call on a model's route must send the route's epoch as `{shared.EPOCH_KEY}` metadata "
+                f"a call on a model's route must send the route's epoch as `{contract.EPOCH_KEY}` metadata "
                 "(GetRoute's epoch); nothing ran"
             )
         if sent is not None and sent != str(self.epoch):
@@ -118,7 +124,7 @@ class Gateway:
             raise errors.FailedPrecondition(
                 f"stale route: the worker of {self.name} is at epoch {self.epoch}, not {sent}; "
                 "fetch the route again (GetRoute)",
-                trailers=((shared.ROUTE_KEY, shared.STALE),),
+                trailers=((contract.ROUTE_KEY, contract.STALE),),
             )
 
     def _check_model(self, model: str, route: bool) -> None:
@@ -154,8 +160,7 @@ class Gateway:
                 raise
             self._check_model(run.session.model if run.HasField("session") else run.request.model, route)
             keep_alive = run.session.keep_alive if run.HasField("session") else run.request.keep_alive
-            kind = "session" if run.HasField("session") else "generate" if run.generate else "trace"
-            user = self._begin(kind, keep_alive, context)
+            user = self._begin(intake.kind_of(run), keep_alive, context)
             try:
                 yield from self._run(
                     run, context, lambda stop, on_error: self.service.run(run, context, stop, on_error)
@@ -180,25 +185,9 @@ class Gateway:
             raise errors.InvalidArgument("an Interact stream starts with an InteractStart")
         start = first.start
         self._check_model(start.session.model if start.HasField("session") else start.request.model, route)
-        if start.HasField("session"):
-            session = start.session
-            if not session.traces or session.scan:
-                raise errors.InvalidArgument("an interactive session needs its traces (and runs no scans)")
-            self._complete(session.model, session.traces)
-            run = worker_pb2.WorkerRunRequest(
-                session=session, edits=self._stacks([i for t in session.traces for i in t.request.edits])
-            )
-            keep_alive = session.keep_alive
-        else:
-            request = start.request
-            intake.check(request, self.limits, generate=start.generate)
-            aliases.rewrite_graphs([request.graph], self._aliases())
-            run = worker_pb2.WorkerRunRequest(
-                request=request, generate=start.generate, edits=self._stacks(list(request.edits))
-            )
-            keep_alive = request.keep_alive
-        kind = "session" if start.HasField("session") else "generate" if start.generate else "trace"
-        user = self._begin(kind, keep_alive, context)
+        run = intake.prepare_start(start, self.limits, rewrite=self._rewrite, stacks=self._stacks)
+        keep_alive = run.session.keep_alive if run.HasField("session") else run.request.keep_alive
+        user = self._begin(intake.kind_of(run), keep_alive, context)
 
         def messages() -> Iterator[worker_pb2.WorkerInteractContinue | errors.NndError]:
             for raw in raws:
@@ -218,33 +207,14 @@ class Gateway:
                         "the run was ended"
                     )
                     return
-                more = msg.more
-                try:  # each continuation is held to the limits the stream's first message was
-                    limit = int(self.limits.max_request_bytes)
-                    if limit and len(raw) > limit:
-                        raise errors.ResourceExhausted(
-                            f"a continuation of {len(raw)} bytes is over the daemon's limit max_request_bytes={limit}"
-                        )
-                    intake.check_nodes(more.graph, "a continuation")
-                    intake.check_depth(more, "a continuation")
+                try:  # held to the limits the stream's first message was
+                    part = intake.prepare_continue(
+                        msg.more, len(raw), run, self.limits, rewrite=self._rewrite, stacks=self._stacks
+                    )
                 except errors.NndError as err:  # the paused run fails with it
                     yield err
                     return
-                aliases.rewrite_graphs([more.graph], self._aliases())
-                if more.traces:
-                    if not run.HasField("session"):
-                        yield errors.InvalidArgument("only an interactive session takes further traces")
-                        return
-                    try:
-                        self._complete(run.session.model, more.traces)
-                        # The edits new traces name, looked up now: a later block may name one the first did not.
-                        stacks = self._stacks([i for t in more.traces for i in t.request.edits])
-                    except errors.NndError as err:  # the paused run fails with it
-                        yield err
-                        return
-                    yield worker_pb2.WorkerInteractContinue(more=more, edits=stacks)
-                    continue
-                yield worker_pb2.WorkerInteractContinue(more=more)
+                yield part
 
         try:
             yield from self._run(
@@ -257,14 +227,6 @@ class Gateway:
         finally:
             self.service.activity.end(user)
 
-    def _complete(self, model: str, traces: Any) -> None:
-        """A session's traces, checked and with alias paths rewritten (as `intake.prepare` does)."""
-        for trace in traces:
-            if not trace.request.model:
-                trace.request.model = model
-            intake.check(trace.request, self.limits, generate=trace.generate)
-        aliases.rewrite_graphs([t.request.graph for t in traces], self._aliases())
-
     def _run(
         self,
         run: worker_pb2.WorkerRunRequest,
@@ -274,7 +236,7 @@ class Gateway:
         # The deadline is a point in time checked where the request already waits or polls (stop.py),
         # not a timer thread per request: the client's own timeout, else the daemon's --deadline.
         remaining = context.time_remaining()
-        forwarded_default = dict(context.invocation_metadata() or ()).get(shared.DEFAULT_DEADLINE_KEY) == "1"
+        forwarded_default = dict(context.invocation_metadata() or ()).get(contract.DEFAULT_DEADLINE_KEY) == "1"
         own = not forwarded_default and remaining is not None and remaining < 1e8
         seconds = remaining if own else float(self.limits.default_deadline_s)
         stop = Stop(seconds)
@@ -306,15 +268,18 @@ class Gateway:
             method,
             raw,
             self.limits,
-            rewrite=lambda graphs: aliases.rewrite_graphs(graphs, self._aliases()),
+            rewrite=self._rewrite,
             stacks=self._stacks,
         )
+
+    def _rewrite(self, graphs: list[Any]) -> None:
+        aliases.rewrite_graphs(graphs, self._aliases())
 
 
 def client_of(context: grpc.ServicerContext) -> str:
     """Who sent a request: the client's own `nnd-client` metadata (free text, shortened), else the peer."""
     for key, value in context.invocation_metadata() or ():
-        if key == shared.CLIENT_KEY and isinstance(value, str):
+        if key == contract.CLIENT_KEY and isinstance(value, str):
             return value[:80]
     return context.peer() or "?"
 

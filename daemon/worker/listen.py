@@ -7,7 +7,6 @@ group)."""
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -16,8 +15,9 @@ from typing import Any
 
 import grpc
 
-from nnd_daemon import errors, identity, shared
-from nnd_daemon.tokens import TokenInterceptor
+from nnd.v1 import contract
+from nnd_daemon import errors, identity, intake
+from nnd_daemon.bearer_tokens import TokenInterceptor
 from nnd_daemon.worker.gateway import Gateway
 
 # The daemon hands a worker its token here, not on the command line (which `ps` shows).
@@ -37,7 +37,7 @@ PUBLIC_CALLS = 256
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--public", default="", help="unix socket clients reach by the model's route")
     parser.add_argument("--epoch", type=int, default=0, help="the route's epoch (the daemon's count of workers)")
-    parser.add_argument("--request-limits", default="", help="request limits as JSON (requests.REQUEST_LIMIT_FIELDS)")
+    parser.add_argument("--queue-share", type=float, default=0.0, help="one user's share of the queue (0: none)")
     parser.add_argument("--log-requests", action="store_true", help="log one line per finished request")
     parser.add_argument("--log-format", default="text", choices=("text", "json"))
 
@@ -55,7 +55,8 @@ def start(
     environment, so nothing this process starts inherits it). `identity_key`: the users' ticket key
     (hex); None: from identity.KEY_ENV, likewise."""
     tickets = identity.Tickets.from_env() if identity_key is None else identity.Tickets.of_hex(identity_key)
-    gateway = Gateway(service, ns.name, ns.epoch, json.loads(ns.request_limits or "{}"), tickets)
+    limits = intake.limits_of_arg(ns.limits)
+    gateway = Gateway(service, ns.name, ns.epoch, limits, tickets, queue_share=ns.queue_share)
     service.gateway = gateway
     service.activity.model = ns.name
     service.activity.log_requests = ns.log_requests
@@ -68,7 +69,7 @@ def start(
         interceptors = [TokenInterceptor(token), mapped] if token else [mapped]
         public = grpc.server(
             futures.ThreadPoolExecutor(max_workers=RPC_THREADS),
-            options=shared.GRPC_OPTIONS,
+            options=contract.GRPC_OPTIONS,
             interceptors=interceptors,
             maximum_concurrent_rpcs=PUBLIC_CALLS,
         )
@@ -81,7 +82,7 @@ def start(
         public.start()
         servers.append(public)
     private = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=RPC_THREADS), options=shared.GRPC_OPTIONS, interceptors=[mapped]
+        futures.ThreadPoolExecutor(max_workers=RPC_THREADS), options=contract.GRPC_OPTIONS, interceptors=[mapped]
     )
     add_worker(service, private)
     private.add_generic_rpc_handlers((gateway.handler(),))

@@ -10,25 +10,9 @@ import torch
 
 from nnd.v1 import nnd_pb2, worker_pb2
 from nnd_daemon import errors, loadoptions, modelfiles
-from nnd_daemon.shared import QUANTIZED, infer_task, model_class
+from nnd_daemon.modelclass import QUANTIZED, infer_task, model_class, torch_dtype
 
 Report = Callable[[int, int, str], None]
-
-_TORCH_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return _TORCH_DTYPES[name.removeprefix("torch.")]
-    except KeyError:
-        raise errors.InvalidArgument(
-            f"unknown dtype {name!r}; use one of {', '.join([*_TORCH_DTYPES, *QUANTIZED, 'auto'])}"
-        ) from None
 
 
 def _device(text: str) -> Any:
@@ -105,7 +89,7 @@ class _ReportingBar:
 
 def load(req: worker_pb2.WorkerLoadRequest, report: Report) -> tuple[torch.nn.Module, Any, str]:
     """Load weights; returns (model, tokenizer, dtype name)."""
-    from nnd_daemon.worker import exported
+    from nnd_daemon.export import exported
 
     if exported.is_program_dir(req.model):  # an uploaded torch.export program (control/uploads.py)
         return exported.load(req, report)

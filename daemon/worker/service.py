@@ -14,8 +14,8 @@ from typing import Any
 import grpc
 import psutil
 
-from nnd.v1 import nnd_pb2, worker_pb2, worker_pb2_grpc
-from nnd_daemon import errors, shared
+from nnd.v1 import contract, nnd_pb2, worker_pb2, worker_pb2_grpc
+from nnd_daemon import errors, intake
 from nnd_daemon.worker import activity, loader, turns
 from nnd_daemon.worker.stop import Stop
 
@@ -88,15 +88,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             raise errors.FailedPrecondition("worker has no model loaded")
         stop = stop or Stop()
         context.add_callback(stop.set)
-        kind = "session" if request.HasField("session") else "generate" if request.generate else "trace"
-        steps = (request.request.generate.max_new_tokens or 20) if kind == "generate" else 0
+        kind, steps = intake.kind_of(request), intake.steps_of(request)
         # Tell a client whose request must wait why nothing happens yet (its place in line). Its turn is then
         # announced by a message too (initial metadata has gone out with the first one).
         ahead = self._run_lock.waiting() + self._run_lock.locked()
         if ahead:
             # "It waits" goes out with the message; a request that did not wait sends no header at all
-            # (errors.started_from: one write fewer per trace).
-            context.send_initial_metadata(((errors.QUEUED_KEY, "1"),))
+            # (contract.started_from: one write fewer per trace).
+            context.send_initial_metadata(((contract.QUEUED_KEY, "1"),))
             yield self._queued(ahead)
         who = dict(user=self._user(context), rows=max(1, len(request.request.invokes)))
         with self.activity.track(kind, _client(context), steps, **who) as tracked, _log_if_cancelled(stop, tracked):
@@ -300,8 +299,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 self.paused = None
 
         interaction = interact.Interaction(start, receive, caps=interact.PauseCaps(**(caps or {})), on_pause=on_pause)
-        kind = "session" if run.HasField("session") else "generate" if run.generate else "trace"
-        steps = (run.request.generate.max_new_tokens or 20) if kind == "generate" else 0
+        kind, steps = intake.kind_of(run), intake.steps_of(run)
         out: queue.Queue[Any] = queue.Queue()
 
         def work() -> None:
@@ -330,7 +328,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     return
                 if item is _STARTED:
                     tracked.running = True
-                    context.send_initial_metadata(((errors.STARTED_KEY, "1"),))
+                    context.send_initial_metadata(((contract.STARTED_KEY, "1"),))
                     continue
                 if isinstance(item, BaseException):
                     raise on_error(item)
@@ -387,7 +385,7 @@ def _log_if_cancelled(stop: Stop, tracked: activity.Request) -> Iterator[None]:
 def _client(context: grpc.ServicerContext) -> str:
     """Who sent a request: the client's own `nnd-client` metadata (free text, shortened), else the peer."""
     for key, value in context.invocation_metadata() or ():
-        if key == shared.CLIENT_KEY and isinstance(value, str):
+        if key == contract.CLIENT_KEY and isinstance(value, str):
             return value[:80]
     return context.peer() or "?"
 

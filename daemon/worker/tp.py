@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from nnd.v1 import nnd_pb2, worker_pb2, worker_pb2_grpc
-from nnd_daemon import errors, shared
+from nnd_daemon import errors, tpgroup
 from nnd_daemon.engine import interact, sharding
 from nnd_daemon.worker import listen, loader, tplayout
 from nnd_daemon.worker.service import WorkerService
@@ -75,17 +75,6 @@ def _code(exc: BaseException | None) -> int:
     return 2  # grpc UNKNOWN: anything unforeseen
 
 
-def _error_of(code: int, message: str) -> errors.NndError:
-    """The NndError of gRPC status value `code` (what failed rank 0's wait, as the other ranks raise it)."""
-    pending: list[type[errors.NndError]] = [errors.NndError]
-    while pending:
-        cls = pending.pop()
-        if int(cls.code.value[0]) == code:
-            return cls(message)
-        pending += cls.__subclasses__()
-    return errors.NndError(message)
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -98,7 +87,7 @@ class Group:
         self.rank = int(os.environ["RANK"])
         self.world = int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
-        self.timeout_s = shared.timeout_s()
+        self.timeout_s = tpgroup.timeout_s()
         self.gpu = torch.cuda.is_available()
         timeout = timedelta(seconds=self.timeout_s)
         if self.gpu:
@@ -192,7 +181,7 @@ class Group:
         if kind == TIMEOUT:
             return None
         if kind == FAILED:
-            return _error_of(code, payload.decode(errors="replace"))
+            return errors.relayed(code, payload.decode(errors="replace"))
         raise errors.Unavailable(f"rank {self.rank}: expected a continuation from rank 0, got message kind {kind}")
 
     # -- lockstep
@@ -276,7 +265,7 @@ class Group:
         sock = os.environ.get("NND_TP_SOCKET", "")
         if sock:
             try:  # the first rank to tell wins
-                with open(shared.reason_path(sock), "x") as f:
+                with open(tpgroup.reason_path(sock), "x") as f:
                     f.write(f"rank {self.rank}: {reason}")
             except OSError:
                 pass
@@ -417,9 +406,9 @@ def main(ns: argparse.Namespace, options: list[tuple[str, int]], limits: Any = N
         os.environ.pop(listen.TOKEN_ENV, None)  # only rank 0 serves clients (the route) and checks it
         group.follow(runner)
         return
-    with open(shared.pids_path(ns.socket) + ".tmp", "w") as f:
+    with open(tpgroup.pids_path(ns.socket) + ".tmp", "w") as f:
         f.write(" ".join(map(str, group.pids)))
-    os.replace(shared.pids_path(ns.socket) + ".tmp", shared.pids_path(ns.socket))
+    os.replace(tpgroup.pids_path(ns.socket) + ".tmp", tpgroup.pids_path(ns.socket))
     # Served like a single worker (listen.py): the Worker service to the daemon, and the data path
     # to clients by the model's route, behind the same token, limits, queue depth and epoch.
     service = LeaderService(group, runner)

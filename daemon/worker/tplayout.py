@@ -30,7 +30,7 @@ import torch
 
 from nnd_daemon.engine import sharding
 from nnd_daemon.engine.sharding import Layout, Opaque, Shard, TensorParallel
-from nnd_daemon.shared import meta_safe_experts
+from nnd_daemon.modelclass import meta_safe_experts
 
 log = logging.getLogger("nnd.worker.tp")
 
@@ -140,7 +140,7 @@ def measure_full(model: torch.nn.Module) -> Shapes | None:
         config = copy.deepcopy(model.config)
         if hasattr(config, "distributed_config"):
             config.distributed_config = None
-        meta_safe_experts(config)  # as the helper's META models (shared.py)
+        meta_safe_experts(config)  # as the helper's META models (modelclass.py)
         cls = type(model)
         with torch.device("meta"):
             meta = cls._from_config(config)

@@ -19,22 +19,22 @@ __version__ = "0.1.0"
 
 # name -> (module, attribute): resolved on first access, so `import nnd` stays light.
 _LAZY = {
-    "TransformersModel": ("nnd._model", "TransformersModel"),
-    "NNsight": ("nnd._nnsight", "NNsight"),
-    "LanguageModel": ("nnd._model", "LanguageModel"),
-    "save": ("nnd._save", "save"),
-    "set_tensor_type": ("nnd._torchmod", "set_tensor_type"),
-    "connect": ("nnd.connection", "connect"),
-    "Proxy": ("nnd._proxy", "Proxy"),
-    "Envoy": ("nnd._envoy", "Envoy"),
-    "MetaTensor": ("nnd._meta", "MetaTensor"),
-    "Size": ("nnd._meta", "Size"),
-    "StepToken": ("nnd._results", "StepToken"),
-    "CacheView": ("nnd._cache", "CacheView"),
-    "Session": ("nnd._session", "Session"),
-    "RemoteTokenizer": ("nnd._tokenizer", "RemoteTokenizer"),
-    "OutsideTrace": ("nnd._usage", "OutsideTrace"),
-    "ValueNotKnown": ("nnd._usage", "ValueNotKnown"),
+    "TransformersModel": ("nnd.models._model", "TransformersModel"),
+    "NNsight": ("nnd.models._nnsight", "NNsight"),
+    "LanguageModel": ("nnd.models._model", "LanguageModel"),
+    "save": ("nnd.tracing._save", "save"),
+    "set_tensor_type": ("nnd.wire._torchmod", "set_tensor_type"),
+    "connect": ("nnd.wire.connection", "connect"),
+    "Proxy": ("nnd.tracing._proxy", "Proxy"),
+    "Envoy": ("nnd.models._envoy", "Envoy"),
+    "MetaTensor": ("nnd.wire._meta", "MetaTensor"),
+    "Size": ("nnd.wire._meta", "Size"),
+    "StepToken": ("nnd.wire._results", "StepToken"),
+    "CacheView": ("nnd.tracing._cache", "CacheView"),
+    "Session": ("nnd.tracing._session", "Session"),
+    "RemoteTokenizer": ("nnd.models._tokenizer", "RemoteTokenizer"),
+    "OutsideTrace": ("nnd.tracing._usage", "OutsideTrace"),
+    "ValueNotKnown": ("nnd.tracing._usage", "ValueNotKnown"),
     "NndError": ("nnd.errors", "NndError"),
     "DaemonUnavailable": ("nnd.errors", "DaemonUnavailable"),
     "ModelNotFound": ("nnd.errors", "ModelNotFound"),
@@ -52,22 +52,6 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:  # static types for the lazy names (redundant aliases re-export them)
-    from nnd._cache import CacheView as CacheView
-    from nnd._envoy import Envoy as Envoy
-    from nnd._meta import MetaTensor as MetaTensor
-    from nnd._meta import Size as Size
-    from nnd._model import LanguageModel as LanguageModel
-    from nnd._model import TransformersModel as TransformersModel
-    from nnd._nnsight import NNsight as NNsight
-    from nnd._proxy import Proxy as Proxy
-    from nnd._results import StepToken as StepToken
-    from nnd._save import save as save
-    from nnd._session import Session as Session
-    from nnd._tokenizer import RemoteTokenizer as RemoteTokenizer
-    from nnd._torchmod import set_tensor_type as set_tensor_type
-    from nnd._usage import OutsideTrace as OutsideTrace
-    from nnd._usage import ValueNotKnown as ValueNotKnown
-    from nnd.connection import connect as connect
     from nnd.errors import Cancelled as Cancelled
     from nnd.errors import DaemonUnavailable as DaemonUnavailable
     from nnd.errors import DeadlineExceeded as DeadlineExceeded
@@ -80,6 +64,22 @@ if TYPE_CHECKING:  # static types for the lazy names (redundant aliases re-expor
     from nnd.errors import Unauthenticated as Unauthenticated
     from nnd.errors import Unsupported as Unsupported
     from nnd.errors import WrongState as WrongState
+    from nnd.models._envoy import Envoy as Envoy
+    from nnd.models._model import LanguageModel as LanguageModel
+    from nnd.models._model import TransformersModel as TransformersModel
+    from nnd.models._nnsight import NNsight as NNsight
+    from nnd.models._tokenizer import RemoteTokenizer as RemoteTokenizer
+    from nnd.tracing._cache import CacheView as CacheView
+    from nnd.tracing._proxy import Proxy as Proxy
+    from nnd.tracing._save import save as save
+    from nnd.tracing._session import Session as Session
+    from nnd.tracing._usage import OutsideTrace as OutsideTrace
+    from nnd.tracing._usage import ValueNotKnown as ValueNotKnown
+    from nnd.wire._meta import MetaTensor as MetaTensor
+    from nnd.wire._meta import Size as Size
+    from nnd.wire._results import StepToken as StepToken
+    from nnd.wire._torchmod import set_tensor_type as set_tensor_type
+    from nnd.wire.connection import connect as connect
 
 
 def __getattr__(name: str) -> Any:

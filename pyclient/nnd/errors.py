@@ -12,7 +12,7 @@ import builtins
 
 import grpc
 
-EXC_TYPE_KEY = "nnd-exception-type"
+from nnd.v1 import contract
 
 
 class NndError(Exception):
@@ -101,11 +101,7 @@ def from_rpc_error(err: grpc.RpcError) -> NndError:
     code = err.code() if hasattr(err, "code") else None
     details = (err.details() if hasattr(err, "details") else None) or str(err)
     base = _BY_CODE.get(code, NndError) if code is not None else NndError
-    exc_type = ""
-    trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
-    for key, value in trailing or ():
-        if key == EXC_TYPE_KEY:
-            exc_type = value
+    exc_type = contract.exc_type_of(err)
     if exc_type == "OutOfOrderError" and base is InvalidRequest:
         cls: type[NndError] = OutOfOrderError
     elif exc_type in _ALLOWED_BUILTINS and not issubclass(base, getattr(builtins, exc_type)):

@@ -10,9 +10,10 @@ import torch
 from fakedaemon import FakeNnd
 
 import nnd
-from nnd import _backends, _context, _results
-from nnd._tracer import GenerateTracer, Tracer
+from nnd.tracing import _backends, _context
+from nnd.tracing._tracer import GenerateTracer, Tracer
 from nnd.v1 import nnd_pb2
+from nnd.wire import _results
 
 
 def methods(fake: tuple[FakeNnd, str]) -> list[str]:

@@ -51,7 +51,7 @@ def test_a_barrier_short_of_participants_fails(model):
 
 
 def test_a_failed_barrier_leaves_no_block_open(model):
-    from nnd import _context
+    from nnd.tracing import _context
 
     with pytest.raises(ValueError):
         with model.trace() as tracer:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from nnd import _codec, _meta, _results
 from nnd.v1 import nnd_pb2, values_pb2
+from nnd.wire import _codec, _meta, _results
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.uint8])

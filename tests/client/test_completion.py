@@ -1,4 +1,4 @@
-"""Tab completion of the module tree (nnd._completion): which expressions it walks, and that it
+"""Tab completion of the module tree (nnd.models._completion): which expressions it walks, and that it
 walks them only through envoys (tests/test_notebooks.py asks a real kernel)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from fakedaemon import gpt2_modules
 
-from nnd import _completion, _envoy
+from nnd.models import _completion, _envoy
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from nnd import _config
+from nnd.models import _config
 
 TEXT = json.dumps(
     {"config": {"model_type": "gpt2", "n_head": 4, "n_layer": 2, "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True},

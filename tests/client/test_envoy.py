@@ -9,7 +9,7 @@ import torch
 from fakedaemon import FakeNnd, module_infos
 
 import nnd
-from nnd import _envoy, _placement
+from nnd.models import _envoy, _placement
 from nnd.v1 import nnd_pb2
 
 
@@ -94,8 +94,8 @@ def test_dispatch_release_dispatched(model, fake):
 
 
 def test_remote_tokenizer(fake):
-    from nnd._tokenizer import RemoteTokenizer
-    from nnd.connection import connect
+    from nnd.models._tokenizer import RemoteTokenizer
+    from nnd.wire.connection import connect
 
     tok = RemoteTokenizer(connect(fake[1]), "tiny")
     assert tok.encode("AB") == [ord("A") % 64, ord("B") % 64]

@@ -26,7 +26,7 @@ def test_models_and_values_without_torch():
         "import sys\n"
         "sys.modules['torch'] = None\n"  # an import of torch now fails
         "import nnd\n"
-        "from nnd import _codec, _meta\n"
+        "from nnd.wire import _codec, _meta\n"
         "from nnd.v1 import values_pb2\n"
         "import numpy as np\n"
         "a = _codec.Decoder().value(_codec.encode(np.arange(3, dtype=np.int64)))\n"

@@ -69,7 +69,7 @@ BIG = 50_000  # under the walk's old cap of 100,000 items: the old client walked
 def test_block_looks_only_at_what_its_body_binds_and_fills(model, tmp_path):
     """A notebook cell holding big data: after the block the client rebinds `out`, fills the new item of
     `hs` (a list that existed before the block), and walks nothing else the cell's globals hold."""
-    from nnd import _rebind
+    from nnd.tracing import _rebind
 
     code = (
         "big = [0.5] * BIG\n"
@@ -94,7 +94,7 @@ def test_block_looks_only_at_what_its_body_binds_and_fills(model, tmp_path):
 
 
 def test_function_block_does_not_walk_its_frames_data(model):
-    from nnd import _rebind
+    from nnd.tracing import _rebind
 
     big = [0.5] * BIG
     table = {i: float(i) for i in range(BIG)}

@@ -27,7 +27,7 @@ def ops(graph: graph_pb2.Graph) -> list[str]:
 
 
 def value_of(arg: graph_pb2.Arg):
-    from nnd import _codec
+    from nnd.wire import _codec
 
     return _codec.Decoder().value(arg.value)
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from nnd import _objects
+from nnd.tracing import _objects
 
 
 @pytest.fixture
@@ -104,7 +104,7 @@ def test_torch_imported_after_a_block_and_its_compiler_load():
     """The mount leaves nothing in the way of torch (imported after a block) nor of the code
     torch's compiler generates from the methods a class lists (torch.export loads it)."""
     script = (
-        "from nnd import _objects\n"
+        "from nnd.tracing import _objects\n"
         "_objects.mount(); _objects.unmount()\n"
         "assert not hasattr([], 'save')  # taken off again\n"
         "import torch\n"

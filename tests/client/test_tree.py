@@ -6,7 +6,7 @@ import pytest
 import torch
 from fakedaemon import module_infos
 
-from nnd import tree
+from nnd.cli import tree
 
 
 @pytest.mark.parametrize(

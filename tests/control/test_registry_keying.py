@@ -85,7 +85,9 @@ def test_two_loads_of_one_model_at_once_share_it(tmp_path):
 
         class Watched(type(pending)):  # type: ignore[misc]
             def wait(self, timeout=None):  # type: ignore[no-untyped-def]
-                waiting.set()
+                with helper.changed:  # wakes the test's wait_for below (a set Event alone would not)
+                    waiting.set()
+                    helper.changed.notify_all()
                 return super().wait(timeout)
 
         watched = Watched()

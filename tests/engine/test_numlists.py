@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from nnd import _codec
 from nnd.v1 import values_pb2
+from nnd.wire import _codec
 from nnd_daemon.engine import numlists, wire
 
 

@@ -10,8 +10,8 @@ import torch
 import wire_results
 from graphs import Graph
 
-from nnd import _results
 from nnd.v1 import graph_pb2, nnd_pb2
+from nnd.wire import _results
 from nnd_daemon.engine import nodeids, prepared, wire
 
 # Batching changes the matmul's batch size; float32 kernels may block the work differently.

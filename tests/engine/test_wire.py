@@ -57,8 +57,8 @@ def test_unknown_dtype():
 
 
 def test_a_chunk_is_written_as_protobuf_writes_it_and_the_client_reads_it_back():
-    from nnd import _chunks
     from nnd.v1 import nnd_pb2
+    from nnd.wire import _chunks
 
     data = bytes(range(256)) * 300
     for blob in (1, 300, 2**32 - 1):
@@ -72,8 +72,8 @@ def test_a_chunk_is_written_as_protobuf_writes_it_and_the_client_reads_it_back()
 
 
 def test_the_client_reads_any_other_layout_with_protobuf():
-    from nnd import _chunks
     from nnd.v1 import nnd_pb2
+    from nnd.wire import _chunks
 
     data = b"\x01\x02\x03" * 1000
     # Fields in another order (valid protobuf a server in another language may write), and an unknown field.
@@ -101,7 +101,7 @@ def test_the_client_reads_any_other_layout_with_protobuf():
     ],
 )
 def test_a_strided_result_is_sent_as_its_contiguous_bytes(make):
-    from nnd import _chunks
+    from nnd.wire import _chunks
 
     t = make()
     assert not t.is_contiguous()

@@ -2,7 +2,7 @@
 
 Work whose cost a client shapes (meta builds, scans, tokenizing, edit checks)
 runs in the daemon's helper process, under an address-space limit and a
-per-call CPU-time bound (control/helper.py). Each attempt below, which once
+per-call CPU-time bound (control/helper_supervisor.py). Each attempt below, which once
 froze the daemon or had it OOM-killed with every worker, ends in a clear
 status while the daemon's health check keeps answering within 1 s and another
 model's logits stay bit-identical.

@@ -21,7 +21,7 @@ import grpc
 import pytest
 from daemonproc import Daemon, run_serve, start_daemon
 
-from nnd import _upload
+from nnd.models import _upload
 from nnd.v1 import nnd_pb2, nnd_pb2_grpc
 
 
@@ -392,7 +392,7 @@ def _told_permission_denied(daemon: Daemon) -> None:
     # Imports first (the interpreter's files may be private to root), then become uid 54321, in no group.
     script = (
         "import os, sys\n"
-        "from nnd.connection import Connection\n"
+        "from nnd.wire.connection import Connection\n"
         "from nnd.errors import DaemonUnavailable\n"
         "from nnd.v1 import nnd_pb2\n"
         "conn = Connection(sys.argv[1])  # connects lazily, at the first call\n"
@@ -434,7 +434,7 @@ def test_serve_refuses_the_clients_token_option(tmp_path):
 
 
 def test_a_host_name_starting_with_127_is_not_loopback(tmp_path):
-    from nnd import _address
+    from nnd.wire import _address
 
     err = _serve_exit(tmp_path, "--listen", f"127.0.0.1.nip.io:{_port()}", "--insecure")
     assert "only allowed on a loopback address" in err

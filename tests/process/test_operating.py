@@ -23,8 +23,8 @@ import pytest
 from daemonproc import Daemon, start_daemon
 from prometheus_client.parser import text_string_to_metric_families
 
-from nnd.connection import Connection
 from nnd.v1 import graph_pb2, nnd_pb2, nnd_pb2_grpc
+from nnd.wire.connection import Connection
 
 ME = getpass.getuser()  # the user the daemon sees for this test's clients (SO_PEERCRED)
 

@@ -64,7 +64,7 @@ def shared_box() -> Iterator[tuple[Daemon, str, pathlib.Path]]:
 GENERATE = textwrap.dedent(
     """
     import sys
-    from nnd.connection import Connection
+    from nnd.wire.connection import Connection
     from nnd.v1 import nnd_pb2
     address, path = sys.argv[1:3]
     conn = Connection(address)

@@ -23,8 +23,8 @@ import pytest
 from daemonproc import Daemon, start_daemon
 
 from nnd import errors
-from nnd.connection import Connection
 from nnd.v1 import graph_pb2, nnd_pb2, nnd_pb2_grpc
+from nnd.wire.connection import Connection
 
 TOKEN = "s3cret-token-for-tests"
 

@@ -81,7 +81,7 @@ CLIENT_SCRIPT = textwrap.dedent(
     import os, sys
     import torch
     import nnd
-    from nnd import _shm
+    from nnd.wire import _shm
     address, path = sys.argv[1:3]
     model = nnd.TransformersModel(path, address=address, device="cpu", dispatch=True)
 

@@ -27,7 +27,7 @@ from nnd.v1 import nnd_pb2 as nnd_dot_v1_dot_nnd__pb2
 from nnd.v1 import worker_pb2 as nnd_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13nnd/v1/helper.proto\x12\x06nnd.v1\x1a\x12nnd/v1/graph.proto\x1a\x10nnd/v1/nnd.proto\x1a\x13nnd/v1/worker.proto\"\x9d\x01\n\x0bHelperModel\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\x12\x0c\n\x04task\x18\x04 \x01(\t\x12\x19\n\x11trust_remote_code\x18\x05 \x01(\x08\x12\x10\n\x08\x65xported\x18\x06 \x01(\x08\x12$\n\x07options\x18\x07 \x01(\x0b\x32\x13.nnd.v1.LoadOptions\"\xb1\x03\n\x0fMetaDescription\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x35\n\x07summary\x18\x03 \x03(\x0b\x32$.nnd.v1.MetaDescription.SummaryEntry\x12\x16\n\x0enum_parameters\x18\x04 \x01(\x03\x12#\n\x07modules\x18\x05 \x03(\x0b\x32\x12.nnd.v1.ModuleInfo\x12\x44\n\x0f\x65stimated_bytes\x18\x06 \x03(\x0b\x32+.nnd.v1.MetaDescription.EstimatedBytesEntry\x12\x15\n\rdefault_dtype\x18\x07 \x01(\t\x12\x15\n\rhas_tokenizer\x18\x08 \x01(\x08\x12\x16\n\x0etp_config_json\x18\t \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\n \x01(\t\x1a.\n\x0cSummaryEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x35\n\x13\x45stimatedBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x91\x02\n\x11HelperScanRequest\x12\"\n\x05model\x18\x01 \x01(\x0b\x32\x13.nnd.v1.HelperModel\x12\x13\n\x0blimits_json\x18\x03 \x01(\t\x12\x0f\n\x07request\x18\x04 \x01(\x0c\x12\x0f\n\x07session\x18\x05 \x01(\x08\x12\x33\n\x05\x65\x64its\x18\x06 \x03(\x0b\x32$.nnd.v1.HelperScanRequest.EditsEntry\x12%\n\x07\x61liases\x18\x07 \x03(\x0b\x32\x14.nnd.v1.AliasBinding\x1a?\n\nEditsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12 \n\x05value\x18\x02 \x01(\x0b\x32\x11.nnd.v1.EditStack:\x02\x38\x01J\x04\x08\x02\x10\x03\">\n\x12HelperScanResponse\x12(\n\tresponses\x18\x01 \x03(\x0b\x32\x15.nnd.v1.TraceResponse\"U\n\x11HelperEditRequest\x12\"\n\x05model\x18\x01 \x01(\x0b\x32\x13.nnd.v1.HelperModel\x12\x1c\n\x05graph\x18\x02 \x01(\x0b\x32\r.nnd.v1.Graph\"e\n\x15HelperTokenizeRequest\x12\"\n\x05model\x18\x01 \x01(\x0b\x32\x13.nnd.v1.HelperModel\x12(\n\x07request\x18\x02 \x01(\x0b\x32\x17.nnd.v1.TokenizeRequest\"a\n\x13HelperDecodeRequest\x12\"\n\x05model\x18\x01 \x01(\x0b\x32\x13.nnd.v1.HelperModel\x12&\n\x07request\x18\x02 \x01(\x0b\x32\x15.nnd.v1.DecodeRequest\"G\n\x13HelperSourceRequest\x12\"\n\x05model\x18\x01 \x01(\x0b\x32\x13.nnd.v1.HelperModel\x12\x0c\n\x04path\x18\x02 \x01(\t\"3\n\x13HelperUploadRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06\x66older\x18\x02 \x01(\t\"\r\n\x0bHelperEmpty\"\xa5\x01\n\x12HelperCapabilities\x12\x0b\n\x03ops\x18\x01 \x03(\t\x12\x12\n\nattributes\x18\x02 \x03(\t\x12<\n\tlibraries\x18\x03 \x03(\x0b\x32).nnd.v1.HelperCapabilities.LibrariesEntry\x1a\x30\n\x0eLibrariesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"1\n\x0cHelperStatus\x12\x11\n\trss_bytes\x18\x01 \x01(\x03\x12\x0e\n\x06models\x18\x02 \x03(\t2\xf9\x04\n\x06Helper\x12\x38\n\x08\x44\x65scribe\x12\x13.nnd.v1.HelperModel\x1a\x17.nnd.v1.MetaDescription\x12=\n\x04Scan\x12\x19.nnd.v1.HelperScanRequest\x1a\x1a.nnd.v1.HelperScanResponse\x12;\n\tCheckEdit\x12\x19.nnd.v1.HelperEditRequest\x1a\x13.nnd.v1.HelperEmpty\x12\x43\n\x08Tokenize\x12\x1d.nnd.v1.HelperTokenizeRequest\x1a\x18.nnd.v1.TokenizeResponse\x12=\n\x06\x44\x65\x63ode\x12\x1b.nnd.v1.HelperDecodeRequest\x1a\x16.nnd.v1.DecodeResponse\x12@\n\x11GetTokenizerFiles\x12\x13.nnd.v1.HelperModel\x1a\x16.nnd.v1.TokenizerFiles\x12<\n\tGetSource\x12\x1b.nnd.v1.HelperSourceRequest\x1a\x12.nnd.v1.SourceInfo\x12?\n\x0b\x43heckUpload\x12\x1b.nnd.v1.HelperUploadRequest\x1a\x13.nnd.v1.HelperEmpty\x12\x33\n\x06Status\x12\x13.nnd.v1.HelperEmpty\x1a\x14.nnd.v1.HelperStatus\x12?\n\x0c\x43\x61pabilities\x12\x13.nnd.v1.HelperEmpty\x1a\x1a.nnd.v1.HelperCapabilitiesb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13nnd/v1/helper.proto\x12\x06nnd.v1\x1a\x12nnd/v1/graph.proto\x1a\x10nnd/v1/nnd.proto\x1a\x13nnd/v1/worker.proto\"\x9d\x01\n\x0bHelperModel\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\x12\x0c\n\x04task\x18\x04 \x01(\t\x12\x19\n\x11trust_remote_code\x18\x05 \x01(\x08\x12\x10\n\x08\x65xported\x18\x06 \x01(\x08\x12$\n\x07options\x18\x07 \x01(\x0b\x32\x13.nnd.v1.LoadOptions\"\xb1\x03\n\x0fMetaDescription\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x35\n\x07summary\x18\x03 \x03(\x0b\x32$.nnd.v1.MetaDescription.SummaryEntry\x12\x16\n\x0enum_parameters\x18\x04 \x01(\x03\x12#\n\x07modules\x18\x05 \x03(\x0b\x32\x12.nnd.v1.ModuleInfo\x12\x44\n\x0f\x65stimated_bytes\x18\x06 \x03(\x0b\x32+.nnd.v1.MetaDescription.EstimatedBytesEntry\x12\x15\n\rdefault_dtype\x18\x07 \x01(\t\x12\x15\n\rhas_tokenizer\x18\x08 \x01(\x08\x12\x16\n\x0etp_config_json\x18\t \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\n \x01(\t\x1a.\n\x0cSummaryEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x35\n\x13\x45stimatedBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xaf\x02\n\x11HelperScanRequest\x12\"\n\x05model\x18\x01 \x01(\x0b\x32\x13.nnd.v1.HelperModel\x12\x1e\n\x06limits\x18\x08 \x01(\x0b\x32\x0e.nnd.v1.Limits\x12\x0f\n\x07request\x18\x04 \x01(\x0c\x12\x0f\n\x07session\x18\x05 \x01(\x08\x12\x33\n\x05\x65\x64its\x18\x06 \x03(\x0b\x32$.nnd.v1.HelperScanRequest.EditsEntry\x12%\n\x07\x61liases\x18\x07 \x03(\x0b\x32\x14.nnd.v1.AliasBinding\x1a?\n\nEditsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12 \n\x05value\x18\x02 \x01(\x0b\x32\x11.nnd.v1.EditStack:\x02\x38\x01J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04R\x0blimits_json\">\n\x12HelperScanResponse\x12(\n\tresponses\x18\x01 \x03(\x0b\x32\x15.nnd.v1.TraceResponse\"U\n\x11HelperEditRequest\x12\"\n\x05model\x18\x01 \x01(\x0b\x32\x13.nnd.v1.HelperModel\x12\x1c\n\x05graph\x18\x02 \x01(\x0b\x32\r.nnd.v1.Graph\"e\n\x15HelperTokenizeRequest\x12\"\n\x05model\x18\x01 \x01(\x0b\x32\x13.nnd.v1.HelperModel\x12(\n\x07request\x18\x02 \x01(\x0b\x32\x17.nnd.v1.TokenizeRequest\"a\n\x13HelperDecodeRequest\x12\"\n\x05model\x18\x01 \x01(\x0b\x32\x13.nnd.v1.HelperModel\x12&\n\x07request\x18\x02 \x01(\x0b\x32\x15.nnd.v1.DecodeRequest\"G\n\x13HelperSourceRequest\x12\"\n\x05model\x18\x01 \x01(\x0b\x32\x13.nnd.v1.HelperModel\x12\x0c\n\x04path\x18\x02 \x01(\t\"3\n\x13HelperUploadRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06\x66older\x18\x02 \x01(\t\"\r\n\x0bHelperEmpty\"\xa5\x01\n\x12HelperCapabilities\x12\x0b\n\x03ops\x18\x01 \x03(\t\x12\x12\n\nattributes\x18\x02 \x03(\t\x12<\n\tlibraries\x18\x03 \x03(\x0b\x32).nnd.v1.HelperCapabilities.LibrariesEntry\x1a\x30\n\x0eLibrariesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"1\n\x0cHelperStatus\x12\x11\n\trss_bytes\x18\x01 \x01(\x03\x12\x0e\n\x06models\x18\x02 \x03(\t2\xf9\x04\n\x06Helper\x12\x38\n\x08\x44\x65scribe\x12\x13.nnd.v1.HelperModel\x1a\x17.nnd.v1.MetaDescription\x12=\n\x04Scan\x12\x19.nnd.v1.HelperScanRequest\x1a\x1a.nnd.v1.HelperScanResponse\x12;\n\tCheckEdit\x12\x19.nnd.v1.HelperEditRequest\x1a\x13.nnd.v1.HelperEmpty\x12\x43\n\x08Tokenize\x12\x1d.nnd.v1.HelperTokenizeRequest\x1a\x18.nnd.v1.TokenizeResponse\x12=\n\x06\x44\x65\x63ode\x12\x1b.nnd.v1.HelperDecodeRequest\x1a\x16.nnd.v1.DecodeResponse\x12@\n\x11GetTokenizerFiles\x12\x13.nnd.v1.HelperModel\x1a\x16.nnd.v1.TokenizerFiles\x12<\n\tGetSource\x12\x1b.nnd.v1.HelperSourceRequest\x1a\x12.nnd.v1.SourceInfo\x12?\n\x0b\x43heckUpload\x12\x1b.nnd.v1.HelperUploadRequest\x1a\x13.nnd.v1.HelperEmpty\x12\x33\n\x06Status\x12\x13.nnd.v1.HelperEmpty\x1a\x14.nnd.v1.HelperStatus\x12?\n\x0c\x43\x61pabilities\x12\x13.nnd.v1.HelperEmpty\x1a\x1a.nnd.v1.HelperCapabilitiesb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,29 +51,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_METADESCRIPTION_ESTIMATEDBYTESENTRY']._serialized_start=631
   _globals['_METADESCRIPTION_ESTIMATEDBYTESENTRY']._serialized_end=684
   _globals['_HELPERSCANREQUEST']._serialized_start=687
-  _globals['_HELPERSCANREQUEST']._serialized_end=960
-  _globals['_HELPERSCANREQUEST_EDITSENTRY']._serialized_start=891
-  _globals['_HELPERSCANREQUEST_EDITSENTRY']._serialized_end=954
-  _globals['_HELPERSCANRESPONSE']._serialized_start=962
-  _globals['_HELPERSCANRESPONSE']._serialized_end=1024
-  _globals['_HELPEREDITREQUEST']._serialized_start=1026
-  _globals['_HELPEREDITREQUEST']._serialized_end=1111
-  _globals['_HELPERTOKENIZEREQUEST']._serialized_start=1113
-  _globals['_HELPERTOKENIZEREQUEST']._serialized_end=1214
-  _globals['_HELPERDECODEREQUEST']._serialized_start=1216
-  _globals['_HELPERDECODEREQUEST']._serialized_end=1313
-  _globals['_HELPERSOURCEREQUEST']._serialized_start=1315
-  _globals['_HELPERSOURCEREQUEST']._serialized_end=1386
-  _globals['_HELPERUPLOADREQUEST']._serialized_start=1388
-  _globals['_HELPERUPLOADREQUEST']._serialized_end=1439
-  _globals['_HELPEREMPTY']._serialized_start=1441
-  _globals['_HELPEREMPTY']._serialized_end=1454
-  _globals['_HELPERCAPABILITIES']._serialized_start=1457
-  _globals['_HELPERCAPABILITIES']._serialized_end=1622
-  _globals['_HELPERCAPABILITIES_LIBRARIESENTRY']._serialized_start=1574
-  _globals['_HELPERCAPABILITIES_LIBRARIESENTRY']._serialized_end=1622
-  _globals['_HELPERSTATUS']._serialized_start=1624
-  _globals['_HELPERSTATUS']._serialized_end=1673
-  _globals['_HELPER']._serialized_start=1676
-  _globals['_HELPER']._serialized_end=2309
+  _globals['_HELPERSCANREQUEST']._serialized_end=990
+  _globals['_HELPERSCANREQUEST_EDITSENTRY']._serialized_start=902
+  _globals['_HELPERSCANREQUEST_EDITSENTRY']._serialized_end=965
+  _globals['_HELPERSCANRESPONSE']._serialized_start=992
+  _globals['_HELPERSCANRESPONSE']._serialized_end=1054
+  _globals['_HELPEREDITREQUEST']._serialized_start=1056
+  _globals['_HELPEREDITREQUEST']._serialized_end=1141
+  _globals['_HELPERTOKENIZEREQUEST']._serialized_start=1143
+  _globals['_HELPERTOKENIZEREQUEST']._serialized_end=1244
+  _globals['_HELPERDECODEREQUEST']._serialized_start=1246
+  _globals['_HELPERDECODEREQUEST']._serialized_end=1343
+  _globals['_HELPERSOURCEREQUEST']._serialized_start=1345
+  _globals['_HELPERSOURCEREQUEST']._serialized_end=1416
+  _globals['_HELPERUPLOADREQUEST']._serialized_start=1418
+  _globals['_HELPERUPLOADREQUEST']._serialized_end=1469
+  _globals['_HELPEREMPTY']._serialized_start=1471
+  _globals['_HELPEREMPTY']._serialized_end=1484
+  _globals['_HELPERCAPABILITIES']._serialized_start=1487
+  _globals['_HELPERCAPABILITIES']._serialized_end=1652
+  _globals['_HELPERCAPABILITIES_LIBRARIESENTRY']._serialized_start=1604
+  _globals['_HELPERCAPABILITIES_LIBRARIESENTRY']._serialized_end=1652
+  _globals['_HELPERSTATUS']._serialized_start=1654
+  _globals['_HELPERSTATUS']._serialized_end=1703
+  _globals['_HELPER']._serialized_start=1706
+  _globals['_HELPER']._serialized_end=2339
 # @@protoc_insertion_point(module_scope)

@@ -66,7 +66,7 @@ class MetaDescription(_message.Message):
     def __init__(self, architecture: _Optional[str] = ..., task: _Optional[str] = ..., summary: _Optional[_Mapping[str, str]] = ..., num_parameters: _Optional[int] = ..., modules: _Optional[_Iterable[_Union[_nnd_pb2.ModuleInfo, _Mapping]]] = ..., estimated_bytes: _Optional[_Mapping[str, int]] = ..., default_dtype: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., tp_config_json: _Optional[str] = ..., config_json: _Optional[str] = ...) -> None: ...
 
 class HelperScanRequest(_message.Message):
-    __slots__ = ("model", "limits_json", "request", "session", "edits", "aliases")
+    __slots__ = ("model", "limits", "request", "session", "edits", "aliases")
     class EditsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -75,18 +75,18 @@ class HelperScanRequest(_message.Message):
         value: _worker_pb2.EditStack
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_worker_pb2.EditStack, _Mapping]] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
-    LIMITS_JSON_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     EDITS_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
     model: HelperModel
-    limits_json: str
+    limits: _nnd_pb2.Limits
     request: bytes
     session: bool
     edits: _containers.MessageMap[str, _worker_pb2.EditStack]
     aliases: _containers.RepeatedCompositeFieldContainer[_worker_pb2.AliasBinding]
-    def __init__(self, model: _Optional[_Union[HelperModel, _Mapping]] = ..., limits_json: _Optional[str] = ..., request: _Optional[bytes] = ..., session: _Optional[bool] = ..., edits: _Optional[_Mapping[str, _worker_pb2.EditStack]] = ..., aliases: _Optional[_Iterable[_Union[_worker_pb2.AliasBinding, _Mapping]]] = ...) -> None: ...
+    def __init__(self, model: _Optional[_Union[HelperModel, _Mapping]] = ..., limits: _Optional[_Union[_nnd_pb2.Limits, _Mapping]] = ..., request: _Optional[bytes] = ..., session: _Optional[bool] = ..., edits: _Optional[_Mapping[str, _worker_pb2.EditStack]] = ..., aliases: _Optional[_Iterable[_Union[_worker_pb2.AliasBinding, _Mapping]]] = ...) -> None: ...
 
 class HelperScanResponse(_message.Message):
     __slots__ = ("responses",)

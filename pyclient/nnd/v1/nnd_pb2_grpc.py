@@ -179,8 +179,8 @@ class NndServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetRoute(self, request, context):
-        """Where to send a model's Trace, Generate and Session directly: its
-        worker's unix socket and epoch (see Route). Cheap: no module tree. An
+        """Where to send a model's Trace, Generate, Session and Interact directly:
+        its worker's unix socket and epoch (see Route). Cheap: no module tree. An
         empty address means no worker is running; send the request to the daemon,
         which dispatches the model first. Following routes is optional.
         """
@@ -297,6 +297,9 @@ class NndServicer:
         paused request holds its model and runs alone; if no message comes within
         the pause timeout, or the client goes away, it is cancelled and the model
         freed at once. The stream then ends as a Trace's does (saved values, Done).
+        Half-close the client's side after the message that finishes the run
+        (`finish`, or an empty `want`); half-closing while the run is paused
+        cancels it, as the client going away does. Routed like Trace (Route).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

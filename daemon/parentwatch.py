@@ -1,0 +1,21 @@
+"""How a child process of the daemon (a worker, the helper) dies with it."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+
+def die_with_parent(parent: int) -> None:
+    """End this process (a worker, the helper) once `parent`, the daemon, has gone: neither may
+    outlive the daemon that supervises it. Polling rather than PR_SET_PDEATHSIG: that signal
+    fires when the *thread* that started us ends, and the daemon starts them from short-lived threads."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    if parent:
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -1,0 +1,252 @@
+"""Recording graph.proto nodes: ids, scopes, arguments and structural keys.
+
+Every node also gets a *structural key*: a hashable summary of what it
+computes, with references replaced by the referenced node's key. Two reads of
+`h[0].output.shape` made with no write in between have the same key, so the
+concrete-shape cache answers the second without an RPC.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+from nnd.tracing import _source
+from nnd.v1 import graph_pb2, values_pb2
+from nnd.wire import _codec, _torchmod
+
+# Ops that change a value in place: a write, for the shape cache.
+_INPLACE = frozenset(
+    {"setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul", "iand", "ior", "ixor"}
+)
+
+
+def is_write_op(name: str) -> bool:
+    return name in _INPLACE or (name.endswith("_") and not name.endswith("__") and name not in ("and_", "or_"))
+
+
+class GraphBuilder:
+    """An SSA list of nodes plus loop scopes, appended to while recording.
+
+    In a session the traces' builders share `keys` and draw ids from one
+    counter (a one-item list), so ids are unique across the session and a
+    node may refer to a node of an earlier trace."""
+
+    def __init__(self, *, counter: list[int] | None = None, keys: dict[int, Hashable] | None = None) -> None:
+        self.graph = graph_pb2.Graph()
+        self.keys: dict[int, Hashable] = keys if keys is not None else {}
+        # Structural keys of every write so far (writes can change later shapes).
+        self.writes: list[Hashable] = []
+        self._scopes: list[int] = [0]
+        self._counter = counter if counter is not None else [1]  # ids start at 1: 0 reads as "unset"
+        # Client tensors that require grad, used by the graph: id(tensor) -> (tensor, Param node id).
+        self.params: dict[int, tuple[Any, int]] = {}
+
+    # -- scopes
+    @property
+    def scope(self) -> int:
+        return self._scopes[-1]
+
+    def push_scope(self, steps: graph_pb2.StepSelector) -> int:
+        self.graph.scopes.add().steps.CopyFrom(steps)
+        index = len(self.graph.scopes)  # scope k is Graph.scopes[k - 1]
+        self._scopes.append(index)
+        return index
+
+    def pop_scope(self) -> None:
+        if len(self._scopes) > 1:
+            self._scopes.pop()
+
+    # -- nodes
+    def _node(self, key: Hashable) -> graph_pb2.Node:
+        node = self.graph.nodes.add()
+        node.id = self._counter[0]
+        self._counter[0] += 1
+        node.scope = self.scope
+        node.loc.CopyFrom(_source.location())
+        self.keys[node.id] = (key, node.scope)
+        return node
+
+    def discard(self, node_id: int) -> list[int]:
+        """Take `node_id` and every node that uses it, directly or not, out of the graph (a failed
+        shape query's value can never exist, so nothing recorded on top of it can run). Returns their ids."""
+        gone = {node_id}
+        keep = []
+        for node in self.graph.nodes:  # SSA order: a node's inputs come before it
+            if node.id in gone or gone.intersection(_refs(node)):
+                gone.add(node.id)
+            else:
+                keep.append(node)
+        if len(keep) == len(self.graph.nodes):
+            return []
+        kept = [graph_pb2.Node() for _ in keep]
+        for new, old in zip(kept, keep, strict=True):
+            new.CopyFrom(old)
+        del self.graph.nodes[:]
+        self.graph.nodes.extend(kept)
+        for i in gone:
+            self.keys.pop(i, None)
+        return sorted(gone)
+
+    def module(self, path: str, point: int, invoke: int | None, call: int = 0, op: str = "") -> int:
+        node = self._node(("module", path, point, invoke, call, op))
+        _fill_module(node.module, path, point, invoke, call, op)
+        return node.id
+
+    def op(self, name: str, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> int:
+        arg_msgs, arg_keys = zip(*(self.arg(a) for a in args), strict=True) if args else ((), ())
+        kw = {k: self.arg(v) for k, v in (kwargs or {}).items()}
+        key = ("op", name, arg_keys, tuple(sorted((k, v[1]) for k, v in kw.items())))
+        node = self._node(key)
+        node.op.name = name
+        node.op.args.extend(arg_msgs)
+        for k, (msg, _) in kw.items():
+            node.op.kwargs[k].CopyFrom(msg)
+        if is_write_op(name):
+            self.writes.append(key)
+        return node.id
+
+    def param(self, tensor: Any) -> int:
+        """The Param node of a client tensor that requires grad (one per tensor per graph)."""
+        held = self.params.get(id(tensor))
+        if held is not None and held[0] is tensor:
+            return held[1]
+        node = self._node(("param", self._counter[0]))
+        node.scope = 0  # a leaf of the whole request, also when first used inside a loop
+        self.keys[node.id] = (("param", node.id), 0)
+        node.param.value.CopyFrom(_codec.encode(tensor.detach()))
+        self.params[id(tensor)] = (tensor, node.id)
+        return node.id
+
+    def save(self, value: Any) -> int:
+        msg, key = self.arg(value)
+        node = self._node(("save", key))
+        node.save.value.CopyFrom(msg)
+        return node.id
+
+    def set(self, path: str, point: int, invoke: int | None, call: int, value: Any, op: str = "") -> int:
+        msg, key = self.arg(value)
+        node = self._node(("set", path, point, invoke, call, key, op))
+        _fill_module(node.set.target, path, point, invoke, call, op)
+        node.set.value.CopyFrom(msg)
+        self.writes.append(self.keys[node.id])
+        return node.id
+
+    def skip(self, path: str, invoke: int | None, call: int, value: Any, op: str = "") -> int:
+        msg, key = self.arg(value)
+        node = self._node(("skip", path, invoke, call, key, op))
+        _fill_module(node.skip.target, path, graph_pb2.OUTPUT, invoke, call, op)
+        node.skip.value.CopyFrom(msg)
+        self.writes.append(self.keys[node.id])
+        return node.id
+
+    def backward(self, loss: Any, gradient: Any = None) -> int:
+        loss_msg, loss_key = self.arg(loss)
+        node = self._node(("backward", loss_key, self.arg(gradient)[1] if gradient is not None else None))
+        node.backward.loss.CopyFrom(loss_msg)
+        if gradient is not None:
+            node.backward.gradient.CopyFrom(self.arg(gradient)[0])
+        return node.id
+
+    def grad(self, value: int, backward: int) -> int:
+        node = self._node(("grad", self.keys[value], backward))
+        node.grad.value, node.grad.backward = value, backward
+        return node.id
+
+    def set_grad(self, value: int, backward: int, grad: Any) -> int:
+        msg, key = self.arg(grad)
+        node = self._node(("set_grad", self.keys[value], backward, key))
+        node.set_grad.value, node.set_grad.backward = value, backward
+        node.set_grad.grad.CopyFrom(msg)
+        return node.id
+
+    def cache(
+        self, modules: Sequence[str], *, outputs: bool, inputs: bool, dtype: int, device: str, invoke: int | None = None
+    ) -> int:
+        node = self._node(("cache", tuple(modules), outputs, inputs, dtype, device, invoke))
+        spec = node.cache
+        spec.modules.extend(modules)
+        spec.outputs, spec.inputs, spec.device = outputs, inputs, device
+        if invoke is not None:
+            spec.invoke = invoke
+        spec.dtype = dtype  # type: ignore[assignment]
+        return node.id
+
+    def stop(self) -> int:
+        node = self._node(("stop",))
+        node.stop.SetInParent()
+        self.writes.append(self.keys[node.id])
+        return node.id
+
+    # -- arguments
+    def arg(self, obj: Any) -> tuple[graph_pb2.Arg, Hashable]:
+        """An Arg for a proxy, a constant, or a tuple/list holding proxies."""
+        from nnd.tracing._proxy import Proxy
+
+        if isinstance(obj, Proxy):
+            ref = obj._ref()
+            return graph_pb2.Arg(ref=ref), ("r", self.keys[ref])
+        if isinstance(obj, (tuple, list)) and _holds_proxy(obj):
+            items = [self.arg(item) for item in obj]
+            lst = graph_pb2.ArgList(items=[m for m, _ in items])
+            kind = "tuple" if isinstance(obj, tuple) else "list"
+            arg = graph_pb2.Arg(tuple=lst) if kind == "tuple" else graph_pb2.Arg(list=lst)
+            return arg, (kind, tuple(k for _, k in items))
+        if _wants_grad(obj):  # a client tensor autograd must reach: one leaf, its gradient comes back
+            ref = self.param(obj)
+            return graph_pb2.Arg(ref=ref), ("r", self.keys[ref])
+        if isinstance(obj, Mapping) and _holds_proxy(list(obj.values())):
+            raise TypeError("a dict holding traced values cannot be an argument; pass them separately")
+        value: values_pb2.Value = _codec.encode(obj)
+        return graph_pb2.Arg(value=value), ("v", value.SerializeToString(deterministic=True))
+
+
+def _refs(msg: Any) -> set[int]:
+    """Ids of the earlier nodes a node (or any message inside it) uses."""
+    out: set[int] = set()
+    stack = [msg]
+    while stack:
+        m = stack.pop()
+        name = m.DESCRIPTOR.name
+        if name == "Arg" and m.WhichOneof("kind") == "ref":
+            out.add(m.ref)
+        elif name in ("Grad", "SetGrad"):
+            out.update((m.value, m.backward))
+        for field, value in m.ListFields():
+            if field.type != field.TYPE_MESSAGE:
+                continue
+            if field.label == field.LABEL_REPEATED:
+                items = value.values() if hasattr(value, "values") and callable(value.values) else value
+                stack.extend(v for v in items if hasattr(v, "DESCRIPTOR"))
+            else:
+                stack.append(value)
+    return out
+
+
+def _fill_module(
+    msg: graph_pb2.ModuleValue, path: str, point: int, invoke: int | None, call: int, op: str = ""
+) -> None:
+    msg.path = path
+    msg.op = op
+    msg.point = point  # type: ignore[assignment]
+    if invoke is not None:
+        msg.invoke = invoke
+    msg.call = call
+
+
+def _wants_grad(obj: Any) -> bool:
+    """A floating torch tensor that requires grad, recorded while grad mode is on."""
+    torch = _torchmod.loaded()
+    return (
+        torch is not None
+        and isinstance(obj, torch.Tensor)
+        and obj.requires_grad
+        and obj.is_floating_point()
+        and torch.is_grad_enabled()
+    )
+
+
+def _holds_proxy(items: Sequence[Any]) -> bool:
+    from nnd.tracing._proxy import Proxy
+
+    return any(isinstance(i, Proxy) or (isinstance(i, (tuple, list)) and _holds_proxy(i)) for i in items)

@@ -1,0 +1,156 @@
+"""Sync points: real values inside a block, over one Interact stream.
+
+The recorded graph is the fast path (one Trace call at the end of the block).
+The first time Python needs a real value (`if h.sum() > 0:`, `print(h)`,
+`.item()`, numpy), the block's request starts as an Interact stream with the
+graph so far; the worker runs until that value exists, pauses, and sends it.
+Every later sync sends only the nodes recorded since; the block's end sends
+the rest with `finish` and reads the saved values as a Trace would. The stream
+follows the model's route to its worker, as a Trace does (connection.py).
+
+In a session the stream belongs to the session: it starts with the blocks
+recorded so far (the last one the block asking), a sync in a later block sends
+the blocks in between with it, and the session's end sends the rest.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from nnd.v1 import graph_pb2, nnd_pb2
+from nnd.wire import _results
+
+if TYPE_CHECKING:
+    from nnd.tracing._session import Session
+    from nnd.tracing._tracer import Tracer
+
+_END: Any = object()
+
+
+class Interaction:
+    """The running request of one block (or session), paused at its latest sync point."""
+
+    def __init__(self, tracer: Tracer, session: Session | None = None) -> None:
+        self.tracer = tracer  # the block the run stands in (a session's: the last one sent)
+        self.session = session
+        self.outbox: queue.Queue[Any] = queue.Queue()
+        self.start: nnd_pb2.InteractRequest | None = None
+        self.sent = 0  # how many of the block's nodes the worker has
+        self.scopes = 0
+        self.responses: Iterator[Any] | None = None
+        self.syncs = 0
+
+    def _requests(self) -> Iterator[nnd_pb2.InteractRequest]:
+        """The stream's messages: the start, then what the block sends. A new call (a stale route
+        resent) gets a new outbox; the old call's reader is told to end."""
+        self.outbox.put(_END)
+        self.outbox = outbox = queue.Queue()
+        assert self.start is not None
+        return self._read(self.start, outbox)
+
+    @staticmethod
+    def _read(start: nnd_pb2.InteractRequest, outbox: queue.Queue[Any]) -> Iterator[nnd_pb2.InteractRequest]:
+        yield start
+        while True:
+            msg = outbox.get()
+            if msg is _END:
+                return
+            yield msg
+
+    def _new_nodes(self) -> graph_pb2.Graph:
+        graph = self.tracer.graph
+        part = graph_pb2.Graph(nodes=graph.nodes[self.sent :])
+        if len(graph.scopes) > self.scopes:
+            part.scopes.extend(graph.scopes[self.scopes :])
+        return part
+
+    def _now_in(self, tracer: Tracer) -> None:
+        self.tracer = tracer
+        self.sent = len(tracer.graph.nodes)
+        self.scopes = len(tracer.graph.scopes)
+
+    def _on_step(self, step: _results.StepToken) -> None:
+        if self.session is None:
+            self.tracer.tokens.append(step)
+            return
+        traces = self.session.blocks
+        if 0 <= step.trace < len(traces):
+            traces[step.trace].tokens.append(step)
+        elif step.trace == len(traces):  # the block still being recorded
+            self.tracer.tokens.append(step)
+
+    def value(self, ref: int, tracer: Tracer | None = None) -> Any:
+        """The real value of node `ref` of `tracer` (default: this run's block), now: the run goes
+        on until it exists and pauses there."""
+        tracer = tracer or self.tracer
+        # A value of a session's block that has ended (Python between the blocks): every block that
+        # ended is already in the session's request, so none is added again.
+        ended = self.session is not None and tracer in self.session.blocks
+        if self.responses is None:
+            start = nnd_pb2.InteractStart(want=[ref])
+            if self.session is not None:
+                start.session.CopyFrom(self.session.request())
+                if not ended:
+                    start.session.traces.add(request=tracer.request(), generate=tracer.backend.generates)
+            else:
+                start.request.CopyFrom(tracer.request())
+                start.generate = tracer.backend.generates
+            self._now_in(self.session.blocks[-1] if ended and self.session is not None else tracer)
+            timeout = tracer.options.get("pause_timeout")
+            if timeout is not None:
+                start.pause_timeout_s = float(timeout)
+            self.start = nnd_pb2.InteractRequest(start=start)
+            model = start.session.model if self.session is not None else start.request.model
+            self.responses = tracer.model._conn.bidi(
+                "Interact", model, self._requests, timeout=tracer.options.get("timeout")
+            )
+        elif ended:
+            assert self.session is not None
+            more = self._next_traces(want=[ref])
+            self._now_in(self.session.blocks[-1])
+            self.outbox.put(nnd_pb2.InteractRequest(more=more))
+        elif tracer is self.tracer:
+            more = nnd_pb2.InteractContinue(graph=self._new_nodes(), want=[ref])
+            self._now_in(tracer)
+            self.outbox.put(nnd_pb2.InteractRequest(more=more))
+        else:  # a later block of the session: the blocks recorded since go with it
+            more = self._next_traces(want=[ref])
+            more.traces.add(request=tracer.request(), generate=tracer.backend.generates)
+            self._now_in(tracer)
+            self.outbox.put(nnd_pb2.InteractRequest(more=more))
+        self.syncs += 1
+        got = _results.collect(self.responses, on_step=self._on_step, until_paused=True)
+        if ref not in got.saved:
+            raise RuntimeError("the daemon ended the run without sending the value this sync point asked for")
+        return got.saved[ref]
+
+    def _next_traces(self, **fields: Any) -> nnd_pb2.InteractContinue:
+        """The rest of the block running now, and the session's blocks that ended after it."""
+        more = nnd_pb2.InteractContinue(graph=self._new_nodes(), **fields)
+        assert self.session is not None
+        traces = self.session.blocks
+        after = traces[traces.index(self.tracer) + 1 :] if self.tracer in traces else []
+        for tracer in after:
+            more.traces.add(request=tracer.request(), generate=tracer.backend.generates)
+        return more
+
+    def finish(self) -> _results.Results:
+        """Send what was recorded since the last sync, run to the end, read the saved values."""
+        assert self.responses is not None
+        if self.session is not None:
+            more = self._next_traces(finish=True)
+        else:
+            more = nnd_pb2.InteractContinue(graph=self._new_nodes(), finish=True)
+        self.outbox.put(nnd_pb2.InteractRequest(more=more))
+        self.outbox.put(_END)
+        return _results.collect(self.responses, on_step=self._on_step)
+
+    def cancel(self) -> None:
+        """The block failed: end the run (the worker frees the model at once)."""
+        self.outbox.put(_END)
+        if self.responses is not None:
+            close = getattr(self.responses, "close", None)
+            if close is not None:
+                close()
