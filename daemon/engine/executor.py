@@ -27,14 +27,14 @@ import torch
 from nnd.v1 import graph_pb2
 
 from .. import errors
-from . import caches, grads, modules, rows, sharding
+from . import caches, grads, modules, rows, sharding, weights
 from .failures import where, wrap
 from .hooks import HookSet
 from .interact import Interaction
 from .plan import POST, PRE, RESULT, Const, Plan, PlanNode, Ref, Seq
 
 HookKey = tuple[str, str, int]
-RUNNABLE = ("constant", "param", "op", "save", "backward")
+RUNNABLE = ("tensor", "constant", "param", "op", "save", "backward")
 
 
 class StopForward(BaseException):
@@ -503,7 +503,7 @@ class Executor:
                 exc_type="RuntimeError",
             )
         spec = node.args[0]
-        value = self.resolve(frame, spec)
+        value = self.own_copy(spec, self.resolve(frame, spec))
         if self.is_const(spec):
             value = rows.map_tensors(value, rows.placer(like))
         self.writes.append(node)
@@ -564,6 +564,8 @@ class Executor:
                     progress = True
 
     def execute(self, frame: Frame, node: PlanNode) -> Any:
+        if node.kind == "tensor":
+            return self.guard(node, lambda: self.constant(weights.read(self.modules, node.proto.tensor, self.shard)))
         if node.kind == "constant":
             return self.constant(node.value)
         if node.kind == "param":
@@ -577,6 +579,8 @@ class Executor:
         self.check_mutation(frame, node)
         args = [self.resolve(frame, a) for a in node.args]
         kwargs = {k: self.resolve(frame, a) for k, a in node.kwargs.items()}
+        if node.op.context:  # a model's module may write into its input (inplace activations): not into a weight
+            args = [self.own_copy(a, v) for a, v in zip(node.args, args, strict=True)]
         target = self.activation(frame, [*node.args, *node.kwargs.values()], [*args, *kwargs.values()])
         if target is not None:
             place = rows.placer(target)
@@ -629,6 +633,14 @@ class Executor:
         assert isinstance(spec, Seq)
         items = [self.resolve(frame, s) for s in spec.items]
         return items if spec.is_list else tuple(items)
+
+    def own_copy(self, spec: Any, value: Any) -> Any:
+        """`value`, copied when it shares memory with a model's weight: what the model or later
+        nodes write into (a module output replaced by it, a module's argument) must not be the
+        weight every client shares."""
+        if isinstance(spec, Ref) and self.plan.nodes[spec.id].weight is not None:
+            return rows.map_tensors(value, torch.clone)
+        return value
 
     def is_const(self, spec: Any) -> bool:
         if isinstance(spec, Ref):
