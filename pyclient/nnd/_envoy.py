@@ -51,6 +51,9 @@ class Envoy:
         aliases = self.__dict__.get("_aliases")
         if aliases and name in aliases:  # rename= and the daemon's standard names
             return aliases[name]
+        info = self._tensor_info(name)
+        if info is not None:  # a parameter or buffer (`lm_head.weight`)
+            return self._tensor(info)
         attributes = self.__dict__.get("_attributes")
         if attributes and name in attributes:  # the module's plain attributes (`attn.head_dim`)
             return self._attribute(name, attributes[name])
@@ -65,10 +68,40 @@ class Envoy:
             return self._model.config  # the module holds the model's config (as transformers modules do)
         return tuple(value) if isinstance(value, list) else value  # tuples travel as JSON lists
 
+    def _tensor_info(self, name: str) -> nnd_pb2.ParameterInfo | None:
+        for info in self.__dict__.get("_parameters") or ():
+            if info.name == name:
+                return info
+        return None
+
+    def _tensor(self, info: nnd_pb2.ParameterInfo) -> Any:
+        """Inside a block, a proxy of the module's real tensor on the daemon (its shape and dtype
+        known at once); outside, its shape and dtype on the "meta" device, tagged so that a
+        block that uses it reads the real tensor."""
+        from nnd import _meta
+        from nnd._graph import WEIGHT_TAG
+
+        tracer = _context.current_or_none()
+        if tracer is not None and tracer._live():
+            self._tracer(info.name)
+            meta = _meta.MetaTensor(tuple(info.shape), info.dtype)
+            return Proxy(tracer, tracer._recorder()._builder.tensor(self._path, info.name, meta))
+        value = _meta.parameter(list(info.shape), info.dtype)
+        if not isinstance(value, _meta.MetaTensor):
+            setattr(value, WEIGHT_TAG, (self._path, info.name))
+        return value
+
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self._SELF_ATTRS or name.startswith("_"):
             object.__setattr__(self, name, value)
             return
+        if self._tensor_info(name) is not None:
+            where = f"{self._path}.{name}" if self._path else name
+            raise RuntimeError(
+                f"cannot change {where}: the daemon's model is shared by every client and its weights never "
+                "change (nnsight would change the model for good, or refuse an in-place write as torch does). "
+                f"Change what the module computes instead: set `{self._path or 'model'}.output` inside a trace"
+            )
         raise AttributeError(f"cannot assign {name!r} on a module of the model; set `.output` inside a trace")
 
     def __getitem__(self, key: int | slice | str) -> Any:

@@ -40,6 +40,9 @@ class GraphBuilder:
         self._counter = counter if counter is not None else [1]  # ids start at 1: 0 reads as "unset"
         # Client tensors that require grad, used by the graph: id(tensor) -> (tensor, Param node id).
         self.params: dict[int, tuple[Any, int]] = {}
+        # What the client knows of a node without asking the daemon: a model weight's shape and dtype
+        # (the module tree carries them), so `model.lm_head.weight.shape` costs no round trip.
+        self.known: dict[int, Any] = {}
 
     @property
     def next_id(self) -> int:
@@ -94,6 +97,14 @@ class GraphBuilder:
     def module(self, path: str, point: int, invoke: int | None, call: int = 0, op: str = "") -> int:
         node = self._node(("module", path, point, invoke, call, op))
         _fill_module(node.module, path, point, invoke, call, op)
+        return node.id
+
+    def tensor(self, path: str, name: str, meta: Any = None) -> int:
+        """A ModuleTensor node: the parameter or buffer `name` of the module at `path`."""
+        node = self._node(("tensor", path, name))
+        node.tensor.path, node.tensor.name = path, name
+        if meta is not None:
+            self.known[node.id] = meta
         return node.id
 
     def op(self, name: str, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> int:
@@ -195,6 +206,10 @@ class GraphBuilder:
             kind = "tuple" if isinstance(obj, tuple) else "list"
             arg = graph_pb2.Arg(tuple=lst) if kind == "tuple" else graph_pb2.Arg(list=lst)
             return arg, (kind, tuple(k for _, k in items))
+        weight = _weight_of(obj)
+        if weight is not None:  # `model.lm_head.weight` read outside the block: the model's own tensor
+            ref = self.tensor(*weight)
+            return graph_pb2.Arg(ref=ref), ("r", self.keys[ref])
         if _wants_grad(obj):  # a client tensor autograd must reach: one leaf, its gradient comes back
             ref = self.param(obj)
             return graph_pb2.Arg(ref=ref), ("r", self.keys[ref])
@@ -235,6 +250,17 @@ def _fill_module(
     if invoke is not None:
         msg.invoke = invoke
     msg.call = call
+
+
+WEIGHT_TAG = "_nnd_weight"  # on the meta tensor an envoy gives for a weight outside a block: (path, name)
+
+
+def _weight_of(obj: Any) -> tuple[str, str] | None:
+    torch = _torchmod.loaded()
+    if torch is None or not isinstance(obj, torch.Tensor) or obj.device.type != "meta":
+        return None
+    tag = getattr(obj, WEIGHT_TAG, None)
+    return tag if isinstance(tag, tuple) else None
 
 
 def _wants_grad(obj: Any) -> bool:
