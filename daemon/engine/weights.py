@@ -57,7 +57,7 @@ def read(table: Mapping[str, torch.nn.Module], ref: graph_pb2.ModuleTensor, shar
     if kind == "Params4bit":
         return _dequantize_4bit(tensor, what)
     if kind == "Int8Params":
-        return _dequantize_8bit(module, tensor, what)
+        return _dequantize_8bit(module, tensor, _compute_dtype(table), what)
     if _is_dtensor(tensor):
         return _gather(tensor, ref.path, shard, what)
     if not isinstance(tensor, torch.Tensor):
@@ -81,7 +81,7 @@ def _dequantize_4bit(tensor: Any, what: str) -> torch.Tensor:
     return bnb_functional.dequantize_4bit(tensor.data, state).to(state.dtype)
 
 
-def _dequantize_8bit(module: torch.nn.Module, tensor: Any, what: str) -> torch.Tensor:
+def _dequantize_8bit(module: torch.nn.Module, tensor: Any, dtype: torch.dtype, what: str) -> torch.Tensor:
     # An 8-bit weight is int8 rows (CB) and one scale per row (SCB): W = CB * SCB / 127.
     codes = getattr(tensor, "CB", None)
     scales = getattr(tensor, "SCB", None)
@@ -92,8 +92,16 @@ def _dequantize_8bit(module: torch.nn.Module, tensor: Any, what: str) -> torch.T
         if tensor.dtype != torch.int8:  # not quantized (yet): the weight is itself
             return tensor.detach()
         raise errors.Unimplemented(f"{what} is an 8-bit weight without its row scales; it cannot be read")
-    dtype = getattr(getattr(module, "bias", None), "dtype", None) or torch.float16
-    return (codes.float() * scales.float().unsqueeze(1) / 127.0).to(dtype if dtype.is_floating_point else torch.float16)
+    return (codes.float() * scales.float().unsqueeze(1) / 127.0).to(dtype)
+
+
+def _compute_dtype(table: Mapping[str, torch.nn.Module]) -> torch.dtype:
+    """The dtype the model computes in: that of its first floating parameter (a quantized model's
+    norms and embeddings keep it), as transformers' `model.dtype` says."""
+    for p in table[""].parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
 
 
 def _is_dtensor(tensor: Any) -> bool:

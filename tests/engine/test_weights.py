@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import wire_results
 from graphs import Graph, S, idx
 from reference import capture, forward
 from torch.testing import assert_close
 
-from nnd_daemon import errors
+from nnd_daemon import engine, errors
 
 PROMPT = "The Eiffel Tower is in the city of"
 
@@ -148,3 +149,31 @@ def test_a_gradient_of_a_weight_is_refused(gpt2):
     g.save(g.grad(w, back))
     with pytest.raises(errors.InvalidArgument, match="weights never receive gradients"):
         gpt2.run(g.request(PROMPT))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_quantized_weight_is_the_dequantized_matrix(models, bits):
+    # Not the packed storage (a 4-bit weight is stored as uint8 of shape [n/2, 1]): the matrix the
+    # model computes with, in the model's dtype, within the quantization's error of the original.
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    llama = models["llama"]
+    config = (
+        BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+        if bits == 4
+        else BitsAndBytesConfig(load_in_8bit=True)
+    )
+    quantized = AutoModelForCausalLM.from_pretrained(llama.path, quantization_config=config, device_map="cpu")
+    path = "model.layers.0.mlp.gate_proj"
+    g = Graph()
+    w = g.save(g.tensor(path, "weight"))
+    out: list = []
+    engine.run(quantized, llama.tokenizer, g.request(PROMPT), mode="trace", emit=out.append)
+    got = wire_results.collect(out)[w.id]
+    original = llama.model.get_submodule(path).weight.detach()
+    stored = quantized.get_submodule(path).weight
+    assert stored.shape != original.shape or stored.dtype != original.dtype  # packed or int8 storage
+    assert got.shape == original.shape and got.dtype == original.dtype
+    tolerance = 0.2 if bits == 4 else 0.02  # of the largest weight
+    assert (got - original).abs().max() <= tolerance * original.abs().max()
