@@ -105,6 +105,10 @@ def test_a_weight_read_outside_the_block_is_the_models_inside_it(handles):
         logits = model.lm_head.output.save()
     torch.testing.assert_close(direct, logits, atol=ATOL, rtol=0)
     torch.testing.assert_close(lens, logits, atol=ATOL, rtol=0)
+    # Computed from outside the block, it has no data: an error, never numbers made of nothing.
+    with pytest.raises(TypeError, match="no data to send.*inside the block"):
+        with model.trace(weight_blocks.PROMPT):
+            (model.transformer.ln_f.output @ outside.T).save()
 
 
 def test_assigning_a_parameter_is_refused_and_the_model_never_changes(handles):
