@@ -135,3 +135,23 @@ def test_a_missing_bias_is_none_and_an_unknown_name_raises(handles):
     assert llama.model.layers[0].self_attn.q_proj.bias is None
     with pytest.raises(AttributeError, match="has no module 'weights'"):
         llama.lm_head.weights  # noqa: B018
+
+
+def test_weights_in_generation_steps_and_at_a_sync_point(handles):
+    model = handles["gpt2"]
+    lens, logits = [], []
+    with model.generate(weight_blocks.PROMPT, max_new_tokens=3, min_new_tokens=3) as tracer:
+        for _ in tracer.iter[0:3]:
+            lens.append((model.transformer.ln_f.output[:, -1] @ model.lm_head.weight.T).save())
+            logits.append(model.lm_head.output[:, -1].save())
+    assert len(lens) == 3
+    for a, b in zip(lens, logits, strict=True):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+    with model.trace(weight_blocks.PROMPT):
+        one = model.lm_head.weight[3, 5].item()  # a sync point on a weight: no module has run yet
+        whole = model.lm_head.weight.save()
+        if one > 0:
+            model.transformer.h[0].output[:] = 0
+        zeroed = model.transformer.h[0].output.save()
+    assert one == whole[3, 5].item()
+    assert bool((zeroed == 0).all()) == (one > 0)

@@ -79,17 +79,13 @@ class Envoy:
         known at once); outside, its shape and dtype on the "meta" device, tagged so that a
         block that uses it reads the real tensor."""
         from nnd import _meta
-        from nnd._graph import WEIGHT_TAG
 
         tracer = _context.current_or_none()
         if tracer is not None and tracer._live():
             self._tracer(info.name)
             meta = _meta.MetaTensor(tuple(info.shape), info.dtype)
             return Proxy(tracer, tracer._recorder()._builder.tensor(self._path, info.name, meta))
-        value = _meta.parameter(list(info.shape), info.dtype)
-        if not isinstance(value, _meta.MetaTensor):
-            setattr(value, WEIGHT_TAG, (self._path, info.name))
-        return value
+        return _meta_weight(self._path, info)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self._SELF_ATTRS or name.startswith("_"):
@@ -155,7 +151,6 @@ class Envoy:
         once): shapes and dtypes, no data — the weights stay in the daemon. Each
         is a `torch.nn.Parameter` on the "meta" device (an `nnd.MetaTensor`
         without torch)."""
-        from nnd import _meta
 
         base = len(self._path) + 1 if self._path else 0
         for env in self.modules() if recurse else iter([self]):
@@ -164,7 +159,7 @@ class Envoy:
                     continue
                 full = f"{env._path}.{info.name}" if env._path else info.name
                 name = full[base:]
-                yield (f"{prefix}.{name}" if prefix else name), _meta.parameter(list(info.shape), info.dtype)
+                yield (f"{prefix}.{name}" if prefix else name), _meta_weight(env._path, info)
 
     def parameters(self, recurse: bool = True) -> Iterator[Any]:
         """The parameters of `named_parameters()`."""
@@ -236,6 +231,18 @@ class Envoy:
         """Run this module out of place on traced values (a logit lens:
         `model.lm_head(h)`), recorded as a "call_module" op."""
         return self._tracer("()")._record("call_module", [self._path, *args], kwargs)
+
+
+def _meta_weight(path: str, info: nnd_pb2.ParameterInfo) -> Any:
+    """A weight's shape and dtype on the "meta" device, tagged with where it lives so that a block
+    it is passed into reads the real tensor (_graph.py)."""
+    from nnd import _meta
+    from nnd._graph import WEIGHT_TAG
+
+    value = _meta.parameter(list(info.shape), info.dtype)
+    if not isinstance(value, _meta.MetaTensor):
+        setattr(value, WEIGHT_TAG, (path, info.name))
+    return value
 
 
 def build_tree(model: TransformersModel | None, modules: Iterable[nnd_pb2.ModuleInfo], root: Envoy) -> None:
