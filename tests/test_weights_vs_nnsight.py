@@ -94,21 +94,32 @@ def test_a_weight_shape_costs_no_round_trip(handles, monkeypatch):
     assert logits.shape[-1] == vocab
 
 
-def test_a_weight_read_outside_the_block_is_the_models_inside_it(handles):
+def test_a_weight_read_outside_the_block_is_the_models_tensor(handles):
+    # As nnsight hands out a dispatched model's parameter: shape and dtype at once, values when
+    # Python computes with it (fetched once), and inside a block the model's own tensor.
     model = handles["gpt2"]
+    model.__dict__.pop("_weight_values", None)
     outside = model.lm_head.weight
-    assert outside.device.type == "meta" and tuple(outside.shape) == (320, 64)
+    assert isinstance(outside, torch.Tensor) and tuple(outside.shape) == (320, 64) and outside.dtype == torch.float32
+    assert outside.shape[0] == 320 and outside.ndim == 2 and len(outside) == 320 and outside.numel() == 320 * 64
+    assert not model.__dict__.get("_weight_values"), "metadata must not fetch the values"
     with model.trace(weight_blocks.PROMPT):
         h = model.transformer.ln_f.output
-        lens = torch.matmul(h, model.lm_head.weight.T).save()
         direct = torch.nn.functional.linear(h, outside).save()
+        through_t = (h @ outside.T).save()
+        first = torch.matmul(outside, h[0, -1]).save()
+        inside = model.lm_head.weight.save()
+        hidden = h.save()
         logits = model.lm_head.output.save()
+    assert not model.__dict__.get("_weight_values"), "inside a block the weight is the model's node, not a copy"
     torch.testing.assert_close(direct, logits, atol=ATOL, rtol=0)
-    torch.testing.assert_close(lens, logits, atol=ATOL, rtol=0)
-    # Computed from outside the block, it has no data: an error, never numbers made of nothing.
-    with pytest.raises(TypeError, match="no data to send.*inside the block"):
-        with model.trace(weight_blocks.PROMPT):
-            (model.transformer.ln_f.output @ outside.T).save()
+    torch.testing.assert_close(through_t, logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(first, logits[0, -1], atol=ATOL, rtol=0)
+    # Outside a block: real numbers, fetched once per handle.
+    torch.testing.assert_close(outside.detach().clone(), inside, atol=0, rtol=0)
+    torch.testing.assert_close(hidden @ outside.T, logits, atol=ATOL, rtol=0)
+    assert np.array_equal(model.transformer.wte.weight.numpy(), inside.numpy())  # tied: the same tensor
+    assert len(model.__dict__["_weight_values"]) == 2
 
 
 def test_assigning_a_parameter_is_refused_and_the_model_never_changes(handles):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from nnd import _context, _printing
+from nnd import _context, _printing, _torchmod
 from nnd._proxy import Proxy
 from nnd.v1 import graph_pb2, nnd_pb2
 
@@ -75,17 +75,21 @@ class Envoy:
         return None
 
     def _tensor(self, info: nnd_pb2.ParameterInfo) -> Any:
-        """Inside a block, a proxy of the module's real tensor on the daemon (its shape and dtype
-        known at once); outside, its shape and dtype on the "meta" device, tagged so that a
-        block that uses it reads the real tensor."""
+        """Inside a block of this model, a proxy of the module's real tensor on the daemon (its
+        shape and dtype known at once); elsewhere a tensor whose values come from the daemon when
+        first used (_weights.py), or without torch its shape and dtype."""
         from nnd import _meta
 
         tracer = _context.current_or_none()
-        if tracer is not None and tracer._live():
-            self._tracer(info.name)
+        model_family = getattr(self._model, "_family", None)
+        if tracer is not None and tracer._live() and getattr(tracer.model, "_family", None) is model_family:
             meta = _meta.MetaTensor(tuple(info.shape), info.dtype)
             return Proxy(tracer, tracer._recorder()._builder.tensor(self._path, info.name, meta))
-        return _meta_weight(self._path, info)
+        if self._model is None or _torchmod.available() is None:
+            return _meta_weight(self._model, self._path, info)
+        from nnd import _weights
+
+        return _weights.outside(self._model, self._path, info)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self._SELF_ATTRS or name.startswith("_"):
@@ -159,7 +163,7 @@ class Envoy:
                     continue
                 full = f"{env._path}.{info.name}" if env._path else info.name
                 name = full[base:]
-                yield (f"{prefix}.{name}" if prefix else name), _meta_weight(env._path, info)
+                yield (f"{prefix}.{name}" if prefix else name), _meta_weight(self._model, env._path, info)
 
     def parameters(self, recurse: bool = True) -> Iterator[Any]:
         """The parameters of `named_parameters()`."""
@@ -233,15 +237,15 @@ class Envoy:
         return self._tracer("()")._record("call_module", [self._path, *args], kwargs)
 
 
-def _meta_weight(path: str, info: nnd_pb2.ParameterInfo) -> Any:
+def _meta_weight(model: TransformersModel | None, path: str, info: nnd_pb2.ParameterInfo) -> Any:
     """A weight's shape and dtype on the "meta" device, tagged with where it lives so that a block
-    it is passed into reads the real tensor (_graph.py)."""
+    of its model it is passed into reads the real tensor (_weights.belongs)."""
     from nnd import _meta
-    from nnd._graph import WEIGHT_TAG
+    from nnd._weights import WEIGHT_TAG
 
     value = _meta.parameter(list(info.shape), info.dtype)
     if not isinstance(value, _meta.MetaTensor):
-        setattr(value, WEIGHT_TAG, (path, info.name))
+        value.__dict__.update({WEIGHT_TAG: (path, info.name), "_nnd_model": model})
     return value
 
 

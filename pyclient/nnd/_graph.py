@@ -252,15 +252,12 @@ def _fill_module(
     msg.call = call
 
 
-WEIGHT_TAG = "_nnd_weight"  # on the meta tensor an envoy gives for a weight outside a block: (path, name)
-
-
 def _weight_of(obj: Any) -> tuple[str, str] | None:
-    torch = _torchmod.loaded()
-    if torch is None or not isinstance(obj, torch.Tensor) or obj.device.type != "meta":
+    if _torchmod.loaded() is None:
         return None
-    tag = getattr(obj, WEIGHT_TAG, None)
-    return tag if isinstance(tag, tuple) else None
+    from nnd import _weights
+
+    return _weights.belongs(obj)
 
 
 def _wants_grad(obj: Any) -> bool:
