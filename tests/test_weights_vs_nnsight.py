@@ -166,3 +166,19 @@ def test_weights_in_generation_steps_and_at_a_sync_point(handles):
         zeroed = model.transformer.h[0].output.save()
     assert one == whole[3, 5].item()
     assert bool((zeroed == 0).all()) == (one > 0)
+
+
+def test_the_weights_of_a_wrapped_torch_module(daemon):
+    # nnsight's `NNsight(net)`: its parameters inside a block are the module's own.
+    from collections import OrderedDict
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(OrderedDict([("first", torch.nn.Linear(5, 10)), ("second", torch.nn.Linear(10, 2))]))
+    wrapped = nnd.NNsight(net, address=daemon.address)
+    x = torch.rand(1, 5)
+    with wrapped.trace(x):
+        weight = wrapped.first.weight.save()
+        by_hand = (wrapped.first.input @ wrapped.first.weight.T + wrapped.first.bias).save()
+        hidden = wrapped.first.output.save()
+    torch.testing.assert_close(weight, net.first.weight.detach(), atol=0, rtol=0)
+    torch.testing.assert_close(by_hand, hidden, atol=ATOL, rtol=0)
