@@ -182,3 +182,4 @@ def test_the_weights_of_a_wrapped_torch_module(daemon):
         hidden = wrapped.first.output.save()
     torch.testing.assert_close(weight, net.first.weight.detach(), atol=0, rtol=0)
     torch.testing.assert_close(by_hand, hidden, atol=ATOL, rtol=0)
+    torch.testing.assert_close(wrapped.second.bias + 0, net.second.bias.detach(), atol=0, rtol=0)  # outside: fetched

@@ -291,6 +291,16 @@ class Executor:
         if stop and finished and self.plan.has_stop and all(f.done() for f in self.frames()):
             raise StopForward
 
+    def done_before_the_forward(self) -> bool:
+        """A Stop, and every other node already ran before any hook (a weight saved, constants):
+        the forward has nothing left to give, so it does not run at all (a model whose inputs a
+        placeholder invoke cannot feed is never called)."""
+        if not self.plan.has_stop or self.plan.scopes or (self.interaction is not None):
+            return False
+        if any(n.kind == "cache" for n in self.plan.nodes.values()):
+            return False
+        return all(f.done() for f in self.frames())
+
     # ------------------------------------------------------------ sync points
 
     def settle(self, key: HookKey | None) -> list[tuple[Frame, PlanNode]]:

@@ -177,3 +177,20 @@ def test_a_quantized_weight_is_the_dequantized_matrix(models, bits):
     assert got.shape == original.shape and got.dtype == original.dtype
     tolerance = 0.2 if bits == 4 else 0.02  # of the largest weight
     assert (got - original).abs().max() <= tolerance * original.abs().max()
+
+
+def test_a_stop_after_only_weights_never_runs_the_forward(gpt2):
+    calls = []
+    handle = gpt2.model.register_forward_pre_hook(lambda mod, args: calls.append(1))
+    try:
+        g = Graph()
+        w = g.save(g.tensor("lm_head", "weight"))
+        g.stop()
+        got = gpt2.run(g.request(PROMPT))
+        assert not calls and torch.equal(got[w.id], gpt2.model.lm_head.weight.detach())
+        g = Graph()  # with a module value, the forward runs up to it
+        h = g.save(g.module("transformer.h.0"))
+        g.stop()
+        assert gpt2.run(g.request(PROMPT))[h.id].shape[-1] == 64 and calls
+    finally:
+        handle.remove()
