@@ -144,6 +144,7 @@ def test_assigning_a_parameter_is_refused_and_the_model_never_changes(handles):
 def test_a_missing_bias_is_none_and_an_unknown_name_raises(handles):
     llama = handles["llama"]
     assert llama.model.layers[0].self_attn.q_proj.bias is None
+    assert "weight" in dir(llama.lm_head) and "bias" not in dir(llama.lm_head)  # tab completion
     with pytest.raises(AttributeError, match="has no module 'weights'"):
         llama.lm_head.weights  # noqa: B018
 

@@ -126,10 +126,11 @@ class Envoy:
         return iter(list(self._children.values()))
 
     def __dir__(self) -> list[str]:
-        """The public API and the modules reachable as attributes: no private
-        names, and not a ModuleList's "0", "1" (`h[0]`, not `h.0`)."""
+        """The public API, the modules reachable as attributes and the module's own parameters
+        and buffers: no private names, and not a ModuleList's "0", "1" (`h[0]`, not `h.0`)."""
         api = {name for name in super().__dir__() if not name.startswith("_")}
-        return sorted(api | {name for name in (*self._children, *self._aliases) if name.isidentifier()})
+        tensors = [info.name for info in self._parameters]  # `lm_head.weight` completes too
+        return sorted(api | {name for name in (*self._children, *self._aliases, *tensors) if name.isidentifier()})
 
     def __repr__(self) -> str:
         return _printing.render(self)
