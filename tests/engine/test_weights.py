@@ -29,7 +29,7 @@ def _unchanged(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> None:
 def test_saved_weight_is_the_parameter(gpt2):
     g = Graph()
     w = g.save(g.tensor("lm_head", "weight"))
-    b = g.save(g.tensor("transformer.h.0.attn.c_attn", "bias"))
+    b = g.save(g.op("getattr", g.tensor("transformer.h.0.attn.c_attn", "bias"), "data"))
     got = gpt2.run(g.request(PROMPT))
     assert_close(got[w.id], gpt2.model.lm_head.weight.detach(), atol=0, rtol=0)
     assert_close(got[b.id], gpt2.model.transformer.h[0].attn.c_attn.bias.detach(), atol=0, rtol=0)
@@ -96,8 +96,9 @@ LAST = {"gpt2": "transformer.h.1", "llama": "model.layers.1"}
         lambda g, w: g.op("setitem", g.op("getitem", w, idx(slice(0, 4))), idx(S), 1.0, text="w[:4][:] = 1"),
         lambda g, w: g.op("iadd", g.op("getattr", w, "T"), 1.0, text="w.T += 1"),
         lambda g, w: g.op("add", 1.0, 2.0, out=w, text="torch.add(1, 2, out=w)"),
+        lambda g, w: g.op("setitem", g.op("getattr", w, "data"), idx(S), 0.0, text="w.data[:] = 0"),
     ],
-    ids=["setitem", "imul", "view_setitem", "transpose_iadd", "out_kwarg"],
+    ids=["setitem", "imul", "view_setitem", "transpose_iadd", "out_kwarg", "data_setitem"],
 )
 def test_a_write_into_a_weight_is_refused_before_anything_runs(gpt2, write):
     before = _snapshot(gpt2.model)
