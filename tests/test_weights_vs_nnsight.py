@@ -184,3 +184,13 @@ def test_the_weights_of_a_wrapped_torch_module(daemon):
     torch.testing.assert_close(weight, net.first.weight.detach(), atol=0, rtol=0)
     torch.testing.assert_close(by_hand, hidden, atol=ATOL, rtol=0)
     torch.testing.assert_close(wrapped.second.bias + 0, net.second.bias.detach(), atol=0, rtol=0)  # outside: fetched
+
+
+def test_the_shape_of_a_value_computed_from_a_weight_inside_a_trace(handles):
+    model = handles["llama"]
+    n = len(model.tokenizer(weight_blocks.PROMPT)["input_ids"])
+    with model.trace(weight_blocks.PROMPT):
+        lens = model.model.layers[0].output @ model.lm_head.weight.T
+        shape = tuple(lens.shape)  # the helper scans a graph holding the weight's node
+        kept = lens.save()
+    assert shape == (1, n, 320) == tuple(kept.shape)
