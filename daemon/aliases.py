@@ -280,7 +280,7 @@ def rules(renames: Sequence[object]) -> list[Rule]:
 
 
 def rewrite_graph(graph: graph_pb2.Graph, table: AliasTable) -> None:
-    """Replace alias paths by real paths, in place (module values, call_module, caches).
+    """Replace alias paths by real paths, in place (module values and tensors, call_module, caches).
 
     Paths that resolve to nothing are left alone, so the engine reports them
     as NOT_FOUND naming the client's line."""
@@ -293,6 +293,8 @@ def rewrite_graph(graph: graph_pb2.Graph, table: AliasTable) -> None:
         kind = node.WhichOneof("kind")
         if kind == "module":
             node.module.path = fix(node.module.path)
+        elif kind == "tensor":
+            node.tensor.path = fix(node.tensor.path)
         elif kind in ("set", "skip"):
             target = getattr(node, kind).target
             target.path = fix(target.path)

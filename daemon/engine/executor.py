@@ -27,14 +27,14 @@ import torch
 from nnd.v1 import contract, graph_pb2
 
 from .. import errors
-from . import caches, grads, modules, rows, sharding
+from . import caches, grads, modules, rows, sharding, weights
 from .failures import where, wrap
 from .hooks import HookSet
 from .interact import Interaction
 from .plan import POST, PRE, RESULT, Const, Plan, PlanNode, Ref, Seq
 
 HookKey = tuple[str, str, int]
-RUNNABLE = ("constant", "param", "op", "save", "backward")
+RUNNABLE = ("tensor", "constant", "param", "op", "save", "backward")
 
 
 class StopForward(BaseException):
@@ -276,6 +276,16 @@ class Executor:
         if stop and finished and self.plan.has_stop and all(f.done() for f in self.frames()):
             raise StopForward
 
+    def done_before_the_forward(self) -> bool:
+        """A Stop, and every other node already ran before any hook (a weight saved, constants):
+        the forward has nothing left to give, so it does not run at all (a model whose inputs a
+        placeholder invoke cannot feed is never called)."""
+        if not self.plan.has_stop or self.plan.scopes or (self.interaction is not None):
+            return False
+        if any(n.kind == "cache" for n in self.plan.nodes.values()):
+            return False
+        return all(f.done() for f in self.frames())
+
     # ------------------------------------------------------------ sync points
 
     def settle(self, key: HookKey | None) -> list[tuple[Frame, PlanNode]]:
@@ -488,7 +498,7 @@ class Executor:
                 exc_type="RuntimeError",
             )
         spec = node.args[0]
-        value = self.resolve(frame, spec)
+        value = self.own_copy(spec, self.resolve(frame, spec))
         if self.is_const(spec):
             value = rows.map_tensors(value, rows.placer(like))
         self.writes.append(node)
@@ -549,6 +559,8 @@ class Executor:
                     progress = True
 
     def execute(self, frame: Frame, node: PlanNode) -> Any:
+        if node.kind == "tensor":
+            return self.guard(node, lambda: self.constant(weights.read(self.modules, node.proto.tensor, self.shard)))
         if node.kind == "constant":
             return self.constant(node.value)
         if node.kind == "param":
@@ -562,6 +574,8 @@ class Executor:
         self.check_mutation(frame, node)
         args = [self.resolve(frame, a) for a in node.args]
         kwargs = {k: self.resolve(frame, a) for k, a in node.kwargs.items()}
+        if node.op.context:  # a model's module may write into its input (inplace activations): not into a weight
+            args = [self.own_copy(a, v) for a, v in zip(node.args, args, strict=True)]
         target = self.activation(frame, [*node.args, *node.kwargs.values()], [*args, *kwargs.values()])
         if target is not None:
             place = rows.placer(target)
@@ -614,6 +628,14 @@ class Executor:
         assert isinstance(spec, Seq)
         items = [self.resolve(frame, s) for s in spec.items]
         return items if spec.is_list else tuple(items)
+
+    def own_copy(self, spec: Any, value: Any) -> Any:
+        """`value`, copied when it shares memory with a model's weight: what the model or later
+        nodes write into (a module output replaced by it, a module's argument) must not be the
+        weight every client shares."""
+        if isinstance(spec, Ref) and self.plan.nodes[spec.id].weight is not None:
+            return rows.map_tensors(value, torch.clone)
+        return value
 
     def is_const(self, spec: Any) -> bool:
         if isinstance(spec, Ref):

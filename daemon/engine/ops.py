@@ -35,7 +35,7 @@ class OpSpec:
 
 
 # Attributes "getattr" may read: tensor facts and model-output fields, never parameters or methods.
-TENSOR_ATTRIBUTES = ("shape", "dtype", "T", "mT", "ndim", "device", "requires_grad", "is_floating_point")
+TENSOR_ATTRIBUTES = ("shape", "dtype", "T", "mT", "ndim", "device", "requires_grad", "is_floating_point", "data")
 OUTPUT_ATTRIBUTES = (
     "logits",
     "loss",

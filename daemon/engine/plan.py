@@ -30,7 +30,7 @@ import torch
 from nnd.v1 import graph_pb2
 
 from .. import errors
-from . import modules, nodeids, ops, order, source, wire
+from . import modules, nodeids, ops, order, source, weights, wire
 from .failures import where
 from .order import POST, PRE, RESULT, HookKey
 
@@ -61,7 +61,7 @@ class PlanNode:
     proto: graph_pb2.Node
     id: int
     scope: int
-    kind: str  # module | constant | op | save | set | skip | stop | backward | grad | set_grad | cache | external
+    kind: str  # module | tensor | constant | op | save | set | skip | stop | backward | grad | set_grad | cache | external
     refs: tuple[int, ...] = ()
     args: tuple[ArgSpec, ...] = ()
     kwargs: dict[str, ArgSpec] = field(default_factory=dict)
@@ -75,6 +75,7 @@ class PlanNode:
     sources: frozenset[int] = frozenset()
     key: HookKey | None = None
     alias_root: int | None = None  # the module node whose memory this value may share
+    weight: int | None = None  # the tensor node (a model weight) whose memory this value may share
     # grad / set_grad: the node whose gradient, and the Backward node; other nodes: the Grad nodes they derive from.
     grad_of: int | None = None
     backward: int | None = None
@@ -304,6 +305,8 @@ class _Builder:
         node = PlanNode(proto=proto, id=node_id, scope=scope, kind=kind)
         if kind == "module":
             self.module_value(node, proto.module, write=False)
+        elif kind == "tensor":
+            weights.check(self.modules, proto.tensor, where(proto))
         elif kind == "constant":
             node.value = wire.decode_value(proto.constant)
         elif kind == "param":
@@ -486,6 +489,9 @@ class _Builder:
             node.sources = frozenset((node.id,))
             node.alias_root = node.id
             return
+        if node.kind == "tensor":  # a weight: no hook binds it, it exists from the start
+            node.weight = node.id
+            return
         node.const = all(n.const for n in inputs) and node.kind in ("constant", "param", "op")
         node.sources = frozenset().union(*(n.sources for n in inputs))
         node.grads = frozenset().union(*(n.grads for n in inputs))
@@ -499,6 +505,27 @@ class _Builder:
             first = node.args[0] if node.args else None
             if isinstance(first, Ref):
                 node.alias_root = self.nodes[first.id].alias_root
+                node.weight = self.nodes[first.id].weight
+        self.check_weight_write(node)
+
+    def check_weight_write(self, node: PlanNode) -> None:
+        """No op writes into a model's weight: it is shared by every client of the model and
+        outlives the request (torch refuses the same write into a parameter that requires grad)."""
+        if node.op is None:
+            return
+        first = node.args[0] if node.args else None
+        written = [first] if node.op.mutates else []
+        written += [v for k, v in node.kwargs.items() if k == "out"]
+        for spec in written:
+            weight = self.nodes[spec.id].weight if isinstance(spec, Ref) else None
+            if weight is not None:
+                raise errors.InvalidArgument(
+                    f"{where(node.proto)}\nwrites in place into the model's weight "
+                    f"{_tensor_name(self.nodes[weight].proto.tensor)} ({where(self.nodes[weight].proto)}): the model's "
+                    "weights are shared by every client of the daemon and never change. Compute on a copy "
+                    "(`w = w.clone()`) or change the module's output instead.",
+                    exc_type="RuntimeError",
+                )
 
     # -- gradients
 
@@ -529,6 +556,13 @@ class _Builder:
         loss = backward.args[0]
         loss_node = self.nodes[loss.id] if isinstance(loss, Ref) else None
         what = f"the gradient of {where(target.proto)}"
+        if not target.sources and any(self.nodes[d].kind == "tensor" for d in (target.id, *self.depends(target.id))):
+            raise errors.InvalidArgument(
+                f"{where(node.proto)}\n{what} does not exist here: the model's weights never receive gradients "
+                "(they are shared and frozen); take the gradient of a module value, or of a client tensor "
+                "that requires grad",
+                exc_type="NotImplementedError",
+            )
         if target.const or not target.sources:
             raise errors.InvalidArgument(
                 f"{where(node.proto)}\n{what} does not exist: that value is computed from constants only, "
@@ -602,6 +636,10 @@ class _Builder:
                     f"writes in place into the output of {root.key[0]!r} ({where(root.proto)}) after that "
                     "module has already run",
                 )
+
+
+def _tensor_name(ref: graph_pb2.ModuleTensor) -> str:
+    return f"{ref.path}.{ref.name}" if ref.path else ref.name
 
 
 def causality(node: PlanNode, late: PlanNode, what: str, *, backward: bool = False) -> errors.InvalidArgument:

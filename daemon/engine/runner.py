@@ -331,6 +331,8 @@ def _run(
         try:
             executor.poll()
             executor.settle(None)  # nodes that need only constants
+            if executor.done_before_the_forward():
+                raise StopForward
             placed = batch.to(inputs.input_device(model))
             if opts is not None:
                 between = None

@@ -46,6 +46,12 @@ def of_module(module: Any, config: Any) -> str:
         ok, plain = _plain(value)
         if ok:
             out[name] = plain
+    # A parameter or buffer registered as None (a Linear built with bias=False has `bias = None`)
+    # reads as None on the module: real code tests `if proj.bias is not None`.
+    for table in (getattr(module, "_parameters", {}), getattr(module, "_buffers", {})):
+        for name, value in table.items():
+            if value is None and len(out) < MAX_KEYS:
+                out.setdefault(name, None)
     return json.dumps(out, allow_nan=False) if out else ""
 
 

@@ -257,6 +257,26 @@ def test_logit_lens_calls_a_sharded_module(tp2, tp1):
     _same("o_proj(ones) out of place", o2, o1)
 
 
+def test_weights_come_back_whole(tp2, tp1):
+    # A column-parallel and a row-parallel weight (DTensors on the ranks), gathered on every rank,
+    # and computing with one gives what one process gives.
+    def block(m):
+        with m.trace(PROMPT):
+            gate = m.model.layers[0].mlp.gate_proj.weight.save()
+            down = m.model.layers[0].mlp.down_proj.weight.save()
+            q = m.model.layers[1].self_attn.q_proj.weight.save()
+            vocab = m.model.embed_tokens.weight.shape[0]
+            lens = (m.model.norm(m.model.layers[0].output) @ m.lm_head.weight.T).save()
+        return gate, down, q, vocab, lens
+
+    (g2, d2, q2, v2, l2), (g1, d1, q1, v1, l1) = _both(tp2, tp1, block)
+    assert g2.shape == (128, 64) and d2.shape == (64, 128) and v2 == v1
+    _same("gate_proj.weight", g2, g1)
+    _same("down_proj.weight", d2, d1)
+    _same("q_proj.weight", q2, q1)
+    _same("lens through lm_head.weight", l2, l1)
+
+
 def test_seeded_sampling_matches(tp2, tp1):
     def sample(m, seed):
         with m.generate(PROMPT, max_new_tokens=8, do_sample=True, temperature=1.5, seed=seed) as tracer:

@@ -75,6 +75,12 @@ class Graph:
         node.module.CopyFrom(self.mv(path, point, invoke, call))
         return N(node.id)
 
+    def tensor(self, path: str, name: str, *, scope: int = 0, line: int | None = None, text: str = "") -> N:
+        """A module's parameter or buffer (`model.lm_head.weight`)."""
+        node = self._node(scope, line, text or f"model.{path}.{name}")
+        node.tensor.path, node.tensor.name = path, name
+        return N(node.id)
+
     def const(self, x: Any, *, scope: int = 0, line: int | None = None, text: str = "") -> N:
         node = self._node(scope, line, text)
         node.constant.CopyFrom(value(x))

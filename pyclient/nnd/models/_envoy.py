@@ -11,6 +11,7 @@ from nnd.models import _printing
 from nnd.tracing import _context
 from nnd.tracing._proxy import Proxy
 from nnd.v1 import graph_pb2, nnd_pb2
+from nnd.wire import _torchmod
 
 if TYPE_CHECKING:
     from nnd.models._model import TransformersModel
@@ -52,6 +53,9 @@ class Envoy:
         aliases = self.__dict__.get("_aliases")
         if aliases and name in aliases:  # rename= and the daemon's standard names
             return aliases[name]
+        info = self._tensor_info(name)
+        if info is not None:  # a parameter or buffer (`lm_head.weight`)
+            return self._tensor(info)
         attributes = self.__dict__.get("_attributes")
         if attributes and name in attributes:  # the module's plain attributes (`attn.head_dim`)
             return self._attribute(name, attributes[name])
@@ -66,10 +70,40 @@ class Envoy:
             return self._model.config  # the module holds the model's config (as transformers modules do)
         return tuple(value) if isinstance(value, list) else value  # tuples travel as JSON lists
 
+    def _tensor_info(self, name: str) -> nnd_pb2.ParameterInfo | None:
+        for info in self.__dict__.get("_parameters") or ():
+            if info.name == name:
+                return info
+        return None
+
+    def _tensor(self, info: nnd_pb2.ParameterInfo) -> Any:
+        """Inside a block of this model, a proxy of the module's real tensor on the daemon (its
+        shape and dtype known at once); elsewhere a tensor whose values come from the daemon when
+        first used (_weights.py), or without torch its shape and dtype."""
+        from nnd.wire import _meta
+
+        tracer = _context.current_or_none()
+        model_family = getattr(self._model, "_family", None)
+        if tracer is not None and tracer._live() and getattr(tracer.model, "_family", None) is model_family:
+            meta = _meta.MetaTensor(tuple(info.shape), info.dtype)
+            return Proxy(tracer, tracer._recorder()._builder.tensor(self._path, info.name, meta))
+        if self._model is None or _torchmod.available() is None:
+            return _meta_weight(self._model, self._path, info)
+        from nnd.models import _weights
+
+        return _weights.outside(self._model, self._path, info)
+
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self._SELF_ATTRS or name.startswith("_"):
             object.__setattr__(self, name, value)
             return
+        if self._tensor_info(name) is not None:
+            where = f"{self._path}.{name}" if self._path else name
+            raise RuntimeError(
+                f"cannot change {where}: the daemon's model is shared by every client and its weights never "
+                "change (nnsight would change the model for good, or refuse an in-place write as torch does). "
+                f"Change what the module computes instead: set `{self._path or 'model'}.output` inside a trace"
+            )
         raise AttributeError(f"cannot assign {name!r} on a module of the model; set `.output` inside a trace")
 
     def __getitem__(self, key: int | slice | str) -> Any:
@@ -94,10 +128,11 @@ class Envoy:
         return iter(list(self._children.values()))
 
     def __dir__(self) -> list[str]:
-        """The public API and the modules reachable as attributes: no private
-        names, and not a ModuleList's "0", "1" (`h[0]`, not `h.0`)."""
+        """The public API, the modules reachable as attributes and the module's own parameters
+        and buffers: no private names, and not a ModuleList's "0", "1" (`h[0]`, not `h.0`)."""
         api = {name for name in super().__dir__() if not name.startswith("_")}
-        return sorted(api | {name for name in (*self._children, *self._aliases) if name.isidentifier()})
+        tensors = [info.name for info in self._parameters]  # `lm_head.weight` completes too
+        return sorted(api | {name for name in (*self._children, *self._aliases, *tensors) if name.isidentifier()})
 
     def __repr__(self) -> str:
         return _printing.render(self)
@@ -123,7 +158,6 @@ class Envoy:
         once): shapes and dtypes, no data — the weights stay in the daemon. Each
         is a `torch.nn.Parameter` on the "meta" device (an `nnd.MetaTensor`
         without torch)."""
-        from nnd.wire import _meta
 
         base = len(self._path) + 1 if self._path else 0
         for env in self.modules() if recurse else iter([self]):
@@ -132,7 +166,7 @@ class Envoy:
                     continue
                 full = f"{env._path}.{info.name}" if env._path else info.name
                 name = full[base:]
-                yield (f"{prefix}.{name}" if prefix else name), _meta.parameter(list(info.shape), info.dtype)
+                yield (f"{prefix}.{name}" if prefix else name), _meta_weight(self._model, env._path, info)
 
     def parameters(self, recurse: bool = True) -> Iterator[Any]:
         """The parameters of `named_parameters()`."""
@@ -204,6 +238,18 @@ class Envoy:
         """Run this module out of place on traced values (a logit lens:
         `model.lm_head(h)`), recorded as a "call_module" op."""
         return self._tracer("()")._record("call_module", [self._path, *args], kwargs)
+
+
+def _meta_weight(model: TransformersModel | None, path: str, info: nnd_pb2.ParameterInfo) -> Any:
+    """A weight's shape and dtype on the "meta" device, tagged with where it lives so that a block
+    of its model it is passed into reads the real tensor (tracing/_graph.weight_of)."""
+    from nnd.tracing._graph import WEIGHT_TAG
+    from nnd.wire import _meta
+
+    value = _meta.parameter(list(info.shape), info.dtype)
+    if not isinstance(value, _meta.MetaTensor):
+        value.__dict__.update({WEIGHT_TAG: (path, info.name), "_nnd_model": model})
+    return value
 
 
 def build_tree(model: TransformersModel | None, modules: Iterable[nnd_pb2.ModuleInfo], root: Envoy) -> None:

@@ -61,6 +61,9 @@ def query(tracer: Tracer, proxy: Proxy) -> Any:
     """The scanned value of `proxy`: a MetaTensor, or a tuple/list/dict of them."""
     ref = proxy._ref()
     builder = tracer._builder
+    known = builder.known.get(ref)
+    if known is not None:
+        return known
     if not tracer._invokes:
         raise ValueError("a shape is known only once the trace has an input; read it inside `tracer.invoke(...)`")
     invokes = tuple(i.SerializeToString(deterministic=True) for i in tracer._invokes)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-from nnd.tracing import _source
+from nnd.tracing import _context, _source
 from nnd.v1 import graph_pb2, values_pb2
 from nnd.wire import _codec, _torchmod
 
@@ -41,6 +41,9 @@ class GraphBuilder:
         self._counter = counter if counter is not None else [1]  # ids start at 1: 0 reads as "unset"
         # Client tensors that require grad, used by the graph: id(tensor) -> (tensor, Param node id).
         self.params: dict[int, tuple[Any, int]] = {}
+        # What the client knows of a node without asking the daemon: a model weight's shape and dtype
+        # (the module tree carries them), so `model.lm_head.weight.shape` costs no round trip.
+        self.known: dict[int, Any] = {}
 
     # -- scopes
     @property
@@ -91,6 +94,14 @@ class GraphBuilder:
     def module(self, path: str, point: int, invoke: int | None, call: int = 0, op: str = "") -> int:
         node = self._node(("module", path, point, invoke, call, op))
         _fill_module(node.module, path, point, invoke, call, op)
+        return node.id
+
+    def tensor(self, path: str, name: str, meta: Any = None) -> int:
+        """A ModuleTensor node: the parameter or buffer `name` of the module at `path`."""
+        node = self._node(("tensor", path, name))
+        node.tensor.path, node.tensor.name = path, name
+        if meta is not None:
+            self.known[node.id] = meta
         return node.id
 
     def op(self, name: str, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> int:
@@ -192,6 +203,10 @@ class GraphBuilder:
             kind = "tuple" if isinstance(obj, tuple) else "list"
             arg = graph_pb2.Arg(tuple=lst) if kind == "tuple" else graph_pb2.Arg(list=lst)
             return arg, (kind, tuple(k for _, k in items))
+        weight = _weight_of(obj)
+        if weight is not None:  # `model.lm_head.weight` read outside the block: the model's own tensor
+            ref = self.tensor(*weight)
+            return graph_pb2.Arg(ref=ref), ("r", self.keys[ref])
         if _wants_grad(obj):  # a client tensor autograd must reach: one leaf, its gradient comes back
             ref = self.param(obj)
             return graph_pb2.Arg(ref=ref), ("r", self.keys[ref])
@@ -232,6 +247,28 @@ def _fill_module(
     if invoke is not None:
         msg.invoke = invoke
     msg.call = call
+
+
+# (path, name) on a tensor that stands for a model's weight (models/_weights.py makes them).
+WEIGHT_TAG = "_nnd_weight"
+
+
+def _weight_of(obj: Any) -> tuple[str, str] | None:
+    return weight_of(obj) if _torchmod.loaded() is not None else None
+
+
+def weight_of(obj: Any) -> tuple[str, str] | None:
+    """(path, name) when `obj` stands for a weight of the model being traced now (a tensor from
+    `model.x.weight` or `named_parameters()` read outside the block): the graph reads the
+    model's own tensor for it. A weight of another model is only a tensor here."""
+    tag = getattr(obj, "__dict__", {}).get(WEIGHT_TAG)
+    if not isinstance(tag, tuple):
+        return None
+    tracer = _context.current_or_none()
+    model = obj.__dict__.get("_nnd_model")
+    if tracer is None or model is None or getattr(tracer.model, "_family", None) is not model._family:
+        return None
+    return tag
 
 
 def _wants_grad(obj: Any) -> bool:

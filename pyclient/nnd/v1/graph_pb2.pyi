@@ -107,7 +107,7 @@ class Stop(_message.Message):
     def __init__(self) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("id", "loc", "scope", "module", "constant", "op", "save", "set", "skip", "stop", "backward", "grad", "set_grad", "cache", "param")
+    __slots__ = ("id", "loc", "scope", "module", "constant", "op", "save", "set", "skip", "stop", "backward", "grad", "set_grad", "cache", "param", "tensor")
     ID_FIELD_NUMBER: _ClassVar[int]
     LOC_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class Node(_message.Message):
     SET_GRAD_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     PARAM_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
     id: int
     loc: SourceLocation
     scope: int
@@ -138,7 +139,16 @@ class Node(_message.Message):
     set_grad: SetGrad
     cache: Cache
     param: Param
-    def __init__(self, id: _Optional[int] = ..., loc: _Optional[_Union[SourceLocation, _Mapping]] = ..., scope: _Optional[int] = ..., module: _Optional[_Union[ModuleValue, _Mapping]] = ..., constant: _Optional[_Union[_values_pb2.Value, _Mapping]] = ..., op: _Optional[_Union[Op, _Mapping]] = ..., save: _Optional[_Union[Save, _Mapping]] = ..., set: _Optional[_Union[SetModuleValue, _Mapping]] = ..., skip: _Optional[_Union[Skip, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., backward: _Optional[_Union[Backward, _Mapping]] = ..., grad: _Optional[_Union[Grad, _Mapping]] = ..., set_grad: _Optional[_Union[SetGrad, _Mapping]] = ..., cache: _Optional[_Union[Cache, _Mapping]] = ..., param: _Optional[_Union[Param, _Mapping]] = ...) -> None: ...
+    tensor: ModuleTensor
+    def __init__(self, id: _Optional[int] = ..., loc: _Optional[_Union[SourceLocation, _Mapping]] = ..., scope: _Optional[int] = ..., module: _Optional[_Union[ModuleValue, _Mapping]] = ..., constant: _Optional[_Union[_values_pb2.Value, _Mapping]] = ..., op: _Optional[_Union[Op, _Mapping]] = ..., save: _Optional[_Union[Save, _Mapping]] = ..., set: _Optional[_Union[SetModuleValue, _Mapping]] = ..., skip: _Optional[_Union[Skip, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., backward: _Optional[_Union[Backward, _Mapping]] = ..., grad: _Optional[_Union[Grad, _Mapping]] = ..., set_grad: _Optional[_Union[SetGrad, _Mapping]] = ..., cache: _Optional[_Union[Cache, _Mapping]] = ..., param: _Optional[_Union[Param, _Mapping]] = ..., tensor: _Optional[_Union[ModuleTensor, _Mapping]] = ...) -> None: ...
+
+class ModuleTensor(_message.Message):
+    __slots__ = ("path", "name")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    name: str
+    def __init__(self, path: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class Param(_message.Message):
     __slots__ = ("value",)

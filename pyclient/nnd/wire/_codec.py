@@ -109,7 +109,10 @@ def _fill_torch(t: values_pb2.Tensor, tensor: Any) -> None:
 
     tensor = tensor.detach()
     if tensor.device.type == "meta":
-        raise TypeError("a tensor on the meta device has no data to send")
+        raise TypeError(
+            "a tensor on the meta device has no data to send (outside a block a model's weight has only its "
+            "shape and dtype: compute with `model.<module>.weight` inside the block)"
+        )
     name = _dtypes.canonical(tensor.dtype)
     if not _dtypes.is_element_type(name):
         raise TypeError(f"tensors of dtype {tensor.dtype} cannot be sent")
