@@ -25,6 +25,7 @@ _LAZY = {
     "LanguageModel": ("nnd._model", "LanguageModel"),
     "save": ("nnd._save", "save"),
     "set_tensor_type": ("nnd._torchmod", "set_tensor_type"),
+    "set_progress": ("nnd._progress", "set_progress"),
     "connect": ("nnd.connection", "connect"),
     "Proxy": ("nnd._proxy", "Proxy"),
     "Envoy": ("nnd._envoy", "Envoy"),
@@ -60,6 +61,7 @@ if TYPE_CHECKING:  # static types for the lazy names (redundant aliases re-expor
     from nnd._model import LanguageModel as LanguageModel
     from nnd._model import TransformersModel as TransformersModel
     from nnd._nnsight import NNsight as NNsight
+    from nnd._progress import set_progress as set_progress
     from nnd._proxy import Proxy as Proxy
     from nnd._results import StepToken as StepToken
     from nnd._save import save as save
