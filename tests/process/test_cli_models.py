@@ -89,6 +89,18 @@ def test_a_placement_that_fails_only_with_another_handles_choice_says_what_is_th
     assert "use it as it is" in msg and f"nnd release {path}" in msg and "--name" in msg, msg
     model = _ps(served)[path]
     assert model["state"] == "META" and not model.get("worker_pids")
+    # Once that handle has dispatched it as nf4 (bitsandbytes runs on CPU), the refusal says so and
+    # the worker keeps running.
+    nf4 = nnd.LanguageModel(path, address=served.address, dtype="nf4", device="cpu", progress=False)
+    assert nf4.name == path
+    nf4.dispatch()
+    before = _ps(served)[path]
+    asked = served.cli("dispatch", path, "--tp", "2", check=False)
+    assert asked.returncode == 1, (asked.stdout, asked.stderr)
+    assert f"{path} is dispatched with" in asked.stderr and "dtype=nf4" in asked.stderr, asked.stderr
+    assert "asks for tp_size=2" in asked.stderr and "use it as it is" in asked.stderr, asked.stderr
+    after = _ps(served)[path]
+    assert after["state"] == "DISPATCHED" and after["worker_pids"] == before["worker_pids"]
     # A Python handle asking for tp_size=2 gets a model of its own; the nf4 one is left as it was.
     tp = nnd.LanguageModel(path, address=served.address, tp_size=2)
     assert tp.name != path
