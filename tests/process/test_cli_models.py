@@ -40,6 +40,9 @@ def test_a_short_name_is_usable_everywhere_and_survives_a_restart(tmp_path, tiny
         with model.scan("The Eiffel Tower"):
             shape = model.transformer.h[0].output.shape.save()
         assert tuple(shape)[-1] == model.config.n_embd
+        # a handle naming it with another placement is told what the name holds, not given another model
+        with pytest.raises(nnd.NndError, match="tiny is .*gpt2 loaded with .*asks for dtype=bfloat16"):
+            nnd.LanguageModel("tiny", address=d.address, dtype="bfloat16")
         # loading it under its name again is the same model; the name cannot be taken by another one
         assert d.cli("load", tiny_models["gpt2"], "--name", "tiny").stdout.startswith("tiny: META")
         taken = d.cli("load", tiny_models["llama"], "--name", "tiny", check=False)
