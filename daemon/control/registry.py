@@ -22,6 +22,7 @@ import grp
 import itertools
 import logging
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -81,6 +82,8 @@ class Entry:
     loaded_by: str = ""
     dispatched_by: str = ""
     dispatched_at: float = 0.0
+    # Loaded under a short name of its own (LoadModelRequest.name, `nnd load PATH --name NAME`).
+    short: bool = False
 
 
 # Placement fields a handle may leave to whoever loaded the model first ("auto" is no choice either).
@@ -113,6 +116,8 @@ def _agrees(entry: Entry, req: nnd_pb2.LoadModelRequest) -> bool:
         if current in _OPEN or current == 0:
             if fd.name in _NUMERIC:
                 return False
+            if fd.name == "tp_size" and dispatched and wanted > 1:
+                return False  # a worker without tensor parallel runs already: not what was asked for
             continue
         if current != wanted:
             return False
@@ -270,6 +275,11 @@ class Registry:
         if not name:
             raise errors.InvalidArgument("LoadModel needs a model: a repo id or a local directory")
         check_name(name)
+        short = self._named(name, req)
+        if short is not None:  # `model = "llama"`, a name some `nnd load ... --name llama` gave
+            return short
+        if req.name:
+            check_short_name(req.name)
         if not req.upload:  # an upload (control/uploads.py) is gated by --no-uploads, not the allow-list
             # One folder is one model, however it is reached (a link, a relative path, /proc/self/root/...).
             name = local_key(name)
@@ -289,12 +299,23 @@ class Registry:
                     held = self._entries.get(name)
                     if held is not None and held.upload:  # a model sent as data answers to its name
                         return held
-                    # One checkpoint may be loaded several ways: a handle gets the entry whose placement
-                    # and load options agree with its own, else an entry of its own (variant_tag).
-                    found = self._agreeing(source, req)
-                    if found is not None:
-                        return found
-                    name = self._free_variant(source, req)
+                    if req.name:  # an entry of its own under the name asked for, or that one again
+                        named = self._entries.get(req.name)
+                        if named is not None:
+                            if named.meta.source == source and _agrees(named, req):
+                                return named
+                            raise errors.AlreadyExists(
+                                f"the name {req.name!r} is taken by {named.meta.source} "
+                                f"({_describe(named.placement)}); unload it first or choose another name"
+                            )
+                        name = req.name
+                    else:
+                        # One checkpoint may be loaded several ways: a handle gets the entry whose placement
+                        # and load options agree with its own, else an entry of its own (variant_tag).
+                        found = self._agreeing(source, req)
+                        if found is not None:
+                            return found
+                        name = self._free_variant(source, req)
                 pending = self._loading.get(name)
                 if pending is None:
                     self._loading[name] = threading.Event()
@@ -322,6 +343,7 @@ class Registry:
                 keep_alive=req.keep_alive,
                 upload=req.upload,  # the registry file records it (statefile.py)
                 loaded_by=user,
+                short=bool(req.name),
             )
             with self._lock:
                 self._entries[name] = entry
@@ -336,6 +358,30 @@ class Registry:
             with self._lock:
                 self._loading.pop(name).set()
 
+    def _named(self, name: str, req: nnd_pb2.LoadModelRequest) -> Entry | None:
+        """The entry loaded under the short name `name`, if one is; refused when `req` asks for
+        something else of it (another placement or options, or a name of its own)."""
+        with self._lock:
+            entry = self._entries.get(name)
+        if entry is None or not entry.short:
+            return None
+        if req.name and req.name != name:
+            raise errors.InvalidArgument(
+                f"{name!r} is already a short name (of {entry.meta.source}); give the checkpoint's path or repo id "
+                f"to load it under another name"
+            )
+        if not _agrees(entry, req):
+            raise errors.FailedPrecondition(
+                f"{name} is {entry.meta.source} loaded with {_describe(entry.dispatched_placement or entry.placement)}; "
+                f"this handle asks for {_describe(req.placement)}. Either use it as it is (no placement of your own), "
+                f"or load the checkpoint with a placement of its own (its path, or `nnd load {entry.meta.source} "
+                "--name OTHER` with your placement)"
+            )
+        with self._lock:
+            if entry.state == META:
+                entry.placement = _merge(entry.placement, req.placement)
+        return entry
+
     def _agreeing(self, source: str, req: nnd_pb2.LoadModelRequest) -> Entry | None:
         """The loaded entry of checkpoint `source` that serves what `req` asks (under the lock).
         A placement field the entry leaves open, on a model not yet dispatched, is taken from `req`."""
@@ -344,9 +390,21 @@ class Registry:
                 continue
             if _agrees(entry, req):
                 if entry.state == META:
-                    entry.placement = _merge(entry.placement, req.placement)
+                    merged = _merge(entry.placement, req.placement)
+                    if merged.tp_size > 1 and not self._placement_ok(entry, merged):
+                        # (tp_size=2 on a model another handle loaded as nf4): taking this handle's
+                        # choice would break the model for both; this handle gets an entry of its own.
+                        continue
+                    entry.placement = merged
                 return entry
         return None
+
+    def _placement_ok(self, entry: Entry, placement: nnd_pb2.Placement) -> bool:
+        try:
+            self._check_placement(entry, placement)
+        except errors.NndError:
+            return False
+        return True
 
     def _free_variant(self, source: str, req: nnd_pb2.LoadModelRequest) -> str:
         """The name a new entry of `source` loaded as `req` asks gets: the checkpoint's own name first.
@@ -415,10 +473,7 @@ class Registry:
         # Before the checks on the merged placement: they would blame fields of the placement it is
         # dispatched with (a dtype another handle chose) for what this caller asked.
         self._check_conflict(entry, override, placement, user)
-        loadoptions.check_placement(placement)
-        # Refuse a tensor-parallel degree this model or machine cannot run, before any process starts.
-        tplaunch.check(entry.meta.config, placement, self.gpus.count())
-        budgets.check_gpus_visible(placement, self.gpus.count())
+        self._check_combined(entry, override, placement)
         with self._lock:
             while entry.state == DISPATCHING:
                 self._changed.wait()
@@ -500,6 +555,50 @@ class Registry:
             extra=_fields("dispatch", entry.name, user, duration_s=took, placement=_describe(placement)),
         )
 
+    def _check_placement(self, entry: Entry, placement: nnd_pb2.Placement) -> None:
+        """The refusals a placement meets before any process starts (fields, tensor parallel, GPUs)."""
+        loadoptions.check_placement(placement)
+        # Refuse a tensor-parallel degree this model or machine cannot run, before any process starts.
+        tplaunch.check(entry.meta.config, placement, self.gpus.count())
+        budgets.check_gpus_visible(placement, self.gpus.count())
+
+    def _check_combined(self, entry: Entry, override: nnd_pb2.Placement | None, placement: nnd_pb2.Placement) -> None:
+        """Check the placement a dispatch would use. When what the caller asked for is fine by itself
+        and fails only together with what the model already has (`--tp 2` on a model another handle
+        loaded or dispatched as nf4), the refusal says so: what is there, chosen by whom, and the
+        caller's choices, instead of blaming a field the caller never gave."""
+        try:
+            self._check_placement(entry, placement)
+        except errors.NndError as exc:
+            if override is None or not override.ListFields():
+                raise
+            try:
+                self._check_placement(entry, _merge(nnd_pb2.Placement(), override))
+            except errors.NndError:
+                raise exc from None  # the caller's own choice is refused as it is
+            raise errors.FailedPrecondition(self._combined_refusal(entry, override, str(exc))) from None
+
+    def _combined_refusal(self, entry: Entry, override: nnd_pb2.Placement, why: str) -> str:
+        asked = {fd.name for fd, _ in override.ListFields()}
+        dispatched = entry.state == DISPATCHED and entry.dispatched_placement is not None
+        have = entry.dispatched_placement if dispatched else entry.placement
+        kept = nnd_pb2.Placement()
+        for fd, value in have.ListFields():
+            if fd.name not in asked:
+                kept.MergeFrom(nnd_pb2.Placement(**{fd.name: value}))
+        if dispatched:
+            where = f"is dispatched with {_describe(kept)} by {_who(entry.dispatched_by or None)} at {_when(entry.dispatched_at)}"
+        else:
+            where = f"was loaded with {_describe(kept)} by {_who(entry.loaded_by or None)} (every dispatch of it uses that)"
+        source = entry.meta.source or entry.name
+        return (
+            f"{entry.name} {where}; this call asks for {_describe(override)}, which cannot be combined with it "
+            f"({why}). Either use it as it is (no placement of your own), release it first "
+            f"(`nnd release {entry.name}`, then dispatch it with the placement you want), or load the checkpoint "
+            f"under another name with a placement of its own (`nnd load {source} --name NAME` with your placement; "
+            "in Python, a handle whose placement differs in a field it sets)"
+        )
+
     def _check_conflict(
         self, entry: Entry, override: nnd_pb2.Placement | None, placement: nnd_pb2.Placement, user: str | None
     ) -> None:
@@ -521,7 +620,8 @@ class Registry:
             f"{by}{busy}; this call asks for {_describe(override)}. Either use it as it is (no placement of your "
             f"own), release it first (`nnd release {entry.name}`"
             + (", with --force as it is not yours" if others else "")
-            + "), or load a copy of the checkpoint (another folder) with a placement of its own"
+            + f"), or load the checkpoint under another name with a placement of its own (`nnd load "
+            f"{entry.meta.source or entry.name} --name NAME` with your placement, or a copy in another folder)"
         )
 
     def _make_room(self, entry: Entry) -> None:
@@ -971,6 +1071,18 @@ def check_name(name: str) -> None:
         raise errors.InvalidArgument(f"the model name {name[:80]!r} contains a control character")
     if name.startswith("-"):
         raise errors.InvalidArgument(f"the model name {name[:80]!r} starts with '-'; no repo id or path does")
+
+
+_SHORT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def check_short_name(name: str) -> None:
+    """A short name (`--name`) is never a path or an org/name repo id, so it cannot hide one."""
+    if not _SHORT.fullmatch(name) or name in (".", ".."):
+        raise errors.InvalidArgument(
+            f"the short name {name[:80]!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter "
+            "or digit (no '/': it must not look like a path or an org/name repo id)"
+        )
 
 
 def local_key(name: str) -> str:

@@ -34,10 +34,13 @@ class Record:
     options: dict[str, Any] = field(default_factory=dict)
     # The checkpoint of an entry named after its load choices ("gpt2@dtype=bfloat16"); "" when the name is it.
     source: str = ""
+    # Loaded under this short name (`nnd load PATH --name NAME`); absent in older files.
+    short: bool = False
 
     def load_request(self) -> nnd_pb2.LoadModelRequest:
         req = nnd_pb2.LoadModelRequest(
             model=self.source or self.name,
+            name=self.name if self.short else "",
             revision=self.revision,
             task=self.task,
             trust_remote_code=self.trust_remote_code,
@@ -65,6 +68,7 @@ def write(path: str, entries: Iterable[Any]) -> None:
                 "upload": e.upload,
                 "options": json_format.MessageToDict(e.meta.ref.options),
                 "source": e.meta.ref.source if e.meta.ref.source not in ("", e.name) and not e.upload else "",
+                "short": getattr(e, "short", False),
             }
         )
     os.makedirs(os.path.dirname(path), exist_ok=True)

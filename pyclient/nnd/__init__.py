@@ -5,9 +5,10 @@
     with model.trace("The Eiffel Tower is in the city of"):
         hidden = model.transformer.h[5].output.save()
 
-Importing nnd is cheap: grpc and the rest load when first used, and torch
-never unless your code imports it: results are torch tensors when torch is
-imported, else numpy arrays (see `nnd.set_tensor_type`).
+Importing nnd is cheap: grpc and the rest load when first used, torch when
+the first result arrives. Results are torch tensors when torch is installed,
+as nnsight's, else numpy arrays; `nnd.set_tensor_type("numpy")` (or
+NND_TENSORS=numpy) asks for numpy arrays whatever is installed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ _LAZY = {
     "LanguageModel": ("nnd.models._model", "LanguageModel"),
     "save": ("nnd.tracing._save", "save"),
     "set_tensor_type": ("nnd.wire._torchmod", "set_tensor_type"),
+    "set_progress": ("nnd.wire._progress", "set_progress"),
     "connect": ("nnd.wire.connection", "connect"),
     "Proxy": ("nnd.tracing._proxy", "Proxy"),
     "Envoy": ("nnd.models._envoy", "Envoy"),

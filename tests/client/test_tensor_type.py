@@ -1,4 +1,4 @@
-"""What saved results become: torch tensors if the user's code imported torch, else numpy arrays.
+"""What saved results become: torch tensors (as nnsight's) unless numpy is asked for, whatever was imported.
 
 Each case runs in a fresh process (this test process has torch imported) and
 sends the result's bytes back, compared here with the same trace read as torch.
@@ -56,10 +56,11 @@ def _client(daemon, tiny_models, *, prelude="", setting="", env=None):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_without_torch_imported_results_are_numpy_and_torch_stays_unloaded(daemon, tiny_models, expected):
+def test_results_are_torch_tensors_by_default_without_the_user_importing_torch(daemon, tiny_models, expected):
+    # nnsight returns torch tensors: code written for it must get them whatever it imported.
     got = _client(daemon, tiny_models)
-    assert got["type"] == "numpy.ndarray"
-    assert not got["torch_imported"]
+    assert got["type"] == "torch.Tensor"
+    assert got["torch_imported"]
     np.testing.assert_array_equal(np.array(got["values"], dtype=np.float32), expected.numpy().ravel())
 
 
@@ -69,9 +70,10 @@ def test_with_torch_imported_results_are_torch(daemon, tiny_models, expected):
     np.testing.assert_array_equal(np.array(got["values"], dtype=np.float32), expected.numpy().ravel())
 
 
-def test_nnd_tensors_torch_imports_torch_for_results(daemon, tiny_models, expected):
-    got = _client(daemon, tiny_models, env={"NND_TENSORS": "torch"})
-    assert got["type"] == "torch.Tensor" and got["torch_imported"]
+def test_nnd_tensors_numpy_gives_numpy_and_never_imports_torch(daemon, tiny_models, expected):
+    got = _client(daemon, tiny_models, env={"NND_TENSORS": "numpy"})
+    assert got["type"] == "numpy.ndarray" and not got["torch_imported"]
+    np.testing.assert_array_equal(np.array(got["values"], dtype=np.float32), expected.numpy().ravel())
 
 
 def test_set_tensor_type_numpy_even_with_torch_imported(daemon, tiny_models, expected):
@@ -80,6 +82,25 @@ def test_set_tensor_type_numpy_even_with_torch_imported(daemon, tiny_models, exp
     np.testing.assert_array_equal(np.array(got["values"], dtype=np.float32), expected.numpy().ravel())
 
 
+def test_set_tensor_type_wins_over_the_environment(daemon, tiny_models, expected):
+    got = _client(daemon, tiny_models, setting="nnd.set_tensor_type('torch')", env={"NND_TENSORS": "numpy"})
+    assert got["type"] == "torch.Tensor"
+
+
+def test_auto_follows_the_import_when_asked_for(daemon, tiny_models, expected):
+    got = _client(daemon, tiny_models, setting="nnd.set_tensor_type('auto')")
+    assert got["type"] == "numpy.ndarray" and not got["torch_imported"]
+    got = _client(daemon, tiny_models, prelude="import torch", env={"NND_TENSORS": "auto"})
+    assert got["type"] == "torch.Tensor"
+
+
+def test_without_torch_installed_results_are_numpy(daemon, tiny_models, expected):
+    # sys.modules["torch"] = None makes torch unimportable, as on a machine without it.
+    got = _client(daemon, tiny_models, prelude="sys.modules['torch'] = None")
+    assert got["type"] == "numpy.ndarray"
+    np.testing.assert_array_equal(np.array(got["values"], dtype=np.float32), expected.numpy().ravel())
+
+
 def test_unknown_tensor_type_is_refused():
-    with pytest.raises(ValueError, match="auto, torch, numpy"):
+    with pytest.raises(ValueError, match="torch, numpy, auto"):
         nnd.set_tensor_type("jax")

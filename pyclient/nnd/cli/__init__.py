@@ -21,7 +21,8 @@ STATES = {0: "?", 1: "META", 2: "DISPATCHING", 3: "DISPATCHED"}
 QUICKSTART = """\
 quickstart:
   nnd serve &
-  nnd load gpt2
+  nnd pull openai-community/gpt2
+  nnd load openai-community/gpt2 --name gpt2
   nnd dispatch gpt2 --device cuda
   nnd ps"""
 
@@ -100,33 +101,6 @@ def _print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, sort_keys=False))
 
 
-class _Progress:
-    """A one-line progress bar on a terminal; plain lines otherwise."""
-
-    def __init__(self, stream: Any = sys.stderr) -> None:
-        self.stream = stream
-        self.tty = stream.isatty()
-        self.last = ""
-
-    def update(self, stage: str, done: int, total: int, unit: str, message: str) -> None:
-        if total:
-            frac = done / total
-            bar = "#" * int(frac * 30)
-            line = f"{stage:<9} [{bar:<30}] {done}/{total} {unit}"
-        else:
-            line = f"{stage:<9} {message}"
-        if self.tty:
-            self.stream.write("\r" + line.ljust(len(self.last)))
-            self.stream.flush()
-        elif line != self.last and (not total or done in (1, total) or done % max(1, total // 10) == 0):
-            self.stream.write(line + "\n")
-        self.last = line
-
-    def close(self) -> None:
-        if self.tty and self.last:
-            self.stream.write("\n")
-
-
 # ---------------------------------------------------------------- commands
 
 
@@ -149,6 +123,7 @@ def cmd_load(ns: argparse.Namespace) -> int:
         placement=_placement(ns),
         keep_alive=ns.keep_alive or "",
         trust_remote_code=ns.trust_remote_code,
+        name=ns.name or "",
     )
     t0 = time.perf_counter()
     info = _conn(ns).call("LoadModel", req)
@@ -170,14 +145,35 @@ def _local(model: str) -> str:
 
 
 def cmd_dispatch(ns: argparse.Namespace) -> int:
-    return _dispatch(ns, _local(ns.model))
+    return _dispatch(ns, _loaded(ns, ns.model, _placement(ns)))
+
+
+def _loaded(ns: argparse.Namespace, model: str, placement: Any = None) -> str:
+    """The daemon's name of `model`, loading it first (META, as `nnd load` does) when it is not
+    loaded yet, as the Python client does: dispatch, generate and scan need no `nnd load` before."""
+    from nnd.errors import ModelNotFound
+    from nnd.v1 import nnd_pb2
+
+    model = _local(model)
+    conn = _conn(ns)
+    try:
+        return conn.call("GetModel", nnd_pb2.GetModelRequest(model=model)).name or model
+    except ModelNotFound:
+        pass
+    req = nnd_pb2.LoadModelRequest(model=model, keep_alive=getattr(ns, "keep_alive", None) or "")
+    if placement is not None:
+        req.placement.CopyFrom(placement)
+    print(f"nnd: {model} is not loaded; loading it", file=sys.stderr)
+    return conn.call("LoadModel", req).name or model
 
 
 def _dispatch(ns: argparse.Namespace, model: str) -> int:
     from nnd.v1 import nnd_pb2
 
     req = nnd_pb2.DispatchRequest(model=model, placement=_placement(ns), keep_alive=ns.keep_alive or "")
-    bar = _Progress()
+    from nnd.wire import _progress
+
+    bar = _progress.Lines()  # the same renderer as model.dispatch() and a first trace (_progress.py)
     final = None
     try:
         for msg in _conn(ns).stream("Dispatch", req):
@@ -323,13 +319,13 @@ def cmd_info(ns: argparse.Namespace) -> int:
 def cmd_scan(ns: argparse.Namespace) -> int:
     from nnd.cli import tools as clitools
 
-    return clitools.scan_table(_conn(ns), _local(ns.model), ns.prompt, as_json=ns.json)
+    return clitools.scan_table(_conn(ns), _loaded(ns, ns.model), ns.prompt, as_json=ns.json)
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
     from nnd.cli import tools as clitools
 
-    return clitools.generate_text(_conn(ns), _local(ns.model), ns.prompt, ns)
+    return clitools.generate_text(_conn(ns), _loaded(ns, ns.model), ns.prompt, ns)
 
 
 def cmd_trace(ns: argparse.Namespace) -> int:
@@ -399,11 +395,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--trust-remote-code", action="store_true", help="run the repo's model code (the daemon must allow it)"
     )
+    p.add_argument(
+        "--name", help="a short name to use for it everywhere a model is named (kept across daemon restarts)"
+    )
     p.add_argument("--dispatch", action="store_true", help="dispatch right away")
     p.add_argument("--json", action="store_true", help="print the model as JSON")
     _placement_args(p)
 
-    p = add("dispatch", cmd_dispatch, "load a model's weights in a worker process (shows progress)")
+    p = add("dispatch", cmd_dispatch, "load a model's weights in a worker process (shows progress; loads it first if needed)")
     p.add_argument("model")
     _placement_args(p)
 
@@ -431,12 +430,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("info", cmd_info, "the daemon's version, libraries, devices and ops")
     p.add_argument("--json", action="store_true")
 
-    p = add("scan", cmd_scan, "every module's output shape and dtype for a prompt, without weights")
+    p = add("scan", cmd_scan, "every module's output shape and dtype for a prompt, without weights (loads it if needed)")
     p.add_argument("model")
     p.add_argument("prompt")
     p.add_argument("--json", action="store_true")
 
-    p = add("generate", cmd_generate, "generate text, printed as it comes")
+    p = add("generate", cmd_generate, "generate text, printed as it comes (loads and dispatches it if needed)")
     p.add_argument("model")
     p.add_argument("prompt")
     p.add_argument("--max-new-tokens", type=_positive_int, default=32, help="tokens to generate (at least 1)")
@@ -445,6 +444,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
     p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold (0: off)")
     p.add_argument("--seed", type=int, help="seed for sampling, for reproducible text")
+
+    from nnd.cli import hub as cli_hub
+
+    cli_hub.add_commands(add)
 
     p = add("completion", cmd_completion, "print the shell completion script: eval \"$(nnd completion bash)\"")
     p.add_argument("shell", choices=["bash", "zsh", "fish"], help="the shell to complete in")

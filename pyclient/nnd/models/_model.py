@@ -51,6 +51,12 @@ class TransformersModel(_envoy.Envoy):
     lm_head, embed) that every client and language shares. `edits` opens a named edited
     variant that some client stored with `model.edit(name=...)`.
 
+    Loading the weights (`dispatch()`, `dispatch=True`, or the first trace
+    of a model not dispatched yet) shows their progress as `nnd dispatch`
+    does: a tqdm bar in a notebook, lines on stderr in a script.
+    `progress=False` keeps this handle quiet; `nnd.set_progress(False)` (or
+    NND_PROGRESS=0) the whole process.
+
     `attn_implementation` ("eager", "sdpa", ...) and `config` (a transformers
     config, or its `to_dict()`, used instead of the checkpoint's) reach the
     daemon's META model and every dispatch, as nnsight passes them to
@@ -80,6 +86,7 @@ class TransformersModel(_envoy.Envoy):
         edits: str | list[str] | None = None,
         attn_implementation: str | None = None,
         config: Any = None,
+        progress: bool | None = None,
         **kwargs: Any,
     ) -> None:
         if "torch_dtype" in kwargs:  # transformers' older spelling
@@ -131,6 +138,9 @@ class TransformersModel(_envoy.Envoy):
             request.options.CopyFrom(options)
         self._info: nnd_pb2.ModelInfo = self._load(request)
         self._name = self._info.name or name_or_path
+        self._progress = progress
+        if progress is not None:  # the first trace's dispatch (Connection.ensure_dispatched) honours it too
+            self._conn.progress[self._name] = progress
         _envoy.build_tree(self, self._info.modules, self)
         if self._edits:
             known = {e.id for e in self.list_edits()}
@@ -292,26 +302,34 @@ class TransformersModel(_envoy.Envoy):
         return self
 
     # -- lifecycle
-    def dispatch(self, progress: Callable[[nnd_pb2.DispatchProgress], None] | None = None) -> TransformersModel:
-        """Load the weights now, calling `progress` with each progress message."""
+    def dispatch(self, progress: bool | Callable[[nnd_pb2.DispatchProgress], None] | None = None) -> TransformersModel:
+        """Load the weights now, showing their progress (a tqdm bar in a notebook, lines on stderr
+        otherwise). `progress=False` is quiet, a callable is given each progress message instead;
+        None: the handle's `progress=`, else the process's setting (`nnd.set_progress`)."""
+        from nnd.wire import _progress
+
         request = nnd_pb2.DispatchRequest(model=self._name)
         if self._placement is not None:
             request.placement.CopyFrom(self._placement)
-        for msg in self._conn.stream("Dispatch", request):
-            if progress is not None:
-                progress(msg)
-            if msg.HasField("model"):
-                self._info = msg.model
+        chosen = self.__dict__.get("_progress") if progress is None else progress
+
+        def final(info: nnd_pb2.ModelInfo) -> None:
+            self._info = info
+
+        _progress.show(self._conn.stream("Dispatch", request), self._name, chosen, on_final=final)
+        self._conn._dispatched.add(self._name)  # the next trace needs no check of its own
         return self
 
     def release(self) -> TransformersModel:
         """End the model's worker so its memory returns; the model stays loaded (META)."""
         self._info = self._conn.call("Release", nnd_pb2.ReleaseRequest(model=self._name))
+        self._conn.forget_dispatched(self._name)
         return self
 
     def unload(self) -> None:
         """Release and forget the model on the daemon."""
         self._conn.call("Unload", nnd_pb2.UnloadRequest(model=self._name))
+        self._conn.forget_dispatched(self._name)
 
     # -- blocks
     def trace(self, *inputs: Any, **options: Any) -> Any:

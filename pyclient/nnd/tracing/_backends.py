@@ -234,7 +234,7 @@ class Scan(RemoteTrace):
     def delivered(self, tracer: Tracer, resolved: list[Proxy]) -> None:
         from nnd.wire import _torchmod
 
-        torch = _torchmod.loaded()
+        torch = _torchmod.available()  # FakeTensors when results are torch tensors, as nnsight's scan gives
         if torch is None:
             return
         from torch._subclasses.fake_tensor import FakeTensorMode

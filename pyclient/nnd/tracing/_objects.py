@@ -88,6 +88,12 @@ def mount() -> None:
         import nnd
 
         nnd.__getattr__("save")
+        # Results will be torch tensors (the default setting): import torch now, while `object` has no
+        # `save` of ours. torch's C module refuses to load beside one, so a first result arriving at a
+        # sync point inside the block (`.item()`) could not import it then.
+        from nnd.wire import _torchmod
+
+        _torchmod.available()
         _previous = current if callable(current) else None  # another library's, mounted since
         namespace["save"] = save_any
         _forget(set())

@@ -160,7 +160,7 @@ class Proxy:
         meta = self._tracer._recorder()._concrete(self)
         if not hasattr(meta, "dtype"):
             raise TypeError(f"this value is a {type(meta).__name__}, which has no dtype")
-        torch = _torchmod.loaded()
+        torch = _torchmod.available()
         return getattr(torch, meta.dtype) if torch is not None else meta.dtype
 
     @property

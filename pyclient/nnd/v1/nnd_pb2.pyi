@@ -109,7 +109,7 @@ class Placement(_message.Message):
     def __init__(self, device: _Optional[str] = ..., device_map: _Optional[str] = ..., dtype: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., max_memory: _Optional[_Mapping[str, str]] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("model", "revision", "task", "trust_remote_code", "placement", "dispatch", "keep_alive", "rename", "upload", "options")
+    __slots__ = ("model", "revision", "task", "trust_remote_code", "placement", "dispatch", "keep_alive", "rename", "upload", "options", "name")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class LoadModelRequest(_message.Message):
     RENAME_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     model: str
     revision: str
     task: str
@@ -130,7 +131,8 @@ class LoadModelRequest(_message.Message):
     rename: _containers.RepeatedCompositeFieldContainer[Rename]
     upload: str
     options: LoadOptions
-    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., task: _Optional[str] = ..., trust_remote_code: _Optional[bool] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., dispatch: _Optional[bool] = ..., keep_alive: _Optional[str] = ..., rename: _Optional[_Iterable[_Union[Rename, _Mapping]]] = ..., upload: _Optional[str] = ..., options: _Optional[_Union[LoadOptions, _Mapping]] = ...) -> None: ...
+    name: str
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., task: _Optional[str] = ..., trust_remote_code: _Optional[bool] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., dispatch: _Optional[bool] = ..., keep_alive: _Optional[str] = ..., rename: _Optional[_Iterable[_Union[Rename, _Mapping]]] = ..., upload: _Optional[str] = ..., options: _Optional[_Union[LoadOptions, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class LoadOptions(_message.Message):
     __slots__ = ("attn_implementation", "config_json")

@@ -132,8 +132,8 @@ class Decoder:
     """Turns result Values into Python objects.
 
     `blobs` maps a chunked tensor's blob id to its reassembled bytes. Tensors
-    become torch tensors when the process has imported torch (or asked for
-    them: `_torchmod.set_tensor_type`; `use_torch=False` forces numpy), else
+    become what `_torchmod.set_tensor_type` says (torch tensors when torch is
+    installed, by default; `use_torch=False` forces numpy), else
     numpy arrays; meta tensors become tensors on the "meta" device or `MetaTensor`.
     """
 

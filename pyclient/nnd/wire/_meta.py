@@ -33,12 +33,12 @@ class Size(tuple):
         return math.prod(self)
 
     def real(self) -> Any:
-        """A torch.Size when torch is imported, else a plain tuple."""
-        torch = _torchmod.loaded()
+        """A torch.Size when results are torch tensors (`nnd.set_tensor_type`), else a plain tuple."""
+        torch = _torchmod.available()
         return torch.Size(self) if torch is not None else tuple(self)
 
     def __repr__(self) -> str:
-        return f"torch.Size({list(self)})" if _torchmod.loaded() is not None else repr(tuple(self))
+        return f"torch.Size({list(self)})" if _torchmod.available() is not None else repr(tuple(self))
 
     def __getitem__(self, key: Any) -> Any:  # a slice of a Size is a Size, as in torch
         out = tuple.__getitem__(self, key)

@@ -40,8 +40,15 @@ class Route:
 class Router:
     """The routes of one connection's models, fetched on first use and when stale."""
 
-    def __init__(self, daemon: nnd_pb2_grpc.NndStub, metadata: Callable[[], list[tuple[str, str]]], options: Any):
+    def __init__(
+        self,
+        daemon: nnd_pb2_grpc.NndStub,
+        metadata: Callable[[], list[tuple[str, str]]],
+        options: Any,
+        on_forget: Callable[[str], None] | None = None,
+    ):
         self._daemon = daemon
+        self._on_forget = on_forget  # told when a model's route went stale or its worker was lost
         self._metadata = metadata
         self._options = options
         self._lock = threading.Lock()
@@ -147,6 +154,8 @@ class Router:
             if self._routes.get(model) is route:
                 del self._routes[model]
         route.channel.close()
+        if self._on_forget is not None:
+            self._on_forget(model)
 
     def _lost(
         self, model: str, route: Route, call: Any, err: grpc.RpcError, translate: Callable[[grpc.RpcError], Exception]

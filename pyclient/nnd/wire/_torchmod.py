@@ -1,9 +1,10 @@
 """Finding torch without importing it at `import nnd` time, and what results become.
 
-Results are torch tensors when the process has imported torch by the time they
-arrive, else numpy arrays: a notebook that never touches torch does not pay
-its ~1 s import to read an activation (`torch.from_numpy(x)` shares the
-memory). `set_tensor_type` or NND_TENSORS=torch|numpy|auto overrides this.
+The rule is one setting, never what happens to be imported: results are torch
+tensors when torch is installed (as nnsight's are, so nnsight code runs
+unchanged), numpy arrays when it is not or when the user asks for numpy
+(`set_tensor_type("numpy")` or NND_TENSORS=numpy). `import nnd` stays light
+either way: torch is imported when the first result arrives, not before.
 """
 
 from __future__ import annotations
@@ -13,25 +14,30 @@ import os
 import sys
 from types import ModuleType
 
-KINDS = ("auto", "torch", "numpy")
+KINDS = ("torch", "numpy", "auto")
 _installed: bool | None = None
 _kind: str | None = None
 
 
 def loaded() -> ModuleType | None:
-    """torch if the user's process already imported it, else None (never imports)."""
+    """torch if the user's process already imported it, else None (never imports): for telling
+    whether a value the user passed is a torch object, which it cannot be without the import."""
     return sys.modules.get("torch")
 
 
 def set_tensor_type(kind: str) -> None:
-    """What saved tensors become in this process.
+    """What saved tensors become in this process, whatever else it imported.
 
-    - ``"auto"`` (the default): torch tensors if torch is imported when the
-      results arrive, else numpy arrays, so ``import nnd`` never loads torch.
-    - ``"torch"``: always torch tensors (imports torch on the first result).
-    - ``"numpy"``: always numpy arrays (bfloat16 arrives as float32).
+    - ``"torch"`` (the default): torch tensors, as nnsight gives; torch is
+      imported when the first result arrives. Without torch installed,
+      numpy arrays.
+    - ``"numpy"``: numpy arrays (bfloat16 arrives as float32); torch is never
+      imported for a result. ``torch.from_numpy(x)`` shares the memory.
+    - ``"auto"``: torch tensors if the process has imported torch by the
+      time a result arrives, else numpy arrays.
 
-    The environment variable ``NND_TENSORS`` sets the same at start-up.
+    The environment variable ``NND_TENSORS`` sets the same at start-up; a
+    call of this function wins over it.
     """
     global _kind
     if kind not in KINDS:
@@ -43,14 +49,14 @@ def tensor_type() -> str:
     """The current setting (see `set_tensor_type`)."""
     if _kind is not None:
         return _kind
-    env = os.environ.get("NND_TENSORS", "auto").strip().lower() or "auto"
+    env = os.environ.get("NND_TENSORS", "torch").strip().lower() or "torch"
     if env not in KINDS:
         raise ValueError(f"NND_TENSORS must be one of {', '.join(KINDS)}, not {env!r}")
     return env
 
 
 def available() -> ModuleType | None:
-    """torch if results should be torch tensors (see `set_tensor_type`), importing it if asked to; else None."""
+    """torch if results should be torch tensors (see `set_tensor_type`), importing it if needed; else None."""
     global _installed
     kind = tensor_type()
     if kind == "numpy":

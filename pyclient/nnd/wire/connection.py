@@ -104,7 +104,11 @@ class Connection:
         self.direct = (
             not self.tls and _address.unix_path(self.address) is not None and os.environ.get("NND_DIRECT") != "0"
         )
-        self.router = _route.Router(self.stub, self._metadata, CHANNEL_OPTIONS)
+        self.router = _route.Router(self.stub, self._metadata, CHANNEL_OPTIONS, on_forget=self.forget_dispatched)
+        # Models this process saw dispatched (their first data request dispatched them with progress),
+        # and each handle's `progress=` choice by model name (_progress.show).
+        self._dispatched: set[str] = set()
+        self.progress: dict[str, Any] = {}
         # The daemon's word for this process's user (ownership, `nnd ps`, logs); None over TCP.
         self._ticket = _identity.fetch_ticket(self.address) if not self.tls else None
 
@@ -124,7 +128,10 @@ class Connection:
     def stream(self, method: str, request: Any, *, timeout: float | None = None) -> Iterator[Any]:
         """A server-streaming call; iterating raises nnd exceptions. Closing the
         iterator cancels the call on the daemon."""
-        if self.direct and method in contract.DATA_METHODS and not getattr(request, "scan", False):
+        data = method in contract.DATA_METHODS and not getattr(request, "scan", False)
+        if data and not request.no_auto_dispatch:
+            self.ensure_dispatched(request.model, request.keep_alive)
+        if self.direct and data:
             yield from self.router.stream(
                 method, request, timeout, lambda left: self._stream(method, request, left), self._translate
             )
@@ -148,6 +155,7 @@ class Connection:
         daemon. `requests()` gives the messages (read by gRPC as it goes; called again if a stale
         route is refused before anything ran); iterating the answer raises nnd exceptions;
         closing it cancels the call."""
+        self.ensure_dispatched(model)
         if self.direct:
             yield from self.router.follow(
                 method, model, requests, timeout, lambda left: self._bidi(method, requests(), left), self._translate
@@ -163,6 +171,32 @@ class Connection:
             raise self._translate(err) from None
         finally:
             call.cancel()
+
+    def ensure_dispatched(self, model: str, keep_alive: str = "") -> None:
+        """Before a data request: dispatch a META model here, showing the weights' progress as
+        `nnd dispatch` does, instead of leaving the daemon to dispatch it silently (a large model
+        takes minutes). One GetRoute per model and process while it stays dispatched; the
+        dispatch uses the placement the model was loaded with, as the daemon's own would."""
+        if model in self._dispatched:
+            return
+        from nnd.v1 import nnd_pb2
+        from nnd.wire import _progress
+
+        try:
+            route = self.stub.GetRoute(nnd_pb2.RouteRequest(model=model), metadata=self._metadata(), timeout=30)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older daemon: it dispatches by itself
+                self._dispatched.add(model)
+                return
+            raise self._translate(err) from None
+        if not route.address:
+            request = nnd_pb2.DispatchRequest(model=model, keep_alive=keep_alive)
+            _progress.show(self.stream("Dispatch", request), model, self.progress.get(model))
+        self._dispatched.add(model)
+
+    def forget_dispatched(self, model: str) -> None:
+        """The model's worker ended (released, lost, re-dispatched): its next request checks again."""
+        self._dispatched.discard(model)
 
     def _translate(self, err: grpc.RpcError) -> Exception:
         exc = from_rpc_error(err)
