@@ -310,8 +310,10 @@ class Lanes:
         self.light.start_soon()
 
     def close(self) -> None:
+        light = threading.Thread(target=self.light.close, name="stop-helper-light")  # both lanes at once
+        light.start()
         self.heavy.close()
-        self.light.close()
+        light.join()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.heavy, name)

@@ -4,7 +4,10 @@ max_new_tokens=0 is refused as transformers refuses it, and a missing local fold
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 from collections.abc import Iterator
 
 import pytest
@@ -125,14 +128,46 @@ def test_a_missing_local_folder_is_no_such_directory(served, where):
 
 
 STREAM = """
-import os, signal, sys, threading
+import os, signal, sys, threading, time
 import nnd
 model = nnd.TransformersModel(sys.argv[1], address=sys.argv[2])
-for token in model.stream("Hello world", max_new_tokens=100, min_new_tokens=100):
-    if token.step == 1:
-        print("streaming", flush=True)
-        # Ctrl-C as a terminal sends it: the loop spends nearly all its time waiting for the next token
-        threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGINT)).start()
+worker, main = int(sys.argv[3]), threading.main_thread().ident
+
+
+def waiting_for_a_token():
+    # The main thread is in nnd's stream generator, blocked for the next message (in gRPC's call).
+    frame = sys._current_frames()[main]
+    if frame.f_code.co_name not in ("_consume_next_event", "wait"):
+        return False
+    while frame is not None and not (frame.f_code.co_name == "stream" and "nnd" in frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame is not None
+
+
+def ctrl_c():
+    # Ctrl-C as a terminal sends it, while the loop waits for the next token: with the worker stopped no
+    # new token can come, so once the main thread waits for one (twice in a row, the same token last:
+    # any already on their way have been read) it stays there until the signal.
+    while True:
+        seen = steps[-1]
+        if waiting_for_a_token():
+            time.sleep(0.02)
+            if waiting_for_a_token() and steps[-1] == seen:
+                break
+        time.sleep(0.001)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+steps = [0]
+try:
+    for token in model.stream("Hello world", max_new_tokens=100, min_new_tokens=100):
+        steps.append(token.step)
+        if token.step == 1:
+            os.kill(worker, signal.SIGSTOP)
+            print("streaming", flush=True)
+            threading.Thread(target=ctrl_c, daemon=True).start()
+finally:
+    os.kill(worker, signal.SIGCONT)
 """
 
 
@@ -142,9 +177,17 @@ def test_ctrl_c_during_stream_is_one_line(served, dispatched, tmp_path):
 
     script = tmp_path / "stream.py"
     script.write_text(STREAM)
-    res = subprocess.run(
-        [sys.executable, str(script), dispatched, served.address], capture_output=True, text=True, timeout=120
-    )
+    worker = _ps(served)[dispatched]["worker_pids"][0]
+    try:
+        res = subprocess.run(
+            [sys.executable, str(script), dispatched, served.address, str(worker)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGCONT)  # whatever became of the script
     assert res.stdout.startswith("streaming"), (res.stdout, res.stderr)
     err = res.stderr
     assert res.returncode != 0 and "KeyboardInterrupt: nnd: interrupted: cancelled after" in err, err
