@@ -266,6 +266,7 @@ class Server:
         total: int = 4096,
         quick: frozenset[str] = frozenset(),
         quick_threads: int = 8,
+        maximum_concurrent_rpcs: int | None = None,
         name: str = "grpc",
     ) -> None:
         self.idle_s = idle_s
@@ -281,10 +282,10 @@ class Server:
         self._thread = threading.Thread(target=self._loop.run_forever, name=name + "-loop", daemon=True)
         self._thread.start()
         self._stopped = threading.Event()
-        self._server: Any = self._on_loop(self._make, list(options))
+        self._server: Any = self._on_loop(self._make, list(options), maximum_concurrent_rpcs)
 
-    async def _make(self, options: list[tuple[str, Any]]) -> Any:
-        server = grpc.aio.server(options=options)
+    async def _make(self, options: list[tuple[str, Any]], maximum_concurrent_rpcs: int | None) -> Any:
+        server = grpc.aio.server(options=options, maximum_concurrent_rpcs=maximum_concurrent_rpcs)
         server.add_generic_rpc_handlers((_Dispatch(self),))
         return server
 

@@ -240,6 +240,9 @@ class Registry:
             request_limits={
                 **intake.pick(lim, intake.REQUEST_LIMIT_FIELDS),
                 "max_queue_share": settings.users.max_queue_share,
+                # The route socket's bounds on calls that have not sent their request (worker/listen.py).
+                "request_idle_timeout_s": settings.request_idle_timeout_s,
+                "max_waiting_calls": settings.max_waiting_calls,
             },
             batch_window_ms=settings.batch_window_ms,
             token=token,  # workers ask clients for the daemon's token too

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from nnd_daemon import errors, identity, shared
+from nnd_daemon import asyncserve, errors, identity, shared
 from nnd_daemon.tokens import TokenInterceptor
 from nnd_daemon.worker.gateway import Gateway
 
@@ -27,11 +27,15 @@ TOKEN_ENV = "NND_WORKER_TOKEN"
 # 256); Status pings must always find one more: a watchdog ping stuck behind
 # queued requests would make a busy worker look hung. Threads start on demand.
 RPC_THREADS = 320
-# Calls the public socket (clients following the route) takes at once. A call whose client never sends
-# its request holds a pool thread while gRPC waits for it; beyond this gRPC refuses new calls itself,
-# before any thread, with RESOURCE_EXHAUSTED (the Python client then goes through the daemon, whose
-# calls use the private socket's own pool). Below RPC_THREADS: stalled calls cannot take every thread.
+# Calls the public socket (clients following the route) takes at once, beyond which gRPC refuses new
+# ones itself with RESOURCE_EXHAUSTED (the Python client then goes through the daemon, whose calls use
+# the private socket's own pool). A call whose client has not sent its request costs no thread
+# (daemon/asyncserve.py): it waits on the server's loop, at most WAITING_PER_CLIENT of one caller's
+# (its verified identity; --max-waiting-calls) and at most the request idle timeout
+# (--request-idle-timeout), so one client cannot take the socket's calls or threads.
 PUBLIC_CALLS = 256
+WAITING_PER_CLIENT = 32
+REQUEST_IDLE_S = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +53,7 @@ def start(
     *,
     token: str | None = None,
     identity_key: str | None = None,
-) -> list[grpc.Server]:
+) -> list[Any]:
     """Serve `service` (add_worker adds its Worker servicer) and its data path; returns the servers.
     `token`: the one clients must present; None: the daemon's, from TOKEN_ENV (taken out of the
     environment, so nothing this process starts inherits it). `identity_key`: the users' ticket key
@@ -66,11 +70,17 @@ def start(
     mapped = errors.ErrorInterceptor(logging.getLogger("nnd.worker"), internal="internal error in worker")
     if ns.public:
         interceptors = [TokenInterceptor(token), mapped] if token else [mapped]
-        public = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=RPC_THREADS),
+        limits = json.loads(ns.request_limits or "{}")
+        public = asyncserve.Server(
+            threads=RPC_THREADS,
             options=shared.GRPC_OPTIONS,
-            interceptors=interceptors,
             maximum_concurrent_rpcs=PUBLIC_CALLS,
+            interceptors=interceptors,
+            caller_of=lambda metadata, peer: identity.caller_of(metadata, peer, tickets),
+            idle_s=float(limits.get("request_idle_timeout_s", REQUEST_IDLE_S)),
+            per_client=int(limits.get("max_waiting_calls", WAITING_PER_CLIENT)),
+            total=PUBLIC_CALLS,
+            name="route",
         )
         public.add_generic_rpc_handlers((gateway.handler(route=True),))
         old = os.umask(0o117)  # 0660: the daemon's group may connect, as to the daemon's own socket
@@ -91,6 +101,6 @@ def start(
     return servers
 
 
-def stop(servers: list[grpc.Server], grace: float) -> None:
+def stop(servers: list[Any], grace: float) -> None:
     for server in servers:
         server.stop(grace=grace)
