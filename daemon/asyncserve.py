@@ -76,11 +76,13 @@ class Waiting:
         mine = self._counts.get(who, 0)
         if self.per_client and mine >= self.per_client:
             return (
-                f"this client already has {mine} calls open that have not sent their request "
-                f"(the limit per client, --max-waiting-calls); send or close them first"
+                f"this client ({who}) already has {mine} calls open that have not sent their request "
+                f"(max_waiting_calls={self.per_client}, --max-waiting-calls); send or close them first"
             )
         if self.total and self._all >= self.total:
-            return f"{self._all} calls are open without their request (the server's limit); try again shortly"
+            return (
+                f"{self._all} calls are open without their request (the server's limit, all clients); try again shortly"
+            )
         self._counts[who] = mine + 1
         self._all += 1
         return None
@@ -266,7 +268,8 @@ class Server:
         total: int = 4096,
         quick: frozenset[str] = frozenset(),
         quick_threads: int = 8,
-        maximum_concurrent_rpcs: int | None = None,
+        max_calls: int = 0,
+        on_refusal: Callable[[str, grpc.StatusCode, str], None] | None = None,
         name: str = "grpc",
     ) -> None:
         self.idle_s = idle_s
@@ -282,10 +285,15 @@ class Server:
         self._thread = threading.Thread(target=self._loop.run_forever, name=name + "-loop", daemon=True)
         self._thread.start()
         self._stopped = threading.Event()
-        self._server: Any = self._on_loop(self._make, list(options), maximum_concurrent_rpcs)
+        # Calls open at once (0: no cap); beyond it a call is refused before anything runs. Our own count:
+        # grpc.aio's maximum_concurrent_rpcs stops taking calls instead, so a client would wait, not fall back.
+        self.max_calls = max_calls
+        self._calls = 0
+        self._on_refusal = on_refusal
+        self._server: Any = self._on_loop(self._make, list(options))
 
-    async def _make(self, options: list[tuple[str, Any]], maximum_concurrent_rpcs: int | None) -> Any:
-        server = grpc.aio.server(options=options, maximum_concurrent_rpcs=maximum_concurrent_rpcs)
+    async def _make(self, options: list[tuple[str, Any]]) -> Any:
+        server = grpc.aio.server(options=options)
         server.add_generic_rpc_handlers((_Dispatch(self),))
         return server
 
@@ -342,18 +350,46 @@ class Server:
         bounded = not method.startswith(UNBOUNDED_PREFIXES)
 
         async def serve(_requests: Any, call: Any) -> Any:
-            return await self._serve(handler, pool, bounded, call)
+            if self.max_calls and self._calls >= self.max_calls:
+                await self._refuse(
+                    call,
+                    method,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self._calls} calls are open on this socket (its limit); nothing ran",
+                )
+            self._calls += 1
+            try:
+                return await self._serve(handler, pool, bounded, call, method)
+            finally:
+                self._calls -= 1
 
-        make = grpc.stream_stream_rpc_method_handler if handler.response_streaming else grpc.stream_unary_rpc_method_handler
+        make = (
+            grpc.stream_stream_rpc_method_handler
+            if handler.response_streaming
+            else grpc.stream_unary_rpc_method_handler
+        )
         return make(
             serve, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
         )
 
-    async def _serve(self, handler: grpc.RpcMethodHandler, pool: Any, bounded: bool, call: Any) -> Any:
+    async def _refuse(self, call: Any, method: str, code: grpc.StatusCode, message: str) -> None:
+        """End a call that never ran (RESOURCE_EXHAUSTED: with BUSY_KEY, so a client may go elsewhere)."""
+        if self._on_refusal is not None:
+            try:
+                self._on_refusal(method, code, message)
+            except Exception:  # noqa: BLE001 - counting must never change the answer
+                log.exception("refusal hook failed")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            call.set_trailing_metadata(((BUSY_KEY, "1"),))
+        await call.abort(code, message)
+
+    async def _serve(
+        self, handler: grpc.RpcMethodHandler, pool: Any, bounded: bool, call: Any, method: str = ""
+    ) -> Any:
         context = Context(call, self._loop, self._caller_of(call.invocation_metadata() or (), call.peer() or ""))
         context.task = asyncio.current_task()
         try:
-            first = await self._first(call, context.caller[0] if bounded else None)
+            first = await self._first(call, method, context.caller[0] if bounded else None)
             if handler.request_streaming:
                 request: Any = context.requests(first)
             elif first is grpc.aio.EOF:
@@ -376,20 +412,21 @@ class Server:
         finally:
             context.finish()
 
-    async def _first(self, call: Any, who: str | None) -> Any:
+    async def _first(self, call: Any, method: str, who: str | None) -> Any:
         """The call's first message, once it comes: bounded per caller and cut off after `idle_s`."""
         if who is not None:
             refused = self.waiting.enter(who)
             if refused is not None:
-                call.set_trailing_metadata(((BUSY_KEY, "1"),))
-                await call.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
+                await self._refuse(call, method, grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
         try:
             if self.idle_s <= 0:
                 return await call.read()
             try:
                 return await asyncio.wait_for(call.read(), self.idle_s)
             except asyncio.TimeoutError:
-                await call.abort(
+                await self._refuse(
+                    call,
+                    method,
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"the call sent no request within {self.idle_s:g} s of opening (--request-idle-timeout); "
                     "it was cut off",

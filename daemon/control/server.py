@@ -25,8 +25,10 @@ from nnd_daemon.control.auth import Access
 from nnd_daemon.control.registry import Processes, Registry
 from nnd_daemon.control.servicer import NndServicer
 from nnd_daemon.control.settings import Settings
+from nnd_daemon.tokens import RefusalLog
 
 log = logging.getLogger("nnd.server")
+_REFUSALS = RefusalLog()
 
 SERVICE = "nnd.v1.Nnd"
 OPTIONS = [*shared.GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
@@ -184,6 +186,7 @@ class Daemon:
             per_client=settings.max_waiting_calls,
             quick=QUICK_METHODS,
             quick_threads=QUICK_THREADS,
+            on_refusal=self._refused,
             name="nnd",
         )
         self.tcp_port = 0
@@ -192,6 +195,13 @@ class Daemon:
         self._stopped = threading.Event()
         self.who: identity.WhoServer | None = None
         self.metrics: Any = None
+
+    def _refused(self, method: str, code: grpc.StatusCode, message: str) -> None:
+        """A call asyncserve refused before it ran (waiting-call bounds, the idle cut-off): counted
+        in the refusals metric, and logged at most once a minute (tokens.RefusalLog)."""
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self.registry.events.on_error(method, errors.ResourceExhausted(message))
+        _REFUSALS.note(method, "a caller", message.split(";")[0])
 
     def _start_metrics(self) -> None:
         """--metrics HOST:PORT: Prometheus text and /healthz, on a thread of their own (control/metrics.py)."""

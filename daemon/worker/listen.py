@@ -74,7 +74,7 @@ def start(
         public = asyncserve.Server(
             threads=RPC_THREADS,
             options=shared.GRPC_OPTIONS,
-            maximum_concurrent_rpcs=PUBLIC_CALLS,
+            max_calls=PUBLIC_CALLS,
             interceptors=interceptors,
             caller_of=lambda metadata, peer: identity.caller_of(metadata, peer, tickets),
             idle_s=float(limits.get("request_idle_timeout_s", REQUEST_IDLE_S)),
