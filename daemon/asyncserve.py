@@ -26,6 +26,7 @@ import concurrent.futures
 import contextvars
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -104,9 +105,21 @@ class Context:
     over a grpc.aio call; called from pool threads, it reaches the loop where it must."""
 
     def __init__(self, call: Any, loop: asyncio.AbstractEventLoop, caller: Caller) -> None:
+        # Pool threads never touch the aio call object itself (it is not thread-safe: its core call
+        # may be freed on the loop under a thread reading it, a segfault): what they read is copied
+        # here, on the loop, and what they set is applied on the loop (`apply`, or via the loop).
         self._call = call
         self._loop = loop
         self.caller = caller
+        self._metadata = tuple(call.invocation_metadata() or ())
+        self._peer = call.peer() or ""
+        self._auth = call.auth_context()
+        self._identities = call.peer_identities()
+        remaining = call.time_remaining()
+        self._deadline = None if remaining is None else time.monotonic() + remaining
+        self._trailers: tuple[Any, ...] | None = None
+        self._code: grpc.StatusCode | None = None
+        self._details: str | None = None
         self._done = False
         self._callbacks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
@@ -115,19 +128,19 @@ class Context:
 
     # -- what the call says -------------------------------------------------------------
     def invocation_metadata(self) -> Any:
-        return self._call.invocation_metadata()
+        return self._metadata
 
     def peer(self) -> str:
-        return self._call.peer()
+        return self._peer
 
     def auth_context(self) -> Any:
-        return self._call.auth_context()
+        return self._auth
 
     def peer_identities(self) -> Any:
-        return self._call.peer_identities()
+        return self._identities
 
     def time_remaining(self) -> float | None:
-        return self._call.time_remaining()
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
     def is_active(self) -> bool:
         return not self._done
@@ -176,13 +189,22 @@ class Context:
         raise _Aborted(code, details)
 
     def set_trailing_metadata(self, metadata: Any) -> None:
-        self._call.set_trailing_metadata(tuple(metadata))
+        self._trailers = tuple(metadata)
 
     def set_code(self, code: grpc.StatusCode) -> None:
-        self._call.set_code(code)
+        self._code = code
 
     def set_details(self, details: str) -> None:
-        self._call.set_details(details)
+        self._details = details
+
+    def apply(self) -> None:
+        """Hand what the handler set to the call. On the loop, before the status is sent."""
+        if self._trailers is not None:
+            self._call.set_trailing_metadata(self._trailers)
+        if self._code is not None:
+            self._call.set_code(self._code)
+        if self._details is not None:
+            self._call.set_details(self._details)
 
     def send_initial_metadata(self, metadata: Any) -> None:
         self._await(self._call.send_initial_metadata(tuple(metadata)))
@@ -402,10 +424,14 @@ class Server:
             try:
                 if handler.response_streaming:
                     await loop.run_in_executor(pool, run, _drive, behavior, request, context)
+                    context.apply()
                     return None
-                return await loop.run_in_executor(pool, run, behavior, request, context)
+                response = await loop.run_in_executor(pool, run, behavior, request, context)
+                context.apply()
+                return response
             except _Aborted as aborted:
                 if context.is_active():
+                    context.apply()
                     await call.abort(aborted.code, aborted.details)
             except _CallEnded:
                 return None
