@@ -25,7 +25,8 @@ import threading
 import time
 from typing import Any
 
-from nnd.v1.contract import USER_KEY
+# CLIENT_KEY: the client's own name for itself (user@host:pid from the Python client), unverified.
+from nnd.v1.contract import CLIENT_KEY, USER_KEY
 
 log = logging.getLogger("nnd.identity")
 
@@ -79,15 +80,35 @@ class Tickets:
 
 def who(context: Any, tickets: Tickets | None, *, token: bool = False) -> str:
     """The user behind a call: a verified ticket's, else what the transport says."""
-    metadata = dict(context.invocation_metadata() or ())
-    user = tickets.verify(metadata.get(USER_KEY)) if tickets is not None else None
+    return who_of(context.invocation_metadata() or (), context.peer() or "", tickets, token=token)
+
+
+def who_of(metadata: Any, peer: str, tickets: Tickets | None, *, token: bool = False) -> str:
+    """`who`, from a call's metadata and peer (before any handler runs)."""
+    user = tickets.verify(dict(metadata).get(USER_KEY)) if tickets is not None else None
     if user:
         return user
-    peer = context.peer() or ""
     if peer.startswith("unix"):
         return ""  # an old client, or one that could not reach the .who socket: not known
     host = peer.split(":", 1)[-1].rsplit(":", 1)[0]
     return f"token@{host}" if token else host
+
+
+# The one identity of every local caller without a valid ticket (raw gRPC, other languages, old
+# clients): they share one set of bounds, so skipping the ticket gains nothing.
+UNVERIFIED = "unverified local user"
+
+
+def caller_of(metadata: Any, peer: str, tickets: Tickets | None, *, token: bool = False) -> tuple[str, str]:
+    """Who a call is from, for fairness: (the verified identity, the client's own name within it).
+    Shares and turns go by the identity; the `nnd-client` name the client chose (its process,
+    user@host:pid) only tells its own calls apart, so sending many names buys no more shares."""
+    identity = who_of(metadata, peer, tickets, token=token) or UNVERIFIED
+    named = ""
+    for key, value in metadata or ():
+        if key == CLIENT_KEY and isinstance(value, str):
+            named = value[:80]
+    return identity, named
 
 
 class WhoServer:

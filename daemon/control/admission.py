@@ -9,7 +9,9 @@ RESOURCE_EXHAUSTED, so threads are always left for the quick calls of
 of its own and never gated). An Upload whose client sends nothing for
 `upload_idle_s` is cancelled, which frees its thread. No client holds more
 than its share of the slots (`client_share`, a quarter by default): a client
-that floods is refused RESOURCE_EXHAUSTED while others still find slots.
+that floods is refused RESOURCE_EXHAUSTED while others still find slots. A
+client is its verified identity (`caller_of`): the `nnd-client` names a caller
+sends are its own choice, so fifty of them are still one share.
 
 Every call but ListModels and GetModel (they only read the registry) also
 waits until the start-up imports are done (`Admission.ready`): two threads
@@ -26,8 +28,7 @@ from typing import Any
 
 import grpc
 
-from nnd.v1 import contract
-from nnd_daemon import errors
+from nnd_daemon import errors, identity
 
 log = logging.getLogger("nnd.admission")
 
@@ -49,14 +50,19 @@ def client_of(peer: str) -> str:
     return kind
 
 
-def caller_of(context: grpc.ServicerContext) -> str:
-    """The client for a slot's share: `client_of` its peer and its own `nnd-client` metadata (the Python
-    client sends user@host:pid, so two notebooks on one unix socket are two callers)."""
-    named = ""
-    for key, value in context.invocation_metadata() or ():
-        if key == contract.CLIENT_KEY and isinstance(value, str):
-            named = value[:80]
-    return f"{client_of(context.peer() or '?')} {named}"
+def caller_of(context: grpc.ServicerContext) -> tuple[str, str]:
+    """Who a call is from: (its verified identity, the client's own name within it), as the server
+    worked it out when the call opened (asyncserve.Context.caller: the uid of a ticket from the
+    `.who` socket, a token's or host's name over TCP). A context without it (a test's fake) counts
+    as the unverified identity of its transport."""
+    caller = getattr(context, "caller", None)
+    if caller is not None:
+        return caller
+    return identity.caller_of(context.invocation_metadata() or (), context.peer() or "", None)
+
+
+def _identity(caller: tuple[str, str] | str) -> str:
+    return caller if isinstance(caller, str) else caller[0]
 
 
 class Admission:
@@ -82,12 +88,14 @@ class Admission:
         self._uploads: dict[str, int] = {}
 
     # -- slots ----------------------------------------------------------------
-    def _enter(self, method: str, peer: str, caller: str = "") -> None:
+    def _enter(self, method: str, peer: str, caller: tuple[str, str] | str = "") -> None:
+        """Take a slot for `caller`; its share goes by its identity alone, whatever client names it sends."""
+        who = _identity(caller)
         with self._lock:
-            held = self._callers.get(caller, 0)
+            held = self._callers.get(who, 0)
             if held >= self.per_client:
                 raise errors.ResourceExhausted(
-                    f"this client has {held} calls running or waiting, its share of the daemon's "
+                    f"this client ({who}) has {held} calls running or waiting, its share of the daemon's "
                     f"{self.slow_slots} slots; wait for some to finish"
                 )
             if self._slow >= self.slow_slots:
@@ -107,14 +115,15 @@ class Admission:
                     )
                 self._uploads[client] = mine + 1
             self._slow += 1
-            self._callers[caller] = held + 1
+            self._callers[who] = held + 1
 
-    def _leave(self, method: str, peer: str, caller: str = "") -> None:
+    def _leave(self, method: str, peer: str, caller: tuple[str, str] | str = "") -> None:
+        who = _identity(caller)
         with self._lock:
             self._slow -= 1
-            self._callers[caller] -= 1
-            if not self._callers[caller]:
-                del self._callers[caller]
+            self._callers[who] -= 1
+            if not self._callers[who]:
+                del self._callers[who]
             if method == UPLOAD:
                 client = client_of(peer)
                 self._uploads[client] -= 1

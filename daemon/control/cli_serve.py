@@ -74,6 +74,8 @@ def settings_from_args(ns: argparse.Namespace) -> Settings:
         restart_limit=max(0, ns.restart_limit),
         batch_window_ms=max(0.0, getattr(ns, "batch_window_ms", 2.0)),
         upload_idle_timeout_s=max(0.0, getattr(ns, "upload_idle_timeout", 60.0)),
+        request_idle_timeout_s=max(0.0, getattr(ns, "request_idle_timeout", 5.0)),
+        max_waiting_calls=max(0, getattr(ns, "max_waiting_calls", 32)),
         metrics=metrics_address(getattr(ns, "metrics", None) or ""),
         log_requests=bool(getattr(ns, "log_requests", False)),
         log_format=getattr(ns, "log_format", "text"),

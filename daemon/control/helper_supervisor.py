@@ -44,8 +44,9 @@ log = logging.getLogger("nnd.helper")
 POLL_S = 0.05
 
 
-def caller_of(context: Any) -> str:
-    """Who a call is for, for taking turns (admission.caller_of); calls the daemon makes for itself are one."""
+def caller_of(context: Any) -> tuple[str, str] | str:
+    """Who a call is for, for taking turns (admission.caller_of: by verified identity, then the
+    client's own name); calls the daemon makes for itself are one."""
     if context is None:
         return "daemon"
     try:

@@ -241,6 +241,8 @@ class Registry:
             start_timeout_s=settings.worker_start_timeout_s,
             limits=lim.to_proto(),
             queue_share=settings.users.max_queue_share,
+            request_idle_timeout_s=settings.request_idle_timeout_s,
+            max_waiting_calls=settings.max_waiting_calls,
             batch_window_ms=settings.batch_window_ms,
             token=token,  # workers ask clients for the daemon's token too
             identity_key=self.tickets.key.hex(),

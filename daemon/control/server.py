@@ -11,7 +11,6 @@ import socket
 import stat
 import threading
 from collections.abc import Callable
-from concurrent import futures
 from typing import Any
 
 import grpc
@@ -19,7 +18,8 @@ from google.protobuf.message import DecodeError
 
 from nnd.v1 import address as _address
 from nnd.v1 import contract, nnd_pb2
-from nnd_daemon import errors, identity, modelfiles
+from nnd_daemon import asyncserve, errors, identity, modelfiles
+from nnd_daemon.bearer_tokens import RefusalLog
 from nnd_daemon.control import health, modelroots, statedir
 from nnd_daemon.control.admission import Admission
 from nnd_daemon.control.auth import Access
@@ -28,14 +28,26 @@ from nnd_daemon.control.servicer import NndServicer
 from nnd_daemon.control.settings import Settings
 
 log = logging.getLogger("nnd.server")
+_REFUSALS = RefusalLog()
 
 SERVICE = "nnd.v1.Nnd"
 OPTIONS = [*contract.GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
-# gRPC handler threads. Every request waiting for a model holds one, so with
-# too few, requests queued behind a long one leave none for `nnd ps`, health
-# checks or a Release. More than a model's default queue (64) several times
-# over; threads start on demand. (Each worker has more: worker/service.py.)
+# gRPC handler threads. A call takes one only once its request has arrived (daemon/asyncserve.py:
+# until then it waits on the server's loop, bounded per caller and cut off when idle). Every request
+# waiting for a model holds one, so with too few, requests queued behind a long one leave none for
+# a Release. More than a model's default queue (64) several times over; threads start on demand.
 HANDLER_THREADS = 256
+# Health and the listings `nnd ps` reads run on a small pool of their own: whatever holds the
+# handler threads, they answer.
+QUICK_METHODS = frozenset(
+    {
+        "/grpc.health.v1.Health/Check",
+        "/grpc.health.v1.Health/List",
+        f"/{SERVICE}/ListModels",
+        f"/{SERVICE}/GetModel",
+    }
+)
+QUICK_THREADS = 8
 # Threads no gated call may take: they keep `nnd ps`, ListModels, GetModel,
 # GetServerInfo and health answering whatever else runs (control/admission.py).
 RESERVED_THREADS = 32
@@ -57,8 +69,11 @@ def _handlers(servicer: NndServicer, admission: Admission) -> grpc.GenericRpcHan
         if fn is None:  # not implemented yet: gRPC answers UNIMPLEMENTED
             continue
         if method.client_streaming and method.server_streaming:  # Interact: bytes both ways (the worker parses)
+            # Admitted like a forwarded Trace once its first message came (asyncserve reads that on its loop).
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(
-                fn, request_deserializer=None, response_serializer=serialize
+                admission.wrap(method.name, fn, streaming=True),
+                request_deserializer=None,
+                response_serializer=serialize,
             )
             continue
         if method.client_streaming:  # Upload: messages in, one answer out (control/uploads.py refuses malformed ones)
@@ -157,14 +172,22 @@ class Daemon:
             uploads_per_client=settings.max_uploads_per_client,
             upload_idle_s=settings.upload_idle_timeout_s,
         )
-        self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=workers),
+        tickets, token = self.registry.tickets, self.registry.token_required
+        self.server = asyncserve.Server(
+            threads=workers,
             options=OPTIONS,
             # The token check first: a refused call never reaches a method (errors.ErrorInterceptor).
             interceptors=[
                 *self.access.interceptors(),
                 errors.ErrorInterceptor(logging.getLogger("nnd.servicer"), on_error=self.registry.events.on_error),
             ],
+            caller_of=lambda metadata, peer: identity.caller_of(metadata, peer, tickets, token=token),
+            idle_s=settings.request_idle_timeout_s,
+            per_client=settings.max_waiting_calls,
+            quick=QUICK_METHODS,
+            quick_threads=QUICK_THREADS,
+            on_refusal=self._refused,
+            name="nnd",
         )
         self.tcp_port = 0
         self.server.add_generic_rpc_handlers((_handlers(self.servicer, self.admission),))
@@ -172,6 +195,13 @@ class Daemon:
         self._stopped = threading.Event()
         self.who: identity.WhoServer | None = None
         self.metrics: Any = None
+
+    def _refused(self, method: str, code: grpc.StatusCode, message: str) -> None:
+        """A call asyncserve refused before it ran (waiting-call bounds, the idle cut-off): counted
+        in the refusals metric, and logged at most once a minute (tokens.RefusalLog)."""
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self.registry.events.on_error(method, errors.ResourceExhausted(message))
+        _REFUSALS.note(method, "a caller", message.split(";")[0])
 
     def _start_metrics(self) -> None:
         """--metrics HOST:PORT: Prometheus text and /healthz, on a thread of their own (control/metrics.py)."""

@@ -101,6 +101,11 @@ class Settings:
     max_uploads_per_client: int = 4
     max_concurrent_uploads: int = 16
     upload_idle_timeout_s: float = 60.0
+    # A call must send its request (a stream its first message) this many seconds after it opens, or it
+    # is cut off (0: never); until then it costs no thread, and one caller (its verified identity) may
+    # have at most `max_waiting_calls` such calls open (daemon/asyncserve.py; workers' route sockets too).
+    request_idle_timeout_s: float = 5.0
+    max_waiting_calls: int = 32
     # Prometheus metrics and /healthz on this HOST:PORT (control/metrics.py); "": off.
     metrics: str = ""
     # One log line per finished request (model, kind, client, queue wait, run time, status), by the worker.

@@ -166,6 +166,9 @@ class Launcher:
     limits: nnd_pb2.Limits = field(default_factory=nnd_pb2.Limits)
     # One user's share of a model's queue (settings.UserLimits.max_queue_share; 0: none).
     queue_share: float = 0.0
+    # The route socket's bounds on calls that have not sent their request (worker/listen.py).
+    request_idle_timeout_s: float = 5.0
+    max_waiting_calls: int = 32
     batch_window_ms: float = 0.0
     token: str | None = None
     # The key `nnd-user` tickets are checked with (identity.py), hex; handed over in the environment.
@@ -187,6 +190,7 @@ class Launcher:
             epoch=order.epoch,
             public_dir=self.public_dir,
             queue_share=self.queue_share,
+            route_bounds=(self.request_idle_timeout_s, self.max_waiting_calls),
             token=self.token,
             identity_key=self.identity_key,
             log_args=(["--log-requests"] if self.log_requests else []) + ["--log-format", self.log_format],
@@ -220,6 +224,7 @@ class Worker:
         epoch: int = 0,
         public_dir: str = "",
         queue_share: float = 0.0,
+        route_bounds: tuple[float, int] = (5.0, 32),
         token: str | None = None,
         identity_key: str = "",
         log_args: list[str] | None = None,
@@ -232,6 +237,7 @@ class Worker:
         self.run_dir = run_dir
         self.epoch = epoch
         self.queue_share = queue_share
+        self.route_bounds = route_bounds
         self._token = token
         # The last Status answer (watchdog pings refresh it): activity for keep-alive and LRU.
         self.last_status: worker_pb2.WorkerStatus | None = None
@@ -276,7 +282,9 @@ class Worker:
         args += ["--parent", str(os.getpid()), "--limits", intake.limits_arg(self.limits)]
         args += ["--epoch", str(self.epoch), "--queue-share", repr(float(self.queue_share))]
         if self.public:
-            args += ["--public", self.public]
+            idle, waiting = self.route_bounds
+            args += ["--public", self.public, "--request-idle-timeout", repr(float(idle))]
+            args += ["--max-waiting-calls", str(int(waiting))]
         if self.batch_window_ms > 0 and self.tp_size <= 1:
             args += ["--batch-window-ms", str(self.batch_window_ms)]
         cmd = [*isolated_python(), "-m", "nnd_daemon.worker", *args]

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from nnd.v1 import contract
-from nnd_daemon import errors, identity, intake
+from nnd_daemon import asyncserve, errors, identity, intake
 from nnd_daemon.bearer_tokens import TokenInterceptor
 from nnd_daemon.worker.gateway import Gateway
 
@@ -27,17 +27,23 @@ TOKEN_ENV = "NND_WORKER_TOKEN"
 # 256); Status pings must always find one more: a watchdog ping stuck behind
 # queued requests would make a busy worker look hung. Threads start on demand.
 RPC_THREADS = 320
-# Calls the public socket (clients following the route) takes at once. A call whose client never sends
-# its request holds a pool thread while gRPC waits for it; beyond this gRPC refuses new calls itself,
-# before any thread, with RESOURCE_EXHAUSTED (the Python client then goes through the daemon, whose
-# calls use the private socket's own pool). Below RPC_THREADS: stalled calls cannot take every thread.
+# Calls the public socket (clients following the route) takes at once, beyond which gRPC refuses new
+# ones itself with RESOURCE_EXHAUSTED (the Python client then goes through the daemon, whose calls use
+# the private socket's own pool). A call whose client has not sent its request costs no thread
+# (daemon/asyncserve.py): it waits on the server's loop, at most WAITING_PER_CLIENT of one caller's
+# (its verified identity; --max-waiting-calls) and at most the request idle timeout
+# (--request-idle-timeout), so one client cannot take the socket's calls or threads.
 PUBLIC_CALLS = 256
+WAITING_PER_CLIENT = 32
+REQUEST_IDLE_S = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--public", default="", help="unix socket clients reach by the model's route")
     parser.add_argument("--epoch", type=int, default=0, help="the route's epoch (the daemon's count of workers)")
     parser.add_argument("--queue-share", type=float, default=0.0, help="one user's share of the queue (0: none)")
+    parser.add_argument("--request-idle-timeout", type=float, default=REQUEST_IDLE_S, help="cut off a call whose request has not arrived")
+    parser.add_argument("--max-waiting-calls", type=int, default=WAITING_PER_CLIENT, help="per caller, calls not yet sent")
     parser.add_argument("--log-requests", action="store_true", help="log one line per finished request")
     parser.add_argument("--log-format", default="text", choices=("text", "json"))
 
@@ -49,7 +55,7 @@ def start(
     *,
     token: str | None = None,
     identity_key: str | None = None,
-) -> list[grpc.Server]:
+) -> list[Any]:
     """Serve `service` (add_worker adds its Worker servicer) and its data path; returns the servers.
     `token`: the one clients must present; None: the daemon's, from TOKEN_ENV (taken out of the
     environment, so nothing this process starts inherits it). `identity_key`: the users' ticket key
@@ -67,11 +73,16 @@ def start(
     mapped = errors.ErrorInterceptor(logging.getLogger("nnd.worker"), internal="internal error in worker")
     if ns.public:
         interceptors = [TokenInterceptor(token), mapped] if token else [mapped]
-        public = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=RPC_THREADS),
+        public = asyncserve.Server(
+            threads=RPC_THREADS,
             options=contract.GRPC_OPTIONS,
+            max_calls=PUBLIC_CALLS,
             interceptors=interceptors,
-            maximum_concurrent_rpcs=PUBLIC_CALLS,
+            caller_of=lambda metadata, peer: identity.caller_of(metadata, peer, tickets),
+            idle_s=ns.request_idle_timeout,
+            per_client=ns.max_waiting_calls,
+            total=PUBLIC_CALLS,
+            name="route",
         )
         public.add_generic_rpc_handlers((gateway.handler(route=True),))
         old = os.umask(0o117)  # 0660: the daemon's group may connect, as to the daemon's own socket
@@ -92,6 +103,6 @@ def start(
     return servers
 
 
-def stop(servers: list[grpc.Server], grace: float) -> None:
+def stop(servers: list[Any], grace: float) -> None:
     for server in servers:
         server.stop(grace=grace)

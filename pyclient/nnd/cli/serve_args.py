@@ -193,6 +193,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="cancel an upload that sends nothing for this long (0: never)",
     )
+    p.add_argument(
+        "--request-idle-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="cut off a call that has not sent its request this long after opening (0: never); "
+        "the daemon's socket and the workers' route sockets",
+    )
+    p.add_argument(
+        "--max-waiting-calls",
+        type=int,
+        default=32,
+        metavar="N",
+        help="calls one user may have open that have not sent their request yet; more are refused (0: no cap)",
+    )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     p.add_argument(
         "--worker-log-bytes",

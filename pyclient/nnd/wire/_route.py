@@ -202,9 +202,19 @@ def _never_ran(err: grpc.RpcError) -> bool:
     return _not_connected(err)
 
 
+# Trailing metadata of a worker's refusal before anything ran: this caller has as many calls open
+# there, still waiting for their request, as the worker takes from one caller.
+BUSY_KEY = "nnd-busy"
+
+
 def _at_capacity(err: grpc.RpcError) -> bool:
-    """gRPC's own refusal at a server's call limit (maximum_concurrent_rpcs): the call never started."""
-    return err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit exceeded" in (err.details() or "")
+    """The route's socket refused the call before it started: gRPC's own call limit
+    (maximum_concurrent_rpcs), or the worker's bound on one caller's calls still waiting for their request."""
+    if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return False
+    if "Concurrent RPC limit exceeded" in (err.details() or ""):
+        return True
+    return any(k == BUSY_KEY for k, _ in err.trailing_metadata() or ())
 
 
 def _not_connected(err: grpc.RpcError) -> bool:
