@@ -326,6 +326,63 @@ def test_chunked_result_reassembles_in_order(daemon, gpt2):
     np.testing.assert_array_equal(got, want)
 
 
+def _results_of(responses) -> list:
+    """A one-message response (TraceRequest.one_message) as the stream it stands for."""
+    out = []
+    for r in responses:
+        if r.WhichOneof("kind") != "results":
+            out.append(r)
+            continue
+        out += [nnd_pb2.TraceResponse(saved=s) for s in r.results.saved]
+        out += [nnd_pb2.TraceResponse(chunk=c) for c in r.results.chunk]
+        out.append(nnd_pb2.TraceResponse(done=r.results.done))
+    return out
+
+
+def test_a_trace_asking_for_one_message_gets_its_results_in_one(daemon, gpt2):
+    """A small trace with `one_message` answers one TraceResults message (the same values as the
+    stream: a seeded randn and a layer's output), through the daemon and on the worker's route."""
+    import torch
+
+    def request(one: bool) -> nnd_pb2.TraceRequest:
+        req = _randn_request(gpt2, 1000, seed=5)
+        req.graph.nodes.add(id=3, module=graph_pb2.ModuleValue(path="transformer.h.0", point=graph_pb2.OUTPUT))
+        req.graph.nodes.add(id=4, save=graph_pb2.Save(value=graph_pb2.Arg(ref=3)))
+        req.one_message = one
+        return req
+
+    channel, stub = _stub(daemon.address)
+    route = stub.GetRoute(nnd_pb2.RouteRequest(model=gpt2), timeout=30)
+    with channel, grpc.insecure_channel(route.address) as direct:
+        on_route = nnd_pb2_grpc.NndStub(direct)
+        streamed = list(stub.Trace(request(False), timeout=60))
+        whole = list(stub.Trace(request(True), timeout=60))
+        routed = list(on_route.Trace(request(True), timeout=60, metadata=[("nnd-epoch", str(route.epoch))]))
+    assert [r.WhichOneof("kind") for r in streamed] == ["saved", "saved", "done"]
+    for got in (whole, routed):
+        assert [r.WhichOneof("kind") for r in got] == ["results"]
+        assert len(got[0].results.saved) == 2 and got[0].results.done.compute_s > 0
+        values, want = _collect(_results_of(got)), _collect(streamed)
+        assert sorted(values) == [2, 4]
+        for node in values:
+            np.testing.assert_array_equal(values[node], want[node])
+    np.testing.assert_array_equal(values[2], torch.randn(1000, generator=torch.Generator().manual_seed(5)).numpy())
+
+
+def test_big_results_stream_in_chunks_even_when_one_message_is_asked(daemon, gpt2):
+    import torch
+
+    req = _randn_request(gpt2, 1_200_000, seed=4)
+    req.one_message = True
+    channel, stub = _stub(daemon.address)
+    with channel:
+        responses = list(stub.Trace(req, timeout=120))
+    kinds = [r.WhichOneof("kind") for r in responses]
+    assert kinds[0] == "saved" and kinds[-1] == "done" and kinds.count("chunk") >= 2 and "results" not in kinds
+    want = torch.randn(1_200_000, generator=torch.Generator().manual_seed(4)).numpy()
+    np.testing.assert_array_equal(_collect(responses)[2], want)
+
+
 def test_a_client_with_default_limits_receives_big_results(daemon, gpt2):
     channel, stub = _stub(daemon.address)  # gRPC defaults: 4 MiB receive limit
     with channel:

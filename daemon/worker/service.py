@@ -16,7 +16,7 @@ import psutil
 
 from nnd.v1 import nnd_pb2, worker_pb2, worker_pb2_grpc
 from nnd_daemon import errors, shared
-from nnd_daemon.worker import activity, loader, turns
+from nnd_daemon.worker import activity, loader, onemessage, turns
 from nnd_daemon.worker.stop import Stop
 
 log = logging.getLogger("nnd.worker")
@@ -120,6 +120,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 self._work(request, out.append, stop, started)
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status (errors.ErrorInterceptor)
                 raise on_error(exc) from None
+        whole = onemessage.join(out) if request.request.one_message else None
+        if whole is not None:
+            yield whole  # bytes: the gateway's serializer passes them as they are
+            return
         yield from out
 
     def _queued(self, ahead: int) -> nnd_pb2.TraceResponse:
