@@ -335,7 +335,10 @@ def _results_of(responses) -> list:
             continue
         out += [nnd_pb2.TraceResponse(saved=s) for s in r.results.saved]
         out += [nnd_pb2.TraceResponse(chunk=c) for c in r.results.chunk]
-        out.append(nnd_pb2.TraceResponse(done=r.results.done))
+        if r.results.HasField("paused"):
+            out.append(nnd_pb2.TraceResponse(paused=r.results.paused))
+        else:
+            out.append(nnd_pb2.TraceResponse(done=r.results.done))
     return out
 
 
@@ -367,6 +370,47 @@ def test_a_trace_asking_for_one_message_gets_its_results_in_one(daemon, gpt2):
         for node in values:
             np.testing.assert_array_equal(values[node], want[node])
     np.testing.assert_array_equal(values[2], torch.randn(1000, generator=torch.Generator().manual_seed(5)).numpy())
+
+
+def test_an_interact_stream_asking_for_one_message_gets_each_pause_in_one(daemon, gpt2):
+    """With `one_message` in the start's request, a sync point's value comes with its Paused as one
+    TraceResults, and the end's saved values with TraceDone: the same values as the two-message form."""
+    import queue
+
+    def run(one: bool) -> tuple[list[list[str]], dict[int, np.ndarray]]:
+        req = _request(gpt2)
+        req.graph.nodes.add(id=1, module=graph_pb2.ModuleValue(path="transformer.h.0", point=graph_pb2.OUTPUT))
+        req.graph.nodes.add(id=2, op=graph_pb2.Op(name="sum", args=[graph_pb2.Arg(ref=1)]))
+        req.one_message = one
+        more = graph_pb2.Graph()
+        more.nodes.add(id=3, save=graph_pb2.Save(value=graph_pb2.Arg(ref=1)))
+        outbox: queue.SimpleQueue = queue.SimpleQueue()
+        outbox.put(nnd_pb2.InteractRequest(start=nnd_pb2.InteractStart(request=req, want=[2])))
+        channel, stub = _stub(daemon.address)
+        kinds: list[list[str]] = [[]]
+        got: list = []
+        with channel:
+            for r in stub.Interact(iter(outbox.get, None), timeout=60):
+                kinds[-1].append(r.WhichOneof("kind"))
+                got.append(r)
+                if r.WhichOneof("kind") == "paused" or (r.WhichOneof("kind") == "results" and r.results.HasField("paused")):
+                    kinds.append([])
+                    outbox.put(nnd_pb2.InteractRequest(more=nnd_pb2.InteractContinue(graph=more, finish=True)))
+            outbox.put(None)
+        values = {}
+        for r in _results_of(got):
+            if r.WhichOneof("kind") == "saved":
+                t = r.saved.value.tensor
+                values[r.saved.node] = np.frombuffer(t.data, "<f4").reshape(list(t.shape))
+        return kinds, values
+
+    two_kinds, two = run(False)
+    one_kinds, one = run(True)
+    assert two_kinds == [["saved", "paused"], ["saved", "done"]]
+    assert one_kinds == [["results"], ["results"]]
+    assert sorted(one) == sorted(two) == [2, 3]
+    for node in one:
+        np.testing.assert_array_equal(one[node], two[node])
 
 
 def test_big_results_stream_in_chunks_even_when_one_message_is_asked(daemon, gpt2):

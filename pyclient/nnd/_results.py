@@ -198,6 +198,8 @@ def collect(
                 for chunk in whole.chunk:
                     blobs.add(chunk.blob, chunk.data)
                 out.compute_s = whole.done.compute_s
+                if until_paused and whole.HasField("paused"):
+                    break
             elif kind == "chunk":
                 blobs.add(msg.chunk.blob, msg.chunk.data)
             elif kind == "step":
