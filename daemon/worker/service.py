@@ -16,7 +16,7 @@ import psutil
 
 from nnd.v1 import nnd_pb2, worker_pb2, worker_pb2_grpc
 from nnd_daemon import errors, shared
-from nnd_daemon.worker import activity, loader, onemessage, turns
+from nnd_daemon.worker import activity, loader, onemessage, spares, turns
 from nnd_daemon.worker.stop import Stop
 
 log = logging.getLogger("nnd.worker")
@@ -45,6 +45,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # While a run is paused at a sync point holding the model: (its client, monotonic time the pause
         # must end by). A request that queues behind it is told so.
         self.paused: tuple[str, float] | None = None
+        # The threads streams run on, kept between requests (spares.py): a start per request costs more.
+        self._spares = spares.Spares()
 
     # -- Load ---------------------------------------------------------------
     def Load(self, request: worker_pb2.WorkerLoadRequest, context: grpc.ServicerContext) -> Iterator[Any]:
@@ -166,7 +168,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
                 out.put(exc)
 
-        threading.Thread(target=work, name="run", daemon=True).start()
+        self._spares.run(work, "run")
         while True:
             item = out.get()
             if item is _END:
@@ -188,7 +190,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         started: Callable[[], None],
     ) -> None:
         """Run `request` merged with concurrent ones (batching.py) or alone, one forward at a time."""
-        if self.batcher is not None and self.batcher.offer(request, self.tokenizer, emit, stop.is_set, started):
+        if self.batcher is not None and self.batcher.offer(request, self.tokenizer, emit, stop.is_set, started, stop):
             return
         self._turn(stop)
         try:
@@ -309,14 +311,19 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         out: queue.Queue[Any] = queue.Queue()
 
         def work() -> None:
+            # A client that asked for one message gets a pause's values with its Paused, and the end's
+            # with TraceDone, as one message each (onemessage.py): one write and wake-up fewer per sync.
+            emit = onemessage.Joiner(out.put) if _one_message(run) else out.put
             try:
                 self._turn(stop)  # alone: a paused run must not hold other clients' rows
                 try:
                     out.put(_STARTED)
-                    self._interact(run, out.put, stop.is_set, interaction)
+                    self._interact(run, emit, stop.is_set, interaction)
                 finally:
                     self.paused = None
                     self._run_lock.release()
+                if isinstance(emit, onemessage.Joiner):
+                    emit.flush()
                 out.put(_END)
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
                 out.put(exc)
@@ -326,8 +333,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         who = dict(user=self._user(context), rows=max(1, len(run.request.invokes)))
         with self.activity.track(kind, client, steps, **who) as tracked, _log_if_cancelled(stop, tracked):
             held.append(tracked)
-            threading.Thread(target=read, name="interact-read", daemon=True).start()
-            threading.Thread(target=work, name="interact", daemon=True).start()
+            self._spares.run(read, "interact-read")
+            self._spares.run(work, "interact")
             while True:
                 item = out.get()
                 if item is _END:
@@ -386,6 +393,13 @@ def _log_if_cancelled(stop: Stop, tracked: activity.Request) -> Iterator[None]:
             state = "while running" if tracked.running else "before it ran"
             log.info("%s from %s%s cancelled %s%s (the client cancelled or went away)", tracked.kind, tracked.client,
                      f" ({tracked.user})" if tracked.user else "", state, where)
+
+
+def _one_message(run: worker_pb2.WorkerRunRequest) -> bool:
+    """Whether the client reads `TraceResponse.results` (TraceRequest.one_message; a session: its first trace's)."""
+    if run.HasField("session"):
+        return bool(run.session.traces) and run.session.traces[0].request.one_message
+    return run.request.one_message
 
 
 def _client(context: grpc.ServicerContext) -> str:
