@@ -26,6 +26,9 @@ RUNNING = nnd_pb2.TraceResponse(queued=nnd_pb2.Queued(running=True))
 _STARTED = object()  # the request has the model: tell the daemon it is no longer queued
 # Continuations of one Interact stream read ahead of its run (each at most max_request_bytes).
 INBOX_SIZE = 4
+# A trace with at most this many requests ahead of it, all while a trace holds the model, is not told it
+# waits (a Queued message): it waits a few forwards. Behind a generation, a session or a paused run it is.
+QUIET_AHEAD = 8
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -45,6 +48,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # While a run is paused at a sync point holding the model: (its client, monotonic time the pause
         # must end by). A request that queues behind it is told so.
         self.paused: tuple[str, float] | None = None
+        # The kind of request that last got the model ("trace", "generate", "session", "interact"): a trace
+        # queued behind a trace hears no Queued message (QUIET_AHEAD).
+        self.holder = ""
         # The threads streams run on, kept between requests (spares.py): a start per request costs more.
         self._spares = spares.Spares()
 
@@ -95,11 +101,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # Tell a client whose request must wait why nothing happens yet (its place in line). Its turn is then
         # announced by a message too (initial metadata has gone out with the first one).
         ahead = self._run_lock.waiting() + self._run_lock.locked()
+        # A trace behind a few other traces waits a few forwards: nothing a person needs to be told, and
+        # with many clients it is every trace (batching merges it into the next forward anyway). It says
+        # nnd-queued all the same (whether it ran, if the worker dies), but sends no Queued message.
+        quiet = kind == "trace" and 0 < ahead <= QUIET_AHEAD and self.holder == "trace" and self.paused is None
         if ahead:
             # "It waits" goes out with the message; a request that did not wait sends no header at all
             # (errors.started_from: one write fewer per trace).
             context.send_initial_metadata(((errors.QUEUED_KEY, "1"),))
-            yield self._queued(ahead)
+            if not quiet:
+                yield self._queued(ahead)
         who = dict(user=self._user(context), rows=max(1, len(request.request.invokes)))
         with self.activity.track(kind, _client(context), steps, **who) as tracked, _log_if_cancelled(stop, tracked):
 
@@ -107,9 +118,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 # If the worker dies from here on, the daemon tells the client its request was running
                 # (a queued one hears RUNNING; one that never said nnd-queued is taken to have run).
                 tracked.running = True
+                self.holder = kind
 
             if kind != "trace" or ahead:  # a queued trace streams too: its turn is a message
-                stream = self._run_streaming(request, context, stop, started, on_error, announce_turn=bool(ahead))
+                join = kind == "trace" and request.request.one_message
+                stream = self._run_streaming(
+                    request, context, stop, started, on_error, announce_turn=bool(ahead), join=join
+                )
                 for item in stream:
                     if isinstance(item, nnd_pb2.TraceResponse) and item.WhichOneof("kind") == "step":
                         tracked.step = item.step.step + 1
@@ -156,10 +171,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         on_error: Callable[[BaseException], BaseException],
         *,
         announce_turn: bool = False,
+        join: bool = False,
     ) -> Iterator[Any]:
         """A Generate or a Session: responses (e.g. each step's tokens) go out while the run goes on.
-        `announce_turn`: say `Queued{running}` when the request gets the model."""
+        `announce_turn`: say `Queued{running}` when the request gets the model. `join`: a queued Trace
+        whose client reads one message (TraceRequest.one_message): its results go out joined, at its end."""
         out: queue.Queue[Any] = queue.Queue()
+        held: list[Any] = []
 
         def work() -> None:
             try:
@@ -172,6 +190,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         while True:
             item = out.get()
             if item is _END:
+                whole = onemessage.join(held) if held else None
+                if whole is not None:
+                    yield whole
+                else:
+                    yield from held
                 return
             if item is _STARTED:
                 started()
@@ -180,6 +203,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 continue
             if isinstance(item, BaseException):
                 raise on_error(item)
+            if join:
+                held.append(item)
+                continue
             yield item
 
     def _work(
@@ -316,6 +342,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             emit = onemessage.Joiner(out.put) if _one_message(run) else out.put
             try:
                 self._turn(stop)  # alone: a paused run must not hold other clients' rows
+                self.holder = "interact"
                 try:
                     out.put(_STARTED)
                     self._interact(run, emit, stop.is_set, interaction)
