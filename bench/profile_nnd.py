@@ -1,6 +1,6 @@
 """Where an nnd request's time goes: client (cProfile), daemon and worker (stack sampling).
 
-    python bench/profile_nnd.py [trace|generate|transfer] [--n N] [--layers L --width W] [--top K]
+    python bench/profile_nnd.py [trace|sync|generate|transfer] [--n N] [--layers L --width W] [--top K]
 
 Runs N requests of one benchmark's shape against a real daemon whose processes
 sample their stacks (bench/sampler/sitecustomize.py), profiles the client with
@@ -79,7 +79,7 @@ def _report_samples(label: str, path: pathlib.Path, handler: str, n_requests: in
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", nargs="?", default="trace", choices=["trace", "generate", "transfer"])
+    parser.add_argument("what", nargs="?", default="trace", choices=["trace", "sync", "generate", "transfer"])
     parser.add_argument("--n", type=int, default=100, help="requests to profile")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--width", type=int, default=768)
@@ -109,6 +109,10 @@ def main() -> int:
             def once() -> None:
                 if ns.what == "trace":
                     with model.trace(harness.PROMPT):
+                        model.transformer.h[mid].output.save()
+                elif ns.what == "sync":  # one sync point: the trace becomes an Interact stream
+                    with model.trace(harness.PROMPT):
+                        model.transformer.h[mid].output.sum().item()
                         model.transformer.h[mid].output.save()
                 elif ns.what == "generate":
                     with model.generate(harness.PROMPT, max_new_tokens=32) as tracer:

@@ -377,3 +377,58 @@ def test_a_request_cancelled_as_its_batch_starts_does_not_strand_the_others(lead
         assert outcomes["first"] is None
     else:
         assert isinstance(outcomes["first"], errors.Cancelled)
+
+
+def test_members_claimed_into_a_run_never_take_the_model_themselves() -> None:
+    """Requests queued behind a busy model are merged into the next run; they then wait for that run
+    only. They used to wait for a turn too, so when the run ended the model went to each of them in
+    turn (each woke, saw it was done, passed it on) before the next request could have it."""
+    from nnd.v1 import worker_pb2
+    from nnd_daemon.worker import batching
+    from nnd_daemon.worker.stop import Stop
+    from nnd_daemon.worker.turns import Turns
+
+    class CountingTurns(Turns):
+        def __init__(self) -> None:
+            super().__init__()
+            self.taken = 0
+
+        def acquire(self, *args: Any, **kwargs: Any) -> bool:
+            got = super().acquire(*args, **kwargs)
+            self.taken += got
+            return got
+
+    merged_runs: list[int] = []
+
+    def run_merged(merged: Any, emit: Callable[[Any], None], cancelled: Callable[[], bool]) -> None:
+        merged_runs.append(len(merged.invokes))
+        emit(nnd_pb2.TraceResponse(done=nnd_pb2.TraceDone()))
+
+    def run_alone(*_: Any) -> None:
+        raise AssertionError("every member is merged")
+
+    run_lock = CountingTurns()
+    batcher = batching.Batcher(run_lock, run_merged, run_alone, window_s=0)
+    members = []
+    for i in range(4):
+        request = worker_pb2.WorkerRunRequest(request=nnd_pb2.TraceRequest(model="m"))
+        request.request.invokes.add().tokens.ids.extend([i, i + 1])
+        trace = batching.prepare(request, None)
+        assert trace is not None
+        members.append(batching.Member(request, trace, lambda r: None, lambda: False, lambda: None, stop=Stop()))
+    assert run_lock.acquire()  # the model is busy while all four queue
+    threads = [threading.Thread(target=batcher.submit, args=(m,)) for m in members]
+    for t in threads:
+        t.start()
+    while True:  # all four are in line for the model
+        with batcher._cond:
+            if len(batcher._pending) == 4 and run_lock.waiting() == 4:
+                break
+        threading.Event().wait(0.01)
+    run_lock.release()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert merged_runs == [4] and all(m.finished.is_set() and m.error is None for m in members)
+    assert run_lock.taken == 2  # this test's own turn, and the one run's: none by the merged members
+    assert not run_lock.locked() and run_lock.waiting() == 0

@@ -326,6 +326,107 @@ def test_chunked_result_reassembles_in_order(daemon, gpt2):
     np.testing.assert_array_equal(got, want)
 
 
+def _results_of(responses) -> list:
+    """A one-message response (TraceRequest.one_message) as the stream it stands for."""
+    out = []
+    for r in responses:
+        if r.WhichOneof("kind") != "results":
+            out.append(r)
+            continue
+        out += [nnd_pb2.TraceResponse(saved=s) for s in r.results.saved]
+        out += [nnd_pb2.TraceResponse(chunk=c) for c in r.results.chunk]
+        if r.results.HasField("paused"):
+            out.append(nnd_pb2.TraceResponse(paused=r.results.paused))
+        else:
+            out.append(nnd_pb2.TraceResponse(done=r.results.done))
+    return out
+
+
+def test_a_trace_asking_for_one_message_gets_its_results_in_one(daemon, gpt2):
+    """A small trace with `one_message` answers one TraceResults message (the same values as the
+    stream: a seeded randn and a layer's output), through the daemon and on the worker's route."""
+    import torch
+
+    def request(one: bool) -> nnd_pb2.TraceRequest:
+        req = _randn_request(gpt2, 1000, seed=5)
+        req.graph.nodes.add(id=3, module=graph_pb2.ModuleValue(path="transformer.h.0", point=graph_pb2.OUTPUT))
+        req.graph.nodes.add(id=4, save=graph_pb2.Save(value=graph_pb2.Arg(ref=3)))
+        req.one_message = one
+        return req
+
+    channel, stub = _stub(daemon.address)
+    route = stub.GetRoute(nnd_pb2.RouteRequest(model=gpt2), timeout=30)
+    with channel, grpc.insecure_channel(route.address) as direct:
+        on_route = nnd_pb2_grpc.NndStub(direct)
+        streamed = list(stub.Trace(request(False), timeout=60))
+        whole = list(stub.Trace(request(True), timeout=60))
+        routed = list(on_route.Trace(request(True), timeout=60, metadata=[("nnd-epoch", str(route.epoch))]))
+    assert [r.WhichOneof("kind") for r in streamed] == ["saved", "saved", "done"]
+    for got in (whole, routed):
+        assert [r.WhichOneof("kind") for r in got] == ["results"]
+        assert len(got[0].results.saved) == 2 and got[0].results.done.compute_s > 0
+        values, want = _collect(_results_of(got)), _collect(streamed)
+        assert sorted(values) == [2, 4]
+        for node in values:
+            np.testing.assert_array_equal(values[node], want[node])
+    np.testing.assert_array_equal(values[2], torch.randn(1000, generator=torch.Generator().manual_seed(5)).numpy())
+
+
+def test_an_interact_stream_asking_for_one_message_gets_each_pause_in_one(daemon, gpt2):
+    """With `one_message` in the start's request, a sync point's value comes with its Paused as one
+    TraceResults, and the end's saved values with TraceDone: the same values as the two-message form."""
+    import queue
+
+    def run(one: bool) -> tuple[list[list[str]], dict[int, np.ndarray]]:
+        req = _request(gpt2)
+        req.graph.nodes.add(id=1, module=graph_pb2.ModuleValue(path="transformer.h.0", point=graph_pb2.OUTPUT))
+        req.graph.nodes.add(id=2, op=graph_pb2.Op(name="sum", args=[graph_pb2.Arg(ref=1)]))
+        req.one_message = one
+        more = graph_pb2.Graph()
+        more.nodes.add(id=3, save=graph_pb2.Save(value=graph_pb2.Arg(ref=1)))
+        outbox: queue.SimpleQueue = queue.SimpleQueue()
+        outbox.put(nnd_pb2.InteractRequest(start=nnd_pb2.InteractStart(request=req, want=[2])))
+        channel, stub = _stub(daemon.address)
+        kinds: list[list[str]] = [[]]
+        got: list = []
+        with channel:
+            for r in stub.Interact(iter(outbox.get, None), timeout=60):
+                kinds[-1].append(r.WhichOneof("kind"))
+                got.append(r)
+                if r.WhichOneof("kind") == "paused" or (r.WhichOneof("kind") == "results" and r.results.HasField("paused")):
+                    kinds.append([])
+                    outbox.put(nnd_pb2.InteractRequest(more=nnd_pb2.InteractContinue(graph=more, finish=True)))
+            outbox.put(None)
+        values = {}
+        for r in _results_of(got):
+            if r.WhichOneof("kind") == "saved":
+                t = r.saved.value.tensor
+                values[r.saved.node] = np.frombuffer(t.data, "<f4").reshape(list(t.shape))
+        return kinds, values
+
+    two_kinds, two = run(False)
+    one_kinds, one = run(True)
+    assert two_kinds == [["saved", "paused"], ["saved", "done"]]
+    assert one_kinds == [["results"], ["results"]]
+    assert sorted(one) == sorted(two) == [2, 3]
+    for node in one:
+        np.testing.assert_array_equal(one[node], two[node])
+
+
+def test_big_results_stream_in_chunks_even_when_one_message_is_asked(daemon, gpt2):
+    import torch
+
+    req = _randn_request(gpt2, 1_200_000, seed=4)
+    req.one_message = True
+    channel, stub = _stub(daemon.address)
+    with channel:
+        responses = list(stub.Trace(req, timeout=120))
+    kinds = [r.WhichOneof("kind") for r in responses]
+    assert kinds[0] == "saved" and kinds[-1] == "done" and kinds.count("chunk") >= 2 and "results" not in kinds
+    want = torch.randn(1_200_000, generator=torch.Generator().manual_seed(4)).numpy()
+    np.testing.assert_array_equal(_collect(responses)[2], want)
+
+
 def test_a_client_with_default_limits_receives_big_results(daemon, gpt2):
     channel, stub = _stub(daemon.address)  # gRPC defaults: 4 MiB receive limit
     with channel:

@@ -61,6 +61,7 @@ from typing import Any
 
 from nnd.v1 import graph_pb2, nnd_pb2, worker_pb2
 from nnd_daemon.engine import prepared
+from nnd_daemon.worker import turns
 
 log = logging.getLogger("nnd.worker.batching")
 
@@ -97,6 +98,45 @@ def prepare(request: worker_pb2.WorkerRunRequest, tokenizer: Any) -> prepared.Pr
     return found if found.length is not None else None
 
 
+class _Claim:
+    """What a member waiting for the model listens to besides its turn: being claimed into another
+    member's run (it needs no turn then: the model must not pass through its hands on the way to the
+    next request) and its request's end (`stop`, worker/stop.py). Turns.acquire takes it as its `stop`."""
+
+    def __init__(self, stop: Any = None) -> None:
+        self.stop = stop
+        self._lock = threading.Lock()
+        self._wakers: list[Callable[[], None]] = []
+        self.claimed = False
+
+    def set(self) -> None:
+        with self._lock:
+            self.claimed = True
+            wakers, self._wakers = self._wakers, []
+        for wake in wakers:
+            wake()
+
+    def on_set(self, wake: Callable[[], None]) -> Callable[[], None]:
+        with self._lock:
+            now = self.claimed
+            if not now:
+                self._wakers.append(wake)
+        forget_stop = self.stop.on_set(wake) if self.stop is not None else (lambda: None)
+        if now:
+            wake()
+
+        def forget() -> None:
+            with self._lock:
+                if wake in self._wakers:
+                    self._wakers.remove(wake)
+            forget_stop()
+
+        return forget
+
+    def remaining(self) -> float | None:
+        return self.stop.remaining() if self.stop is not None else None
+
+
 @dataclass
 class Member:
     """One request waiting to run, and where its responses go."""
@@ -110,6 +150,11 @@ class Member:
     finished: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     buffer: list[Any] = field(default_factory=list)  # its responses of a merged run, until the run ends
+    stop: Any = None  # its request's Stop (worker/stop.py), when it has one: its wait ends with it
+    claim: _Claim = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.claim = _Claim(self.stop)
 
     @property
     def length(self) -> int | None:
@@ -174,7 +219,9 @@ class Batcher:
                     from nnd_daemon import errors
 
                     raise errors.Cancelled("request cancelled before it ran")
-            if not self.run_lock.acquire(timeout=_POLL_S * 5):
+            # Woken at once when another member's run claims this one (then it waits for that run, below)
+            # or its request ends; the timeout only bounds how late a cancellation without a Stop is seen.
+            if not self._take_turn(member):
                 continue
             group: list[Member] = []
             try:
@@ -193,6 +240,12 @@ class Batcher:
         if member.error is not None:
             raise member.error
 
+    def _take_turn(self, member: Member) -> bool:
+        """Wait for the model (a worker's Turns: also woken when `member` is claimed or its request ends)."""
+        if not isinstance(self.run_lock, turns.Turns):  # a plain lock (tests): poll
+            return self.run_lock.acquire(timeout=_POLL_S * 5)
+        return self.run_lock.acquire(timeout=_POLL_S * 5 if member.stop is None else 1.0, stop=member.claim)
+
     def _claim(self, leader: Member) -> list[Member]:
         """Take the leader and every compatible pending member off the queue (under the condition)."""
         group: list[Member] = []
@@ -207,6 +260,8 @@ class Batcher:
             invokes += n
             m.claimed = True
             self._pending.remove(m)
+            if m is not leader:
+                m.claim.set()  # its wait for the model ends now, without the model passing through it
         return group
 
     def _run_group(self, group: list[Member]) -> None:
@@ -300,12 +355,14 @@ class Batcher:
         emit: Emit,
         cancelled: Callable[[], bool],
         started: Callable[[], None],
+        stop: Any = None,
     ) -> bool:
-        """Run `request` through the batcher if it qualifies (True: done, its error raised); False: not taken."""
+        """Run `request` through the batcher if it qualifies (True: done, its error raised); False: not taken.
+        `stop`: the request's Stop (worker/stop.py), whose end also ends its wait for the model."""
         trace = prepare(request, tokenizer)
         if trace is None:
             return False
-        self.submit(Member(request, trace, emit, cancelled, started))
+        self.submit(Member(request, trace, emit, cancelled, started, stop=stop))
         return True
 
 

@@ -16,7 +16,7 @@ import psutil
 
 from nnd.v1 import contract, nnd_pb2, worker_pb2, worker_pb2_grpc
 from nnd_daemon import errors, intake
-from nnd_daemon.worker import activity, loader, turns
+from nnd_daemon.worker import activity, loader, onemessage, spares, turns
 from nnd_daemon.worker.stop import Stop
 
 log = logging.getLogger("nnd.worker")
@@ -26,6 +26,9 @@ RUNNING = nnd_pb2.TraceResponse(queued=nnd_pb2.Queued(running=True))
 _STARTED = object()  # the request has the model: tell the daemon it is no longer queued
 # Continuations of one Interact stream read ahead of its run (each at most max_request_bytes).
 INBOX_SIZE = 4
+# A trace with at most this many requests ahead of it, all while a trace holds the model, is not told it
+# waits (a Queued message): it waits a few forwards. Behind a generation, a session or a paused run it is.
+QUIET_AHEAD = 8
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -45,6 +48,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # While a run is paused at a sync point holding the model: (its client, monotonic time the pause
         # must end by). A request that queues behind it is told so.
         self.paused: tuple[str, float] | None = None
+        # The kind of request that last got the model ("trace", "generate", "session", "interact"): a trace
+        # queued behind a trace hears no Queued message (QUIET_AHEAD).
+        self.holder = ""
+        # The threads streams run on, kept between requests (spares.py): a start per request costs more.
+        self._spares = spares.Spares()
 
     # -- Load ---------------------------------------------------------------
     def Load(self, request: worker_pb2.WorkerLoadRequest, context: grpc.ServicerContext) -> Iterator[Any]:
@@ -92,11 +100,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # Tell a client whose request must wait why nothing happens yet (its place in line). Its turn is then
         # announced by a message too (initial metadata has gone out with the first one).
         ahead = self._run_lock.waiting() + self._run_lock.locked()
+        # A trace behind a few other traces waits a few forwards: nothing a person needs to be told, and
+        # with many clients it is every trace (batching merges it into the next forward anyway). It says
+        # nnd-queued all the same (whether it ran, if the worker dies), but sends no Queued message.
+        quiet = kind == "trace" and 0 < ahead <= QUIET_AHEAD and self.holder == "trace" and self.paused is None
         if ahead:
             # "It waits" goes out with the message; a request that did not wait sends no header at all
             # (contract.started_from: one write fewer per trace).
             context.send_initial_metadata(((contract.QUEUED_KEY, "1"),))
-            yield self._queued(ahead)
+            if not quiet:
+                yield self._queued(ahead)
         who = dict(user=self._user(context), rows=max(1, len(request.request.invokes)))
         with self.activity.track(kind, _client(context), steps, **who) as tracked, _log_if_cancelled(stop, tracked):
 
@@ -104,9 +117,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 # If the worker dies from here on, the daemon tells the client its request was running
                 # (a queued one hears RUNNING; one that never said nnd-queued is taken to have run).
                 tracked.running = True
+                self.holder = kind
 
             if kind != "trace" or ahead:  # a queued trace streams too: its turn is a message
-                stream = self._run_streaming(request, context, stop, started, on_error, announce_turn=bool(ahead))
+                join = kind == "trace" and request.request.one_message
+                stream = self._run_streaming(
+                    request, context, stop, started, on_error, announce_turn=bool(ahead), join=join
+                )
                 for item in stream:
                     if isinstance(item, nnd_pb2.TraceResponse) and item.WhichOneof("kind") == "step":
                         tracked.step = item.step.step + 1
@@ -119,6 +136,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 self._work(request, out.append, stop, started)
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status (errors.ErrorInterceptor)
                 raise on_error(exc) from None
+        whole = onemessage.join(out) if request.request.one_message else None
+        if whole is not None:
+            yield whole  # bytes: the gateway's serializer passes them as they are
+            return
         yield from out
 
     def _queued(self, ahead: int) -> nnd_pb2.TraceResponse:
@@ -149,10 +170,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         on_error: Callable[[BaseException], BaseException],
         *,
         announce_turn: bool = False,
+        join: bool = False,
     ) -> Iterator[Any]:
         """A Generate or a Session: responses (e.g. each step's tokens) go out while the run goes on.
-        `announce_turn`: say `Queued{running}` when the request gets the model."""
+        `announce_turn`: say `Queued{running}` when the request gets the model. `join`: a queued Trace
+        whose client reads one message (TraceRequest.one_message): its results go out joined, at its end."""
         out: queue.Queue[Any] = queue.Queue()
+        held: list[Any] = []
 
         def work() -> None:
             try:
@@ -161,10 +185,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
                 out.put(exc)
 
-        threading.Thread(target=work, name="run", daemon=True).start()
+        self._spares.run(work, "run")
         while True:
             item = out.get()
             if item is _END:
+                whole = onemessage.join(held) if held else None
+                if whole is not None:
+                    yield whole
+                else:
+                    yield from held
                 return
             if item is _STARTED:
                 started()
@@ -173,6 +202,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 continue
             if isinstance(item, BaseException):
                 raise on_error(item)
+            if join:
+                held.append(item)
+                continue
             yield item
 
     def _work(
@@ -183,7 +215,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         started: Callable[[], None],
     ) -> None:
         """Run `request` merged with concurrent ones (batching.py) or alone, one forward at a time."""
-        if self.batcher is not None and self.batcher.offer(request, self.tokenizer, emit, stop.is_set, started):
+        if self.batcher is not None and self.batcher.offer(request, self.tokenizer, emit, stop.is_set, started, stop):
             return
         self._turn(stop)
         try:
@@ -303,14 +335,20 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         out: queue.Queue[Any] = queue.Queue()
 
         def work() -> None:
+            # A client that asked for one message gets a pause's values with its Paused, and the end's
+            # with TraceDone, as one message each (onemessage.py): one write and wake-up fewer per sync.
+            emit = onemessage.Joiner(out.put) if _one_message(run) else out.put
             try:
                 self._turn(stop)  # alone: a paused run must not hold other clients' rows
+                self.holder = "interact"
                 try:
                     out.put(_STARTED)
-                    self._interact(run, out.put, stop.is_set, interaction)
+                    self._interact(run, emit, stop.is_set, interaction)
                 finally:
                     self.paused = None
                     self._run_lock.release()
+                if isinstance(emit, onemessage.Joiner):
+                    emit.flush()
                 out.put(_END)
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
                 out.put(exc)
@@ -320,8 +358,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         who = dict(user=self._user(context), rows=max(1, len(run.request.invokes)))
         with self.activity.track(kind, client, steps, **who) as tracked, _log_if_cancelled(stop, tracked):
             held.append(tracked)
-            threading.Thread(target=read, name="interact-read", daemon=True).start()
-            threading.Thread(target=work, name="interact", daemon=True).start()
+            self._spares.run(read, "interact-read")
+            self._spares.run(work, "interact")
             while True:
                 item = out.get()
                 if item is _END:
@@ -380,6 +418,13 @@ def _log_if_cancelled(stop: Stop, tracked: activity.Request) -> Iterator[None]:
             state = "while running" if tracked.running else "before it ran"
             log.info("%s from %s%s cancelled %s%s (the client cancelled or went away)", tracked.kind, tracked.client,
                      f" ({tracked.user})" if tracked.user else "", state, where)
+
+
+def _one_message(run: worker_pb2.WorkerRunRequest) -> bool:
+    """Whether the client reads `TraceResponse.results` (TraceRequest.one_message; a session: its first trace's)."""
+    if run.HasField("session"):
+        return bool(run.session.traces) and run.session.traces[0].request.one_message
+    return run.request.one_message
 
 
 def _client(context: grpc.ServicerContext) -> str:

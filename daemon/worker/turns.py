@@ -64,7 +64,7 @@ class Turns:
         limit = None if timeout is None or timeout < 0 else timeout
         forget: Any = None
         if stop is not None and hasattr(stop, "on_set"):  # a bare threading.Event (tests) is only checked after
-            forget = stop.on_set(ticket.event.set)
+            forget = stop.on_set(lambda: self._withdraw(ticket))
             left = stop.remaining()
             if left is not None:
                 limit = left if limit is None else min(limit, left)
@@ -76,8 +76,17 @@ class Turns:
         with self._mutex:
             if ticket.granted:  # handed over (perhaps just as the wait ended): the turn is ours
                 return True
-            self._queue.remove(ticket)
+            if ticket in self._queue:  # not withdrawn already
+                self._queue.remove(ticket)
             return False
+
+    def _withdraw(self, ticket: _Ticket) -> None:
+        """`ticket`'s request ended (or needs the model no more) while it waited: out of line now, so the
+        model is never handed to a waiter that has gone (it would only pass it on, a wake-up later)."""
+        with self._mutex:
+            if not ticket.granted and ticket in self._queue:
+                self._queue.remove(ticket)
+        ticket.event.set()
 
     def _hand_over(self) -> None:
         # Under the mutex: ownership passes straight to the first waiter; the model never looks free.

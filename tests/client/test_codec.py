@@ -76,6 +76,32 @@ def test_chunks_are_concatenated_per_blob_in_order():
     assert [s.ids for s in steps] == [(4, 5)] and res.compute_s == 0.5
 
 
+def test_a_one_message_response_reads_as_the_stream_it_joins():
+    """The worker joins a small trace's stream into one TraceResults message (TraceRequest.one_message)
+    by joining the messages' bytes; the client reads from it what it reads from the stream."""
+    from nnd_daemon.worker import onemessage
+
+    a = torch.arange(10, dtype=torch.float32)
+    ab = a.numpy().tobytes()
+    t1 = values_pb2.Tensor(dtype=values_pb2.FLOAT32, shape=[10], blob=1)
+    stream = [
+        nnd_pb2.TraceResponse(saved=nnd_pb2.Saved(node=3, value=values_pb2.Value(tensor=t1))),
+        nnd_pb2.TraceResponse(saved=nnd_pb2.Saved(node=4, value=values_pb2.Value(int=7))),
+        nnd_pb2.TraceResponse(chunk=nnd_pb2.Chunk(blob=1, data=ab[:7])),
+        nnd_pb2.TraceResponse(chunk=nnd_pb2.Chunk(blob=1, data=ab[7:])),
+        nnd_pb2.TraceResponse(done=nnd_pb2.TraceDone(compute_s=0.25)),
+    ]
+    one = nnd_pb2.TraceResponse.FromString(onemessage.join(stream))
+    assert one.WhichOneof("kind") == "results" and len(one.results.saved) == 2 and len(one.results.chunk) == 2
+    res = _results.collect([one])
+    assert torch.equal(res.saved[3], a) and res.saved[4] == 7 and res.compute_s == 0.25
+    # What must stream stays a stream: a step's tokens, an unfinished stream, results over the bound.
+    step = nnd_pb2.TraceResponse(step=nnd_pb2.StepTokens(step=0, ids=[1]))
+    assert onemessage.join([step, stream[-1]]) is None and onemessage.join(stream[:-1]) is None
+    big = nnd_pb2.TraceResponse(chunk=nnd_pb2.Chunk(blob=1, data=b"x" * onemessage.MAX_BYTES))
+    assert onemessage.join([big, stream[-1]]) is None
+
+
 def test_short_tensor_data_is_an_error():
     v = values_pb2.Value(tensor=values_pb2.Tensor(dtype=values_pb2.FLOAT32, shape=[4], data=b"\0" * 8))
     with pytest.raises(ValueError, match="needs 16 bytes"):

@@ -14,7 +14,7 @@ import wire_results
 from graphs import Graph
 from torch.testing import assert_close
 
-from nnd.v1 import nnd_pb2, worker_pb2
+from nnd.v1 import contract, nnd_pb2, worker_pb2
 from nnd_daemon.worker.service import WorkerService
 from nnd_daemon.worker.turns import Turns
 
@@ -227,3 +227,54 @@ def test_status_lists_requests_in_flight_with_their_step_and_place_in_line(gpt2)
     assert trace_msgs[-1].WhichOneof("kind") == "done"
     after = svc.Status(None, None)
     assert not after.requests and after.idle_since >= max(r.since for r in during)
+
+
+class _MetadataContext(_Context):
+    def __init__(self, client: str) -> None:
+        super().__init__(client)
+        self.metadata: list = []
+
+    def send_initial_metadata(self, md) -> None:
+        self.metadata.extend(md)
+
+
+def test_a_trace_queued_behind_a_trace_says_nnd_queued_but_no_queued_message(gpt2):
+    """Behind another trace a trace waits a forward or two: it still says `nnd-queued` (so a worker's death
+    is reported as before it ran), then hears its turn (RUNNING) and gets its results, one message when it
+    asked so; no Queued message, which behind many clients' traces was every trace's (and a printed line)."""
+    from nnd_daemon.worker import service as service_mod
+
+    svc = _service(gpt2)
+    first_done = threading.Event()
+    release = threading.Event()
+    original = svc._execute
+
+    def execute(request, emit, cancelled):  # the first trace holds the model until the second has queued
+        if not first_done.is_set():
+            first_done.set()
+            assert release.wait(60)
+        return original(request, emit, cancelled)
+
+    svc._execute = execute
+    first_out: list = []
+    first = threading.Thread(target=lambda: first_out.extend(svc.run(_trace(), _Context("alice@box:1"))))
+    first.start()
+    assert first_done.wait(60)
+    request = _trace()
+    request.request.one_message = True
+    ctx = _MetadataContext("bob@box:2")
+    second_out: list = []
+    second = threading.Thread(target=lambda: second_out.extend(svc.run(request, ctx)))
+    second.start()
+    _until(lambda: svc._run_lock.waiting() == 1, "the second trace to queue")
+    release.set()
+    first.join(60)
+    second.join(60)
+    assert (contract.QUEUED_KEY, "1") in ctx.metadata
+    assert second_out[0] == service_mod.RUNNING
+    whole = nnd_pb2.TraceResponse.FromString(second_out[1])
+    assert len(second_out) == 2 and whole.WhichOneof("kind") == "results"
+    got = wire_results.collect([nnd_pb2.TraceResponse(saved=s) for s in whole.results.saved])
+    want = wire_results.collect(first_out)
+    for key in want:
+        assert_close(got[key], want[key], atol=0, rtol=0)

@@ -144,6 +144,8 @@ class RemoteTrace(Backend):
             tracer.deliver(self.interaction.finish())
             return True
         request = tracer.request()
+        # A plain trace's small results come back as one message (one write fewer on both ends).
+        request.one_message = self.method == "Trace"
         tracer.sent = request
         conn = tracer.model._conn
         # Into a region of this process's pool when one is free (_shm.py); `collect` settles the lease.

@@ -94,9 +94,12 @@ class Interaction:
                 start.session.CopyFrom(self.session.request())
                 if not ended:
                     start.session.traces.add(request=tracer.request(), generate=tracer.backend.generates)
+                if start.session.traces:  # each pause's values and the end's as one message (nnd.proto)
+                    start.session.traces[0].request.one_message = True
             else:
                 start.request.CopyFrom(tracer.request())
                 start.generate = tracer.backend.generates
+                start.request.one_message = True
             self._now_in(self.session.blocks[-1] if ended and self.session is not None else tracer)
             timeout = tracer.options.get("pause_timeout")
             if timeout is not None:

@@ -453,7 +453,7 @@ class GenerateOptions(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stream_text: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ..., num_beams: _Optional[int] = ..., num_return_sequences: _Optional[int] = ..., generation_config_json: _Optional[str] = ...) -> None: ...
 
 class TraceRequest(_message.Message):
-    __slots__ = ("model", "invokes", "graph", "generate", "no_auto_dispatch", "keep_alive", "edits", "shm", "shm_region")
+    __slots__ = ("model", "invokes", "graph", "generate", "no_auto_dispatch", "keep_alive", "edits", "shm", "shm_region", "one_message")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INVOKES_FIELD_NUMBER: _ClassVar[int]
     GRAPH_FIELD_NUMBER: _ClassVar[int]
@@ -463,6 +463,7 @@ class TraceRequest(_message.Message):
     EDITS_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     SHM_REGION_FIELD_NUMBER: _ClassVar[int]
+    ONE_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     model: str
     invokes: _containers.RepeatedCompositeFieldContainer[Invoke]
     graph: _graph_pb2.Graph
@@ -472,7 +473,8 @@ class TraceRequest(_message.Message):
     edits: _containers.RepeatedScalarFieldContainer[str]
     shm: bool
     shm_region: str
-    def __init__(self, model: _Optional[str] = ..., invokes: _Optional[_Iterable[_Union[Invoke, _Mapping]]] = ..., graph: _Optional[_Union[_graph_pb2.Graph, _Mapping]] = ..., generate: _Optional[_Union[GenerateOptions, _Mapping]] = ..., no_auto_dispatch: _Optional[bool] = ..., keep_alive: _Optional[str] = ..., edits: _Optional[_Iterable[str]] = ..., shm: _Optional[bool] = ..., shm_region: _Optional[str] = ...) -> None: ...
+    one_message: bool
+    def __init__(self, model: _Optional[str] = ..., invokes: _Optional[_Iterable[_Union[Invoke, _Mapping]]] = ..., graph: _Optional[_Union[_graph_pb2.Graph, _Mapping]] = ..., generate: _Optional[_Union[GenerateOptions, _Mapping]] = ..., no_auto_dispatch: _Optional[bool] = ..., keep_alive: _Optional[str] = ..., edits: _Optional[_Iterable[str]] = ..., shm: _Optional[bool] = ..., shm_region: _Optional[str] = ..., one_message: _Optional[bool] = ...) -> None: ...
 
 class SessionTrace(_message.Message):
     __slots__ = ("request", "generate")
@@ -628,6 +630,18 @@ class TraceDone(_message.Message):
     compute_s: float
     def __init__(self, compute_s: _Optional[float] = ...) -> None: ...
 
+class TraceResults(_message.Message):
+    __slots__ = ("saved", "chunk", "done", "paused")
+    SAVED_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    saved: _containers.RepeatedCompositeFieldContainer[Saved]
+    chunk: _containers.RepeatedCompositeFieldContainer[Chunk]
+    done: TraceDone
+    paused: Paused
+    def __init__(self, saved: _Optional[_Iterable[_Union[Saved, _Mapping]]] = ..., chunk: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., done: _Optional[_Union[TraceDone, _Mapping]] = ..., paused: _Optional[_Union[Paused, _Mapping]] = ...) -> None: ...
+
 class Queued(_message.Message):
     __slots__ = ("ahead", "running", "paused_by", "paused_for_at_most_s")
     AHEAD_FIELD_NUMBER: _ClassVar[int]
@@ -641,20 +655,22 @@ class Queued(_message.Message):
     def __init__(self, ahead: _Optional[int] = ..., running: _Optional[bool] = ..., paused_by: _Optional[str] = ..., paused_for_at_most_s: _Optional[float] = ...) -> None: ...
 
 class TraceResponse(_message.Message):
-    __slots__ = ("saved", "chunk", "step", "done", "paused", "queued")
+    __slots__ = ("saved", "chunk", "step", "done", "paused", "results", "queued")
     SAVED_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     saved: Saved
     chunk: Chunk
     step: StepTokens
     done: TraceDone
     paused: Paused
+    results: TraceResults
     queued: Queued
-    def __init__(self, saved: _Optional[_Union[Saved, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., step: _Optional[_Union[StepTokens, _Mapping]] = ..., done: _Optional[_Union[TraceDone, _Mapping]] = ..., paused: _Optional[_Union[Paused, _Mapping]] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ...) -> None: ...
+    def __init__(self, saved: _Optional[_Union[Saved, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., step: _Optional[_Union[StepTokens, _Mapping]] = ..., done: _Optional[_Union[TraceDone, _Mapping]] = ..., paused: _Optional[_Union[Paused, _Mapping]] = ..., results: _Optional[_Union[TraceResults, _Mapping]] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("model", "texts", "no_special_tokens")

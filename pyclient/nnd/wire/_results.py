@@ -180,14 +180,26 @@ def collect(
     ok = False
     decoder = None
     try:
+        def take(saved: nnd_pb2.Saved) -> None:
+            if saved.value_blob:
+                serialized[saved.node] = saved.value_blob
+            else:
+                raw[saved.node] = saved.value
+                blobs.expect(saved.value)
+
         for msg in responses:
             kind = msg.WhichOneof("kind")
             if kind == "saved":
-                if msg.saved.value_blob:
-                    serialized[msg.saved.node] = msg.saved.value_blob
-                else:
-                    raw[msg.saved.node] = msg.saved.value
-                    blobs.expect(msg.saved.value)
+                take(msg.saved)
+            elif kind == "results":  # the whole response in one message (TraceRequest.one_message)
+                whole = msg.results
+                for saved in whole.saved:
+                    take(saved)
+                for chunk in whole.chunk:
+                    blobs.add(chunk.blob, chunk.data)
+                out.compute_s = whole.done.compute_s
+                if until_paused and whole.HasField("paused"):
+                    break
             elif kind == "chunk":
                 blobs.add(msg.chunk.blob, msg.chunk.data)
             elif kind == "step":

@@ -1,0 +1,80 @@
+"""A whole Trace response as one message (TraceRequest.one_message).
+
+A server-streaming call writes each message on its own and waits for it (one
+batch, one wake-up of the serving thread per message) before the status goes
+out: a small trace paid that twice, once for its Saved value and once for its
+TraceDone. `TraceResults` numbers its fields as TraceResponse does, so the one
+message is the stream's messages joined under one tag: no value is parsed or
+copied again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from nnd.v1 import nnd_pb2
+
+# Above this the stream's own chunking is cheaper: the client reads a streamed chunk as a view of the
+# bytes gRPC received (pyclient/nnd/_chunks.py), but parses a joined one with protobuf (one more copy).
+MAX_BYTES = 256 * 1024
+_KINDS = frozenset({"saved", "chunk", "done", "paused"})
+_ENDS = frozenset({"done", "paused"})
+_TAG = bytes([nnd_pb2.TraceResponse.DESCRIPTOR.fields_by_name["results"].number << 3 | 2])
+
+
+def join(responses: Sequence[Any]) -> bytes | None:
+    """`responses` (a finished Trace's TraceResponse messages, ending with its TraceDone, or an Interact
+    run's since its last pause, ending with Paused) as one serialized `TraceResponse{results}`; None
+    when they must stream (too big, or of another kind)."""
+    if not responses or responses[-1].WhichOneof("kind") not in _ENDS:
+        return None
+    parts = []
+    size = 0
+    for response in responses:
+        if response.WhichOneof("kind") not in _KINDS:
+            return None
+        part = response.SerializeToString()
+        size += len(part)
+        if size > MAX_BYTES:
+            return None
+        parts.append(part)
+    return _TAG + _varint(size) + b"".join(parts)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+class Joiner:
+    """An Interact run's `emit`: saved values and their chunks wait for the Paused or TraceDone that
+    follows them and go out with it as one message (`put`); anything else (a step's tokens) goes out at
+    once, after what waited. `flush()` sends what waits (the run failed or ended otherwise)."""
+
+    def __init__(self, put: Any) -> None:
+        self.put = put
+        self.held: list[Any] = []
+
+    def __call__(self, response: Any) -> None:
+        kind = response.WhichOneof("kind") if isinstance(response, nnd_pb2.TraceResponse) else None
+        if kind in ("saved", "chunk"):
+            self.held.append(response)
+            return
+        if kind in _ENDS:
+            whole = join([*self.held, response])
+            if whole is not None:
+                self.held = []
+                self.put(whole)
+                return
+        self.flush()
+        self.put(response)
+
+    def flush(self) -> None:
+        held, self.held = self.held, []
+        for response in held:
+            self.put(response)
