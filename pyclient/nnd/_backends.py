@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from nnd import _blocknames, _context, _interact, _objects, _rebind, _results, _source
+from nnd import _blocknames, _context, _interact, _objects, _rebind, _results, _source, _unsaved
 from nnd._generation import GENERATE_OPTIONS
 from nnd._graph import GraphBuilder
 from nnd.errors import NndError
@@ -389,13 +389,46 @@ def settle(
     run: Callable[[], bool],
     progress: Callable[[], str],
     names: _blocknames.BlockNames | None | bool = True,
+    before: _unsaved.Before | None = None,
+    saved: Sequence[Any] = (),
 ) -> None:
     """The end of a block or session that recorded cleanly: run it, then hand the values of `blocks` to
     the user's names and containers. An error names the user's `with` line, not nnd's internals.
-    `names`: what the session's body binds (None: unknown); True: the blocks' own."""
+    `names`: what the session's body binds (None: unknown); True: the blocks' own. `before`: the
+    names the body binds as they were when it opened; those not bound to a saved value (of `blocks`, or
+    one of `saved`) get their old value back, as nnsight leaves them (_unsaved.py)."""
     __tracebackhide__ = True  # noqa: F841  (pytest/IPython hide this frame)
     try:
-        delivered = run()
+        delivered = _run(blocks, run, progress)
+    except BaseException:
+        _unsaved.settle(before, lambda _value: False)  # nothing was delivered: nnsight's push never ran
+        raise
+    if delivered:
+        kept: set[int] = {id(value) for value in saved}
+        for block in blocks:
+            kept |= block.saved_ids()
+        _unsaved.settle(before, lambda value: id(value) in kept)
+    _deliver(blocks, delivered, names)
+
+
+def _deliver(blocks: Sequence[Tracer], delivered: bool, names: _blocknames.BlockNames | None | bool) -> None:
+    """Hand the values of `blocks` to the user's names and containers."""
+    if delivered:
+        frame = _source.user_frame()
+        replacements: dict[int, tuple[Any, Any]] = {}
+        for block in blocks:
+            replacements.update(block.replacements())
+        if frame is not None:
+            _rebind.rebind(frame, replacements, _bound(blocks, names))
+        for block in blocks:
+            _objects.fill(block.holders, replacements)
+            block.release()
+
+
+def _run(blocks: Sequence[Tracer], run: Callable[[], bool], progress: Callable[[], str]) -> bool:
+    __tracebackhide__ = True  # noqa: F841  (pytest/IPython hide this frame)
+    try:
+        return run()
     except NndError as err:
         why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         for block in blocks:
@@ -409,17 +442,6 @@ def settle(
         for block in blocks:
             block.fail(why)
         raise KeyboardInterrupt(f"nnd: {why}; the daemon stopped the request") from None
-    if not delivered:
-        return
-    frame = _source.user_frame()
-    replacements: dict[int, tuple[Any, Any]] = {}
-    for block in blocks:
-        replacements.update(block.replacements())
-    if frame is not None:
-        _rebind.rebind(frame, replacements, _bound(blocks, names))
-    for block in blocks:
-        _objects.fill(block.holders, replacements)
-        block.release()
 
 
 def _bound(blocks: Sequence[Tracer], names: _blocknames.BlockNames | None | bool) -> set[str] | None:

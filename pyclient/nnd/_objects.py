@@ -47,7 +47,9 @@ def save_any(self: Any, _: Any = None) -> Any:
     _seen.add(type(self))
     tracer = _context.current_or_none()
     if tracer is None:
-        if _context.innermost_session() is not None:  # a session's own Python (between its blocks): plain values stay as they are
+        session = _context.innermost_session()
+        if session is not None:  # a session's own Python (between its blocks): the object outlives the session
+            session.saved_objects.append(self)
             return self
         if _previous is not None:  # nnsight's, in a process that uses both: its blocks' values
             return _previous(self)
@@ -121,6 +123,20 @@ class Tail:
         self.start = len(items)
 
 
+class Attributes:
+    """An object outside the block whose attributes the body sets (`holder.h = ...`): the block's
+    values placed there are delivered, as nnsight's (the object is the caller's, not a copy)."""
+
+    __slots__ = ("obj", "names")
+
+    def __init__(self, obj: Any, names: list[str]) -> None:
+        self.obj = obj
+        self.names = names
+
+    def items(self) -> list[Any]:
+        return [getattr(self.obj, name, None) for name in self.names]
+
+
 def containers_of(frame: FrameType | None, names: _blocknames.BlockNames | None) -> list[Any]:
     """The outer containers of a block opening in the user's frame: the lists and dicts its body
     fills (`names`; None: every list and dict the frame's locals hold, the body being unknown)."""
@@ -138,12 +154,22 @@ def containers_of(frame: FrameType | None, names: _blocknames.BlockNames | None)
             outer.append(Tail(value))
         elif type(value) in (list, dict):
             outer.append(value)
+    attributes: dict[str, list[str]] = {}
+    for name, attribute in names.attributes:
+        attributes.setdefault(name, []).append(attribute)
+    for name, wanted in attributes.items():
+        value = local_vars[name] if name in local_vars else frame.f_globals.get(name)
+        if value is not None and not isinstance(value, (type, Proxy)) and hasattr(value, "__dict__"):
+            outer.append(Attributes(value, wanted))
     return outer
 
 
 def proxies_in(obj: Any, depth: int = 0) -> Iterator[Proxy]:
     if isinstance(obj, Proxy):
         yield obj
+    elif type(obj) is Attributes:
+        for item in obj.items():
+            yield from proxies_in(item, depth + 1)
     elif type(obj) is Tail:
         _rebind.walked[0] += max(0, len(obj.items) - obj.start)
         for item in obj.items[obj.start :]:
@@ -182,3 +208,8 @@ def fill(holders: list[Any], replacements: _rebind.Replacements) -> None:
             _rebind.replace_from(holder.items, holder.start, replacements)
         elif type(holder) in (list, dict):
             _rebind.replace_inside(holder, replacements)
+        elif type(holder) is Attributes:
+            for name, item in zip(holder.names, holder.items(), strict=True):
+                hit, new = _rebind.replace_item(item, replacements)
+                if hit:
+                    setattr(holder.obj, name, new)

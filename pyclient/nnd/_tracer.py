@@ -21,6 +21,7 @@ from nnd import (
     _results,
     _source,
     _torchmod,
+    _unsaved,
     _withbody,
 )
 from nnd._cache import Cache, CacheView
@@ -147,6 +148,9 @@ class Tracer:
         self._outer: list[Any] = []
         self.names: _blocknames.BlockNames | None = None
         """The names the block's body binds and fills (None: its source could not be read)."""
+        # What those names held when the block opened (an outermost block's: _unsaved.py).
+        self._before: _unsaved.Before | None = None
+        self._kept: list[Any] = []  # what survives the block without `.save()` (its caches, as nnsight's)
         self.holders: list[Any] = []
         """Saved objects and outer containers whose values are filled in once the block has run."""
         self.options = options
@@ -246,7 +250,9 @@ class Tracer:
         )
         cache = Cache(self.model)
         self._caches[node] = cache
-        return CacheView(cache, None)
+        view = CacheView(cache, None)
+        self._kept.append(view)  # a cache is delivered without `.save()`, as nnsight's
+        return view
 
     def _cache_path(self, module: Any) -> str:
         from nnd._envoy import Envoy
@@ -350,6 +356,9 @@ class Tracer:
         # What the body binds and fills, read once per call site: only those names are looked at after it.
         self.names = _blocknames.of(frame) if frame is not None else None
         self._outer = _objects.containers_of(frame, self.names)
+        # Only the outermost block leaves just its saved values behind; a session's blocks hand theirs on.
+        if self.backend.session is None and not _context.snapshot():
+            self._before = _unsaved.snapshot(frame, self.names)
         _context.push(self)
         _objects.mount()
         return self
@@ -369,6 +378,7 @@ class Tracer:
                 _context.pop(self)
                 self._recording = False
                 self.backend.cancel()
+                _unsaved.settle(self._before, lambda _value: False)
                 raise
         _objects.unmount()
         self.holders = self._saved_objects + self._outer  # filled after the block (a session's: after the session)
@@ -380,8 +390,11 @@ class Tracer:
         if exc_type is not None:
             self.fail(f"{exc_type.__name__} inside the block, before it ran")
             self.backend.cancel()
+            _unsaved.settle(self._before, lambda _value: False)  # as nnsight: no name leaves a failed block
             return
-        _backends.settle([self], lambda: self.backend.run(self), lambda: self.backend.progress(self))
+        _backends.settle(
+            [self], lambda: self.backend.run(self), lambda: self.backend.progress(self), before=self._before
+        )
 
     # -- what backends and sessions use (_backends.py, _session.py, _interact.py)
     @property
@@ -420,6 +433,7 @@ class Tracer:
     def release(self) -> None:
         """The values are with the user: drop the block's hold on them."""
         self._saved_objects.clear()
+        self._kept.clear()
         self.holders = []
         # Tracer -> proxy -> tracer is a cycle: without this, results (and the shared-memory
         # regions or buffers they view) would live until a full garbage collection, not until `del`.
@@ -477,6 +491,15 @@ class Tracer:
         values = _grad.attach(self.model._conn, self.sent, [(i, arg, p._value) for i, arg, p in saves], params)
         for (_, _, proxy), value in zip(saves, values, strict=True):
             proxy._value = value
+
+    def saved_ids(self) -> set[int]:
+        """id() of every value the block saved (what a name may stay bound to after it)."""
+        ids = {id(proxy) for proxy in self._saved.values()}
+        ids.update(id(proxy) for proxy, _ in self._client_saves)
+        ids.update(id(size) for size in self._concrete_saves)
+        ids.update(id(obj) for obj in self._saved_objects)
+        ids.update(id(obj) for obj in self._kept)
+        return ids
 
     def replacements(self) -> dict[int, tuple[Any, Any]]:
         """id(placeholder) -> (placeholder, value) for every value the block delivered."""

@@ -9,7 +9,6 @@ import pytest
 import torch
 from fakedaemon import FakeNnd
 
-import nnd
 from nnd import _backends, _context, _results
 from nnd._tracer import GenerateTracer, Tracer
 from nnd.v1 import nnd_pb2
@@ -79,6 +78,7 @@ def test_generation_options_belong_to_the_generate_kind(model):
 
 
 def test_session_blocks_queue_into_the_session_and_run_as_one_request(model, fake):
+    blocks = []  # the inner blocks' `as` names do not outlive the session (as in nnsight): keep them here
     with model.session() as session:
         assert _context.current_or_none() is None and _context.innermost_session() is session
         with model.trace("a") as first:
@@ -89,6 +89,8 @@ def test_session_blocks_queue_into_the_session_and_run_as_one_request(model, fak
             y = (model.transformer.h[1].output + h).save()
         assert methods(fake) == []  # nothing sent until the session ends
         assert session.blocks == [first, second]
+        blocks.extend([first, second])
+    first, second = blocks
     assert isinstance(first.backend, _backends.SessionMember) and first.backend.session is session
     assert isinstance(first.backend.kind, _backends.RemoteTrace)
     assert isinstance(second.backend.kind, _backends.RemoteGenerate)
@@ -131,8 +133,8 @@ def test_a_block_that_fails_while_recording_sends_nothing(model, fake):
         with model.trace("hi"):
             h = model.transformer.h[0].output.save()
             raise ZeroDivisionError
-    with pytest.raises(nnd.ValueNotKnown, match="ZeroDivisionError inside the block"):
-        h.value  # noqa: B018
+    with pytest.raises(NameError):  # as in nnsight, a failed block binds no name
+        h  # noqa: B018
     with pytest.raises(ZeroDivisionError):
         with model.session():
             with model.trace("a"):

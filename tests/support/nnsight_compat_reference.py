@@ -1,7 +1,8 @@
-"""Run tests/compat_blocks.py with nnsight 0.8.1 in a process of its own and
-save every block's results (or the name of the error it raised).
+"""Run tests/support/compat_blocks.py (or another module of blocks beside it, with a BLOCKS
+dict) with nnsight 0.8.1 in a process of its own and save every block's results (or the name
+of the error it raised).
 
-Usage: python nnsight_compat_reference.py MODEL_PATH OUT.pt
+Usage: python nnsight_compat_reference.py MODEL_PATH OUT.pt [BLOCKS_MODULE]
 """
 
 from __future__ import annotations
@@ -22,16 +23,18 @@ def _plain(value):
     return value
 
 
-def main(path: str, out: str) -> None:
+def main(path: str, out: str, module: str = "compat_blocks") -> None:
+    import importlib
+
     import nnsight
     from transformers import AutoTokenizer
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import compat_blocks
+    blocks = importlib.import_module(module)
 
     model = nnsight.LanguageModel(path, tokenizer=AutoTokenizer.from_pretrained(path), device_map="cpu", dispatch=True)
     results = {}
-    for name, block in compat_blocks.BLOCKS.items():
+    for name, block in blocks.BLOCKS.items():
         try:
             results[name] = _plain(block(model))
         except Exception as exc:  # noqa: BLE001 - recorded, the test says which block nnsight refused
@@ -40,4 +43,4 @@ def main(path: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])
