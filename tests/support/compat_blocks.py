@@ -269,6 +269,37 @@ def stop_in_one_invoke_serves_its_sibling(model: Any) -> dict[str, Any]:
     return {"first": first, "second": second}
 
 
+def barriers_per_layer_with_items_across_many_invokes(model: Any) -> dict[str, Any]:
+    # The activation-patching tutorial's batched cell: one barrier per layer, each met by the clean
+    # invoke and one patching invoke per position; every patching invoke needs a real value
+    # (`.item()`) and reads names (`layer`, `position`, the per-layer list) the block's own loop
+    # rebinds after the invoke was opened.
+    layers = len(model.transformer.h)
+    positions = [2, 4, 5]
+    corrupt = "The Colosseum is in the city of"
+    results = []
+    with model.trace() as tracer:
+        barriers = [tracer.barrier(len(positions) + 1) for _ in range(layers)]
+        with tracer.invoke(PROMPT):
+            for layer in range(layers):
+                hidden = model.transformer.h[layer].output
+                barriers[layer]()
+            clean = model.lm_head.output[0, -1, 3].save()
+        with tracer.invoke(corrupt):
+            corrupted = model.lm_head.output[0, -1, 3].save()
+        for layer in range(layers):
+            row = []
+            for position in positions:
+                with tracer.invoke(corrupt):
+                    barriers[layer]()
+                    model.transformer.h[layer].output[:, position, :] = hidden[:, position, :]
+                    patched = model.lm_head.output[0, -1, 3]
+                    row.append(((patched - corrupted) / (clean - corrupted)).item())
+            results.append(row)
+        results.save()
+    return {"clean": clean, "corrupted": corrupted, "results": results}
+
+
 BLOCKS = {
     f.__name__: f
     for f in (
@@ -293,5 +324,6 @@ BLOCKS = {
         many_invokes_a_sync_in_one,
         session_computes_between_blocks,
         stop_in_one_invoke_serves_its_sibling,
+        barriers_per_layer_with_items_across_many_invokes,
     )
 }
