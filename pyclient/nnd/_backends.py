@@ -398,15 +398,16 @@ def settle(
     names the body binds as they were when it opened; those not bound to a saved value (of `blocks`, or
     one of `saved`) get their old value back, as nnsight leaves them (_unsaved.py)."""
     __tracebackhide__ = True  # noqa: F841  (pytest/IPython hide this frame)
+    kept: set[int] = {id(value) for value in saved}
+    for block in blocks:
+        kept |= block.saved_ids()
     try:
         delivered = _run(blocks, run, progress)
     except BaseException:
-        _unsaved.settle(before, lambda _value: False)  # nothing was delivered: nnsight's push never ran
+        # A saved name stays, its value saying why the block did not complete (nnsight's is unbound).
+        _unsaved.settle(before, lambda value: id(value) in kept)
         raise
     if delivered:
-        kept: set[int] = {id(value) for value in saved}
-        for block in blocks:
-            kept |= block.saved_ids()
         _unsaved.settle(before, lambda value: id(value) in kept)
     _deliver(blocks, delivered, names)
 

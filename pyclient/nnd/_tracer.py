@@ -378,7 +378,7 @@ class Tracer:
                 _context.pop(self)
                 self._recording = False
                 self.backend.cancel()
-                _unsaved.settle(self._before, lambda _value: False)
+                self._forget_unsaved()
                 raise
         _objects.unmount()
         self.holders = self._saved_objects + self._outer  # filled after the block (a session's: after the session)
@@ -390,7 +390,7 @@ class Tracer:
         if exc_type is not None:
             self.fail(f"{exc_type.__name__} inside the block, before it ran")
             self.backend.cancel()
-            _unsaved.settle(self._before, lambda _value: False)  # as nnsight: no name leaves a failed block
+            self._forget_unsaved()
             return
         _backends.settle(
             [self], lambda: self.backend.run(self), lambda: self.backend.progress(self), before=self._before
@@ -491,6 +491,12 @@ class Tracer:
         values = _grad.attach(self.model._conn, self.sent, [(i, arg, p._value) for i, arg, p in saves], params)
         for (_, _, proxy), value in zip(saves, values, strict=True):
             proxy._value = value
+
+    def _forget_unsaved(self) -> None:
+        """The block failed: its unsaved names go as under nnsight; a saved one stays, its value saying
+        that the block did not complete (nnsight leaves it unbound too)."""
+        kept = self.saved_ids()
+        _unsaved.settle(self._before, lambda value: id(value) in kept)
 
     def saved_ids(self) -> set[int]:
         """id() of every value the block saved (what a name may stay bound to after it)."""
