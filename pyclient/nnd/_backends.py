@@ -207,6 +207,8 @@ class RemoteGenerate(RemoteTrace):
 
         torch = _torchmod.available()
         rows = [list(step.ids) for step in tracer.tokens]
+        if scope in tracer._unrolled:  # one pass of a `tracer.iter` loop: what nnsight's streamer holds then
+            return _streamed_at(tracer, tracer._unrolled[scope], rows, torch)
         if scope:
             return [torch.tensor(r) if torch is not None else r for r in rows]
         table = [list(col) for col in zip(*rows, strict=True)] if rows else []
@@ -283,6 +285,22 @@ def _fake(value: Any, mode: Any, torch: Any) -> Any:
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
         return tuple(_fake(v, mode, torch) for v in value)
     return value
+
+
+def _streamed_at(tracer: Tracer, step: int, rows: list[list[int]], torch: Any) -> Any:
+    """The streamer's value at generation step `step`, as transformers hands it to a streamer: at step 0
+    the prompt's ids ([invokes, prompt length], the result's first columns), at step k the ids step k-1
+    chose (one per invoke); None past the last step."""
+    if step == 0:
+        result = tracer._streamed_result
+        if result is None or not result._resolved:
+            return None
+        ids = result._value
+        prompt = ids[:, : ids.shape[1] - len(rows)]
+        return prompt if torch is None or isinstance(prompt, torch.Tensor) else torch.as_tensor(prompt)
+    if step - 1 >= len(rows):
+        return None
+    return torch.tensor(rows[step - 1]) if torch is not None else rows[step - 1]
 
 
 class EditBackend(Backend):

@@ -190,6 +190,10 @@ def save_held(tracer: Tracer, holders: list[Any]) -> None:
         for proxy in proxies_in(holder):
             if proxy._tracer is not tracer or not proxy._live() or proxy._resolved or id(proxy) in saved:
                 continue
+            if proxy._node is None and proxy._pending is None:  # a client-side value: saved where it was read
+                tracer._save(proxy)
+                saved.add(id(proxy))
+                continue
             if scopes is None:
                 scopes = {n.id: n.scope for n in builder.graph.nodes}
             # The save goes where the value lives (a loop pass's scope: that step's value).

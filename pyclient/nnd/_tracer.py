@@ -138,6 +138,9 @@ class Tracer:
         self._saved: dict[int, Proxy] = {}
         self._concrete_saves: list[_meta.Size] = []
         self._client_saves: list[tuple[Proxy, int]] = []
+        # Client-side values (`model.generator.streamer.output`): id -> (proxy, the scope it was read in).
+        self._client_scopes: dict[int, tuple[Proxy, int]] = {}
+        self._streamed_result: Proxy | None = None  # the generated ids, for the streamer's step 0
         self._recording = False
         # Unrolled loop passes: scope -> its step; saves made in them -> their scope (one value, not a list).
         self._unrolled: dict[int, int] = {}
@@ -325,7 +328,8 @@ class Tracer:
 
     def _save(self, proxy: Proxy) -> None:
         if proxy._node is None and proxy._pending is None:  # client-side value (streamer tokens)
-            self._client_saves.append((proxy, self._builder.scope))
+            read = self._client_scopes.get(id(proxy))
+            self._client_saves.append((proxy, read[1] if read is not None else self._builder.scope))
             return
         node = self._builder.save(proxy)
         self._saved[node] = proxy

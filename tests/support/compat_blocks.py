@@ -300,6 +300,24 @@ def barriers_per_layer_with_items_across_many_invokes(model: Any) -> dict[str, A
     return {"clean": clean, "corrupted": corrupted, "results": results}
 
 
+def streamer_inside_iter_loops(model: Any) -> dict[str, Any]:
+    # nnsight's test_iter_with_streamer1: the streamer's value in each pass of two bounded loops is
+    # what transformers handed the streamer then (the prompt's ids at step 0, else the last step's id).
+    with model.generate(PROMPT, max_new_tokens=8, min_new_tokens=8) as tracer:
+        hs = list()
+        hs.save()
+        streamed = list()
+        streamed.save()
+        for step in tracer.iter[0:3]:  # noqa: B007
+            streamed.append(model.generator.streamer.output)  # handed over before the step's forward
+            hs.append(model.transformer.h[-1].output[:, -1])
+        for step in tracer.iter[5:7]:  # noqa: B007
+            streamed.append(model.generator.streamer.output)  # handed over before the step's forward
+            hs.append(model.transformer.h[-1].output[:, -1])
+        ids = tracer.result.save()
+    return {"hs": hs, "streamed": streamed, "ids": ids}
+
+
 BLOCKS = {
     f.__name__: f
     for f in (
@@ -325,5 +343,6 @@ BLOCKS = {
         session_computes_between_blocks,
         stop_in_one_invoke_serves_its_sibling,
         barriers_per_layer_with_items_across_many_invokes,
+        streamer_inside_iter_loops,
     )
 }
