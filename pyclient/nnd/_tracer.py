@@ -132,6 +132,7 @@ class Tracer:
         self._retained: list[Proxy] = []
         self._retained_grads: list[tuple[Proxy, Proxy]] = []
         self._caches: dict[int, Cache] = {}
+        self._touched: set[int | None] = set()  # invokes that have read or changed a module value
         self._invokes: list[nnd_pb2.Invoke] = []
         self._invoke: int | None = None
         self._turns: _interleave.Turns | None = None  # once the block has a barrier (_interleave.py)
@@ -237,6 +238,9 @@ class Tracer:
         """
         from nnd import _dtypes
 
+        if self._invoke in self._touched:
+            # nnsight 0.8's rule (its cache sees the run from where it is declared): the same error.
+            raise ValueError("tracer.cache() must be declared before reading or modifying a model value")
         if not detach:
             raise NotImplementedError("cached values always come back detached (they travel as bytes)")
         if not (include_output or include_inputs):
@@ -311,16 +315,19 @@ class Tracer:
         if self._turns is not None:
             self._turns.access(path, point)
         which = self._invoke if invoke is _NO_INPUT else invoke
+        self._touched.add(self._invoke)
         return Proxy(self, self._builder.module(path, point, which, 0, op))
 
     def _set(self, path: str, point: int, value: Any, *, op: str = "") -> None:
         if self._turns is not None:
             self._turns.access(path, point)
+        self._touched.add(self._invoke)
         self._builder.set(path, point, self._invoke, 0, value, op)
 
     def _skip(self, path: str, value: Any, *, op: str = "") -> None:
         if self._turns is not None:
             self._turns.access(path, graph_pb2.INPUT)
+        self._touched.add(self._invoke)
         self._builder.skip(path, self._invoke, 0, value, op)
 
     def _record(self, name: str, args: list[Any], kwargs: dict[str, Any], func: Any = None) -> Proxy:

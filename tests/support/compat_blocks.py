@@ -318,6 +318,23 @@ def streamer_inside_iter_loops(model: Any) -> dict[str, Any]:
     return {"hs": hs, "streamed": streamed, "ids": ids}
 
 
+def cache_declared_after_a_read_is_refused(model: Any) -> dict[str, Any]:
+    # nnsight 0.8: a cache must be declared before the invoke reads or changes a model value.
+    found = {}
+    for late in (False, True):
+        try:
+            with model.trace() as tracer:
+                with tracer.invoke(PROMPT):
+                    if late:
+                        model.transformer.h[1].output  # noqa: B018
+                    tracer.cache().save()
+                    model.transformer.h[0].output  # noqa: B018
+            found[f"late={late}"] = "ok"
+        except ValueError as e:
+            found[f"late={late}"] = f"ValueError: {e}"
+    return found
+
+
 BLOCKS = {
     f.__name__: f
     for f in (
@@ -344,5 +361,6 @@ BLOCKS = {
         stop_in_one_invoke_serves_its_sibling,
         barriers_per_layer_with_items_across_many_invokes,
         streamer_inside_iter_loops,
+        cache_declared_after_a_read_is_refused,
     )
 }
