@@ -134,7 +134,17 @@ class Attributes:
         self.names = names
 
     def items(self) -> list[Any]:
-        return [getattr(self.obj, name, None) for name in self.names]
+        # The instance's own dict only: a property (an envoy's `.output`) is never run after the block.
+        own = _instance_dict(self.obj)
+        return [own.get(name) for name in self.names]
+
+
+def _instance_dict(obj: Any) -> dict[str, Any]:
+    try:
+        own = object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        return {}
+    return own if type(own) is dict else {}
 
 
 def containers_of(frame: FrameType | None, names: _blocknames.BlockNames | None) -> list[Any]:
@@ -159,7 +169,10 @@ def containers_of(frame: FrameType | None, names: _blocknames.BlockNames | None)
         attributes.setdefault(name, []).append(attribute)
     for name, wanted in attributes.items():
         value = local_vars[name] if name in local_vars else frame.f_globals.get(name)
-        if value is not None and not isinstance(value, (type, Proxy)) and hasattr(value, "__dict__"):
+        # A plain object of the user's (nnd's own, such as an envoy whose `.output` the body sets, are not).
+        if value is None or isinstance(value, (type, Proxy)) or type(value).__module__.startswith("nnd"):
+            continue
+        if isinstance(getattr(value, "__dict__", None), dict):
             outer.append(Attributes(value, wanted))
     return outer
 

@@ -128,6 +128,19 @@ def generate_steps(model: Any) -> dict[str, Any]:
     return _what(locals(), "early values step inner") | {"count": len(values)}
 
 
+def a_module_set_through_a_loop_variable(model: Any) -> dict[str, Any]:
+    # `layer.output = ...` sets a module value, not an attribute to deliver: after the session nothing
+    # reads the envoy's `.output` (the LLM-depth tutorial's loop, `layer` bound when the block opens).
+    layer = model.transformer.h[-1]
+    with model.session():
+        with model.trace(PROMPT):
+            for i, layer in enumerate(model.transformer.h):
+                if i == 1:
+                    layer.output = layer.output * 2
+            out = model.lm_head.output.save()
+    return {"out": type(out).__name__, "layer": type(layer).__name__}
+
+
 _CELL = """
 with model.trace(PROMPT):
     cell_new = model.transformer.h[0].output
