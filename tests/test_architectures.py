@@ -211,7 +211,8 @@ def test_moe_scan_gives_every_expert_module_its_in_process_shape(arch: Pair) -> 
     assert any(".experts" in p for p in seen)  # the experts module ran and is compared
     envoys = dict(arch.remote.named_modules())
     with arch.remote.scan(PROMPT):
-        shapes = {p: nnd.save(_value(envoys[p], tupled[p]).shape) for p in seen}
+        # The dict is made in the block: saved too, or its name does not outlive it (as in nnsight).
+        shapes = {p: nnd.save(_value(envoys[p], tupled[p]).shape) for p in seen}.save()
     assert {p: tuple(s) for p, s in shapes.items()} == {p: tuple(t.shape) for p, t in seen.items()}
 
 

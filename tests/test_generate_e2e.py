@@ -58,7 +58,7 @@ def test_per_step_edit_matches_hf_generate_with_a_hook(gpt2, reference):
 
 def test_per_step_saves_count_and_shapes(gpt2):
     with gpt2.generate(PROMPT, max_new_tokens=5) as tracer:
-        saved = []
+        saved = [].save()  # made in the block: saved, or its name does not outlive it (as in nnsight)
         for _ in tracer.iter[:]:  # the body runs once per step
             saved.append(gpt2.transformer.h[1].output.save())
     assert len(saved) == 5

@@ -82,7 +82,7 @@ def test_scan_on_a_dispatched_model_and_several_invokes(gpt2):
 def test_concrete_shapes_inside_a_trace(gpt2):
     with gpt2.trace(PROMPT):
         h = gpt2.transformer.h[0].output
-        shape = h.shape  # a real torch.Size, mid-block
+        shape = nnd.save(h.shape)  # a real torch.Size, mid-block (saved: only saved names outlive the block)
         noise = torch.randn(h.shape[-1])
         h[:, -1, :] += noise
         out = h.save()

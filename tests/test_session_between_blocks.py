@@ -51,8 +51,8 @@ def test_python_between_blocks_computes_on_an_earlier_blocks_value(pair):
     with ours.session():
         with ours.trace(PROMPT):
             h = ours.transformer.h[0].output.save()
-        scale = h.norm()  # a real value now: the first block ran as far as it needed
-        delta = h[:, -1] / scale
+        scale = h.norm().save()  # a real value now: the first block ran as far as it needed
+        delta = (h[:, -1] / scale).save()  # saved: only saved names outlive the session, as in nnsight
         assert isinstance(scale, torch.Tensor) and isinstance(delta, torch.Tensor)
         with ours.trace(PROMPT):
             ours.transformer.h[1].output[:, -1] += delta
@@ -70,7 +70,7 @@ def test_an_unsaved_value_between_blocks_and_several_blocks(pair):
             h = ours.transformer.h[0].output  # not saved: still computable between the blocks
         with ours.trace(PROMPT):
             other = ours.transformer.h[1].output.save()
-        scale = h.norm()
+        scale = h.norm().save()
         with ours.trace(PROMPT):
             ours.transformer.h[1].output[:, -1] += h[:, -1] / scale
             logits = ours.lm_head.output.save()

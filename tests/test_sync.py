@@ -65,9 +65,10 @@ def test_item_tolist_and_numpy_are_real_values(gpt2, reference):
     expected, _ = _outputs(reference, PROMPT)
     with gpt2.trace(PROMPT) as tracer:
         h = gpt2.transformer.h[0].output
-        total = h.sum().item()
-        first = h[0, 0, :3].tolist()
-        arr = np.asarray(h[0, -1])
+        # Real values made in the block outlive it saved, as in nnsight (nnsight.save / nnd.save).
+        total = nnd.save(h.sum().item())
+        first = nnd.save(h[0, 0, :3].tolist())
+        arr = nnd.save(np.asarray(h[0, -1]))
     assert total == pytest.approx(expected[0].sum().item(), rel=1e-5)
     assert first == pytest.approx(expected[0][0, 0, :3].tolist(), rel=1e-5)
     assert isinstance(arr, np.ndarray) and np.allclose(arr, expected[0][0, -1].numpy(), atol=1e-6)
@@ -100,7 +101,7 @@ def test_print_and_format_show_values(gpt2, reference, capsys):
     with gpt2.trace(PROMPT):
         s = gpt2.transformer.h[0].output.sum()
         print(s)
-        text = f"{gpt2.transformer.h[0].output.sum():.3f}"
+        text = nnd.save(f"{gpt2.transformer.h[0].output.sum():.3f}")
     assert text == f"{expected[0].sum().item():.3f}"
     assert capsys.readouterr().out.strip() == str(expected[0].sum())
 
@@ -110,7 +111,7 @@ def test_index_from_a_value(gpt2, reference):
     top = int(logits[0, -1].argmax())
     with gpt2.trace(PROMPT):
         best = gpt2.lm_head.output[0, -1].argmax()
-        row = [0.0] * 100
+        row = nnd.save([0.0] * 100)
         row[best] = 1.0  # __index__
         picked = gpt2.lm_head.output[0, -1, best].save()
     assert row.index(1.0) == top
@@ -312,12 +313,12 @@ def test_syncs_go_to_the_worker_by_route_and_through_the_daemon_alike(gpt2, refe
     router = gpt2._conn.router
     before = router.direct_calls
     with gpt2.trace(PROMPT):
-        direct = gpt2.transformer.h[0].output.sum().item()
+        direct = nnd.save(gpt2.transformer.h[0].output.sum().item())
     assert router.direct_calls == before + 1  # the Interact stream followed the route
     # A client that does not follow routes: the daemon passes the stream's bytes to the worker.
     monkeypatch.setattr(gpt2._conn, "direct", False)
     with gpt2.trace(PROMPT):
-        relayed = gpt2.transformer.h[0].output.sum().item()
+        relayed = nnd.save(gpt2.transformer.h[0].output.sum().item())
         if relayed > -1e9:
             gpt2.transformer.h[1].output[:] = 0
         logits = gpt2.lm_head.output.save()
@@ -336,7 +337,7 @@ def test_a_paused_run_shows_in_ps_as_a_paused_trace(gpt2):
 
     with gpt2.trace(PROMPT):
         gpt2.transformer.h[0].output.sum().item()
-        paused = info()  # asked while the run is paused here
+        paused = nnd.save(info())  # asked while the run is paused here
     after = info()
     # Paused at a sync point (it holds the model while its client computes), with since when.
     assert [(r.kind, r.state) for r in paused.requests] == [("trace", "paused")]
@@ -353,14 +354,14 @@ def test_syncs_inside_a_session(gpt2, reference):
         with gpt2.trace(PROMPT):
             h0 = gpt2.transformer.h[0].output  # no save: a later block uses it
         with gpt2.trace(PROMPT):
-            b = gpt2.transformer.h[1].output.sum().item()
+            b = nnd.save(gpt2.transformer.h[1].output.sum().item())
             if b != 0:
                 gpt2.transformer.h[1].output[:] = h0
             swapped = gpt2.lm_head.output.save()
         with gpt2.trace(PROMPT):
             c = gpt2.transformer.h[0].output.sum().save()
         with gpt2.trace(PROMPT):
-            d = gpt2.transformer.h[1].output.norm().item()
+            d = nnd.save(gpt2.transformer.h[1].output.norm().item())
         with gpt2.trace(PROMPT):
             e = gpt2.lm_head.output.save()
     assert b == pytest.approx(expected[1].sum().item(), rel=1e-5)
@@ -401,9 +402,9 @@ def test_a_later_session_block_may_name_a_stored_edit_the_first_did_not(gpt2, re
     try:
         with gpt2.session():
             with gpt2.trace(PROMPT):
-                a = gpt2.transformer.h[0].output.sum().item()
+                a = nnd.save(gpt2.transformer.h[0].output.sum().item())
             with edited.trace(PROMPT):
-                b = edited.transformer.h[1].output.sum().item()
+                b = nnd.save(edited.transformer.h[1].output.sum().item())
                 zeroed = edited.lm_head.output.save()
             with gpt2.trace(PROMPT):
                 plain = gpt2.lm_head.output.save()

@@ -80,6 +80,7 @@ def test_generation_options_belong_to_the_generate_kind(model):
 
 
 def test_session_blocks_queue_into_the_session_and_run_as_one_request(model, fake):
+    blocks = []  # the inner blocks' `as` names do not outlive the session (as in nnsight): keep them here
     with model.session() as session:
         assert _context.current_or_none() is None and _context.innermost_session() is session
         with model.trace("a") as first:
@@ -90,6 +91,8 @@ def test_session_blocks_queue_into_the_session_and_run_as_one_request(model, fak
             y = (model.transformer.h[1].output + h).save()
         assert methods(fake) == []  # nothing sent until the session ends
         assert session.blocks == [first, second]
+        blocks.extend([first, second])
+    first, second = blocks
     assert isinstance(first.backend, _backends.SessionMember) and first.backend.session is session
     assert isinstance(first.backend.kind, _backends.RemoteTrace)
     assert isinstance(second.backend.kind, _backends.RemoteGenerate)

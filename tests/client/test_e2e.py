@@ -29,7 +29,7 @@ def test_scan_gives_shapes_without_dispatching(daemon, tiny_models):
     model = nnd.TransformersModel(tiny_models["gpt2"], address=daemon.address, device="cpu")
     model.release()
     with model.scan(PROMPT):
-        hidden = model.transformer.h[0].output.shape[-1]
+        hidden = nnd.save(model.transformer.h[0].output.shape[-1])
         shape = model.transformer.h[0].output.shape.save()
         dim = nnd.save(model.lm_head.output.shape[-1])
         hs = model.transformer.h[-1].output.save()
@@ -93,7 +93,7 @@ def test_shape_error_is_a_runtime_error_quoting_the_line(gpt2):
 
 def test_generate_loops_and_tokens(gpt2):
     with gpt2.generate(PROMPT, max_new_tokens=3) as tracer:
-        picks = []
+        picks = [].save()  # made in the block: saved, or its name does not outlive it (as in nnsight)
         for _ in tracer.iter[:]:  # the body runs once per step (nnsight's semantics)
             picks.append(gpt2.lm_head.output[:, -1].argmax(-1).save())
             last = gpt2.lm_head.output[:, -1].argmax(-1).save()

@@ -36,8 +36,8 @@ def test_iter_runs_the_body_once_per_step_each_pass_in_a_scope_of_its_step(model
     fake[0].reply = gen_reply()
     with model.generate("hi", max_new_tokens=3, do_sample=True, temperature=0.7, top_k=5, seed=1) as tracer:
         first = model.lm_head.output.argmax(-1).save()
-        bodies = []
-        per_step = []
+        bodies = [].save()  # made in the block: saved, or its name does not outlive it (as in nnsight)
+        per_step = [].save()
         for step in tracer.iter[1:3]:
             bodies.append(step)
             per_step.append(model.lm_head.output.argmax(-1).save())

@@ -153,14 +153,18 @@ def test_tensor_of_ids_input(model, fake):
 
 
 def test_effects_result_stop_and_call_module(model, fake):
+    seen = []
+    keep = seen.append  # the test reads the unsaved proxy's node after the block, where its name is gone
     with model.trace("hi") as tracer:
         h = model.transformer.h[1].output
+        keep(h)
         model.lm_head(h).save()
         model.transformer.h[0].mlp.skip(h)
         model.transformer.h[0].attn.output = h * 0
         tracer.result.save()
         tracer.stop()
     g = last(fake).graph
+    [h] = seen
     call = next(n for n in g.nodes if kind(n) == "op" and n.op.name == "call_module")
     assert value_of(call.op.args[0]) == "lm_head" and call.op.args[1].ref == h._node
     skip = next(n for n in g.nodes if kind(n) == "skip")
@@ -214,12 +218,12 @@ def test_nnd_save_of_a_constant(model, fake):
 
 
 def test_proxy_after_block_computes_on_its_value(model, fake):
-    import types
 
-    kept = types.SimpleNamespace()  # an attribute is not rebound (names, lists, dicts and tuples are)
+    seen: list = []
+    keep = seen.append  # a place nnd does not look into after the block: the proxy stays a proxy there
     with model.trace("hi"):
-        kept.proxy = model.lm_head.output.save()
-    proxy = kept.proxy
+        keep(model.lm_head.output.save())
+    [proxy] = seen
     assert isinstance(proxy, nnd.Proxy) and isinstance(proxy.value, torch.Tensor)
     assert torch.equal(proxy + 1, proxy.value + 1)
     assert proxy.shape == (1, 4, 16) and proxy.sum().item() == 0.0
@@ -235,9 +239,10 @@ def test_unknown_block_options_are_refused(model):
 
 def test_saved_values_in_lists_dicts_and_tuples_are_rebound(model, fake):
     with model.trace("hi"):
-        layers = [model.transformer.h[i].output.save() for i in range(2)]
-        named = {"head": model.lm_head.output.save()}
-        pair = (model.transformer.h[0].output.save(), 3)
+        # Containers made in the block are saved too, or their names do not outlive it (as in nnsight).
+        layers = [model.transformer.h[i].output.save() for i in range(2)].save()
+        named = {"head": model.lm_head.output.save()}.save()
+        pair = (model.transformer.h[0].output.save(), 3).save()
     assert all(isinstance(x, torch.Tensor) for x in layers)
     assert isinstance(named["head"], torch.Tensor)
     assert isinstance(pair, tuple) and isinstance(pair[0], torch.Tensor) and pair[1] == 3

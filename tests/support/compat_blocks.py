@@ -269,6 +269,72 @@ def stop_in_one_invoke_serves_its_sibling(model: Any) -> dict[str, Any]:
     return {"first": first, "second": second}
 
 
+def barriers_per_layer_with_items_across_many_invokes(model: Any) -> dict[str, Any]:
+    # The activation-patching tutorial's batched cell: one barrier per layer, each met by the clean
+    # invoke and one patching invoke per position; every patching invoke needs a real value
+    # (`.item()`) and reads names (`layer`, `position`, the per-layer list) the block's own loop
+    # rebinds after the invoke was opened.
+    layers = len(model.transformer.h)
+    positions = [2, 4, 5]
+    corrupt = "The Colosseum is in the city of"
+    results = []
+    with model.trace() as tracer:
+        barriers = [tracer.barrier(len(positions) + 1) for _ in range(layers)]
+        with tracer.invoke(PROMPT):
+            for layer in range(layers):
+                hidden = model.transformer.h[layer].output
+                barriers[layer]()
+            clean = model.lm_head.output[0, -1, 3].save()
+        with tracer.invoke(corrupt):
+            corrupted = model.lm_head.output[0, -1, 3].save()
+        for layer in range(layers):
+            row = []
+            for position in positions:
+                with tracer.invoke(corrupt):
+                    barriers[layer]()
+                    model.transformer.h[layer].output[:, position, :] = hidden[:, position, :]
+                    patched = model.lm_head.output[0, -1, 3]
+                    row.append(((patched - corrupted) / (clean - corrupted)).item())
+            results.append(row)
+        results.save()
+    return {"clean": clean, "corrupted": corrupted, "results": results}
+
+
+def streamer_inside_iter_loops(model: Any) -> dict[str, Any]:
+    # nnsight's test_iter_with_streamer1: the streamer's value in each pass of two bounded loops is
+    # what transformers handed the streamer then (the prompt's ids at step 0, else the last step's id).
+    with model.generate(PROMPT, max_new_tokens=8, min_new_tokens=8) as tracer:
+        hs = list()
+        hs.save()
+        streamed = list()
+        streamed.save()
+        for step in tracer.iter[0:3]:  # noqa: B007
+            streamed.append(model.generator.streamer.output)  # handed over before the step's forward
+            hs.append(model.transformer.h[-1].output[:, -1])
+        for step in tracer.iter[5:7]:  # noqa: B007
+            streamed.append(model.generator.streamer.output)  # handed over before the step's forward
+            hs.append(model.transformer.h[-1].output[:, -1])
+        ids = tracer.result.save()
+    return {"hs": hs, "streamed": streamed, "ids": ids}
+
+
+def cache_declared_after_a_read_is_refused(model: Any) -> dict[str, Any]:
+    # nnsight 0.8: a cache must be declared before the invoke reads or changes a model value.
+    found = {}
+    for late in (False, True):
+        try:
+            with model.trace() as tracer:
+                with tracer.invoke(PROMPT):
+                    if late:
+                        model.transformer.h[1].output  # noqa: B018
+                    tracer.cache().save()
+                    model.transformer.h[0].output  # noqa: B018
+            found[f"late={late}"] = "ok"
+        except ValueError as e:
+            found[f"late={late}"] = f"ValueError: {e}"
+    return found
+
+
 BLOCKS = {
     f.__name__: f
     for f in (
@@ -293,5 +359,8 @@ BLOCKS = {
         many_invokes_a_sync_in_one,
         session_computes_between_blocks,
         stop_in_one_invoke_serves_its_sibling,
+        barriers_per_layer_with_items_across_many_invokes,
+        streamer_inside_iter_loops,
+        cache_declared_after_a_read_is_refused,
     )
 }

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from nnd.errors import NndError
-from nnd.tracing import _blocknames, _context, _interact, _objects, _rebind, _source
+from nnd.tracing import _blocknames, _context, _interact, _objects, _rebind, _source, _unsaved
 from nnd.tracing._generation import GENERATE_OPTIONS
 from nnd.tracing._graph import GraphBuilder
 from nnd.v1 import nnd_pb2
@@ -210,6 +210,8 @@ class RemoteGenerate(RemoteTrace):
 
         torch = _torchmod.available()
         rows = [list(step.ids) for step in tracer.tokens]
+        if scope in tracer._unrolled:  # one pass of a `tracer.iter` loop: what nnsight's streamer holds then
+            return _streamed_at(tracer, tracer._unrolled[scope], rows, torch)
         if scope:
             return [torch.tensor(r) if torch is not None else r for r in rows]
         table = [list(col) for col in zip(*rows, strict=True)] if rows else []
@@ -286,6 +288,22 @@ def _fake(value: Any, mode: Any, torch: Any) -> Any:
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
         return tuple(_fake(v, mode, torch) for v in value)
     return value
+
+
+def _streamed_at(tracer: Tracer, step: int, rows: list[list[int]], torch: Any) -> Any:
+    """The streamer's value at generation step `step`, as transformers hands it to a streamer: at step 0
+    the prompt's ids ([invokes, prompt length], the result's first columns), at step k the ids step k-1
+    chose (one per invoke); None past the last step."""
+    if step == 0:
+        result = tracer._streamed_result
+        if result is None or not result._resolved:
+            return None
+        ids = result._value
+        prompt = ids[:, : ids.shape[1] - len(rows)]
+        return prompt if torch is None or isinstance(prompt, torch.Tensor) else torch.as_tensor(prompt)
+    if step - 1 >= len(rows):
+        return None
+    return torch.tensor(rows[step - 1]) if torch is not None else rows[step - 1]
 
 
 class EditBackend(Backend):
@@ -392,13 +410,47 @@ def settle(
     run: Callable[[], bool],
     progress: Callable[[], str],
     names: _blocknames.BlockNames | None | bool = True,
+    before: _unsaved.Before | None = None,
+    saved: Sequence[Any] = (),
 ) -> None:
     """The end of a block or session that recorded cleanly: run it, then hand the values of `blocks` to
     the user's names and containers. An error names the user's `with` line, not nnd's internals.
-    `names`: what the session's body binds (None: unknown); True: the blocks' own."""
+    `names`: what the session's body binds (None: unknown); True: the blocks' own. `before`: the
+    names the body binds as they were when it opened; those not bound to a saved value (of `blocks`, or
+    one of `saved`) get their old value back, as nnsight leaves them (_unsaved.py)."""
+    __tracebackhide__ = True  # noqa: F841  (pytest/IPython hide this frame)
+    kept: set[int] = {id(value) for value in saved}
+    for block in blocks:
+        kept |= block.saved_ids()
+    try:
+        delivered = _run(blocks, run, progress)
+    except BaseException:
+        # A saved name stays, its value saying why the block did not complete (nnsight's is unbound).
+        _unsaved.settle(before, lambda value: id(value) in kept)
+        raise
+    if delivered:
+        _unsaved.settle(before, lambda value: id(value) in kept)
+    _deliver(blocks, delivered, names)
+
+
+def _deliver(blocks: Sequence[Tracer], delivered: bool, names: _blocknames.BlockNames | None | bool) -> None:
+    """Hand the values of `blocks` to the user's names and containers."""
+    if delivered:
+        frame = _source.user_frame()
+        replacements: dict[int, tuple[Any, Any]] = {}
+        for block in blocks:
+            replacements.update(block.replacements())
+        if frame is not None:
+            _rebind.rebind(frame, replacements, _bound(blocks, names))
+        for block in blocks:
+            _objects.fill(block.holders, replacements)
+            block.release()
+
+
+def _run(blocks: Sequence[Tracer], run: Callable[[], bool], progress: Callable[[], str]) -> bool:
     __tracebackhide__ = True  # noqa: F841  (pytest/IPython hide this frame)
     try:
-        delivered = run()
+        return run()
     except NndError as err:
         why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         for block in blocks:
@@ -412,17 +464,6 @@ def settle(
         for block in blocks:
             block.fail(why)
         raise KeyboardInterrupt(f"nnd: {why}; the daemon stopped the request") from None
-    if not delivered:
-        return
-    frame = _source.user_frame()
-    replacements: dict[int, tuple[Any, Any]] = {}
-    for block in blocks:
-        replacements.update(block.replacements())
-    if frame is not None:
-        _rebind.rebind(frame, replacements, _bound(blocks, names))
-    for block in blocks:
-        _objects.fill(block.holders, replacements)
-        block.release()
 
 
 def _bound(blocks: Sequence[Tracer], names: _blocknames.BlockNames | None | bool) -> set[str] | None:

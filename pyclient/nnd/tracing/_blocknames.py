@@ -40,6 +40,10 @@ class BlockNames:
     """Names of containers the body puts values into: their new items are replaced after the block."""
     append_only: frozenset[str]
     """Of `filled`, those the body only appends to or extends (walked from their length at the open)."""
+    targets: frozenset[str] = frozenset()
+    """The `with` statement's own `as` names (bound by the statement, not by its body)."""
+    attributes: tuple[tuple[str, str], ...] = ()
+    """(name, attribute) of each `name.attribute = ...` in the body: the object's attribute is filled."""
 
 
 _cache: dict[tuple[CodeType, int], BlockNames | None] = {}
@@ -105,17 +109,26 @@ def _names(statement: ast.With) -> BlockNames:
     bound: set[str] = set()
     filled: set[str] = set()
     other_fill: set[str] = set()
+    targets: set[str] = set()
+    attributes: set[tuple[str, str]] = set()
     for item in statement.items:  # `with model.trace() as tracer`: the tracer, not a value, but harmless
         if item.optional_vars is not None:
-            bound.update(n.id for n in ast.walk(item.optional_vars) if isinstance(n, ast.Name))
+            targets.update(n.id for n in ast.walk(item.optional_vars) if isinstance(n, ast.Name))
+    bound |= targets
     for stmt in statement.body:
         for node in ast.walk(stmt):
-            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store | ast.Del):
                 bound.add(node.id)
+            elif isinstance(node, ast.Import | ast.ImportFrom):
+                bound.update((alias.asname or alias.name).partition(".")[0] for alias in node.names)
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                bound.add(node.name)
             elif isinstance(node, ast.Subscript | ast.Attribute) and isinstance(node.ctx, ast.Store | ast.Del):
                 root = _root(node)
                 if root is not None:
                     filled.add(root)
+                    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                        attributes.add((node.value.id, node.attr))
                     other_fill.add(root)
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _FILLING:
                 root = _root(node.func.value)
@@ -127,4 +140,10 @@ def _names(statement: ast.With) -> BlockNames:
                     other_fill.add(root)
             elif isinstance(node, ast.Global | ast.Nonlocal):
                 bound.update(node.names)
-    return BlockNames(frozenset(bound), frozenset(filled), frozenset(filled - other_fill - bound))
+    return BlockNames(
+        frozenset(bound),
+        frozenset(filled),
+        frozenset(filled - other_fill - bound),
+        frozenset(targets),
+        tuple(sorted(attributes)),
+    )

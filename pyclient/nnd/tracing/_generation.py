@@ -121,7 +121,18 @@ class _Streamer:
         """The tokens streamed per step: inside a loop a list with one ids
         tensor per step, at top level an [invokes, steps] tensor (after the block)."""
         tracer = _context.current("`model.generator.streamer.output`")
-        return Proxy(tracer, None)
+        proxy = Proxy(tracer, None)
+        # Where it was read: inside a pass of a `tracer.iter` loop it is that step's tokens.
+        tracer._client_scopes[id(proxy)] = (proxy, tracer._builder.scope)
+        if tracer._builder.scope in tracer._unrolled and tracer._streamed_result is None:
+            # At step 0 nnsight's streamer holds the prompt's ids: the result's first columns.
+            builder = tracer._builder
+            builder._scopes.append(0)
+            try:
+                tracer._streamed_result = tracer.result.save()
+            finally:
+                builder._scopes.pop()
+        return proxy
 
 
 class Generator:

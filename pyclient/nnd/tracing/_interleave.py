@@ -6,10 +6,13 @@ and at a barrier until every participant has arrived. A name one invoke rebinds
 in a loop (`clean = h[layer].output; barrier()`) therefore means, in another
 invoke's matching turn, that layer's value. nnd records instead of running, so
 it reproduces the turns: once a block has a barrier, each invoke's body is
-taken from the caller's source (_withbody.py) and deferred; when as many bodies
-as the barrier has participants are waiting, they run, each in a thread of its
-own but one at a time, all recording into the block's one graph and sharing one
-namespace (as the threads share the caller's names). A thread gives up its turn
+taken from the caller's source (_withbody.py) and deferred, with the names it
+reads as they are then (nnsight captures them when the invoke opens: a loop
+variable of the block's own Python means, in each body, its value at that
+invoke); when the block's own Python has ended (as nnsight starts the invoke
+threads only then) they run, each in a thread of its own but one at a time,
+all recording into the block's one graph and sharing what they bind (as the
+threads share one store of names). A thread gives up its turn
 at a barrier and at each module access; the next turn goes first to bodies that
 can run without a module value, then to the one waiting for the module the
 forward reaches first (the module tree's order, a module's output after its
@@ -55,6 +58,7 @@ class Body:
 
     invoke: int
     code: CodeType
+    snapshot: dict[str, Any] = field(default_factory=dict)  # the caller's names it reads, as the invoke opened
     state: str = _READY
     key: tuple[int, ...] = (0,)
     barrier: Barrier | None = None
@@ -89,9 +93,7 @@ class Turns:
         if code is None:
             raise NotImplementedError("an invoke body with break/continue/return/yield cannot take turns at a barrier")
         self.frame = frame
-        self.bodies.append(Body(invoke, code))
-        if len(self.bodies) >= self.participants:
-            self.run()
+        self.bodies.append(Body(invoke, code, _snapshot(frame, code)))
         return _withbody._skip_body(frame)
 
     # -- running
@@ -105,7 +107,7 @@ class Turns:
         shared: dict[str, Any] = {}
         stack = _context.snapshot()
         for body in bodies:
-            names = _Names(before, shared, frame.f_globals)
+            names = _Names(body.snapshot, shared, frame.f_globals)
             body.thread = threading.Thread(target=self._main, args=(body, names, stack), daemon=True)
             body.thread.start()
         previous = self.tracer._invoke
@@ -227,7 +229,7 @@ class Turns:
 
 class _Names(dict):  # type: ignore[type-arg]
     """One body's names, looked up as nnsight's invoke threads look them up: what it bound itself,
-    else the caller's names when the bodies started, else what any body bound last (`shared`), else
+    else the caller's names as its invoke opened, else what any body bound last (`shared`), else
     the caller's globals. A body's loop variable stays its own; a name another body binds (before
     a barrier) is seen by all."""
 
@@ -249,6 +251,22 @@ class _Names(dict):  # type: ignore[type-arg]
     def __delitem__(self, name: str) -> None:
         dict.__delitem__(self, name)
         self._shared.pop(name, None)
+
+
+def _snapshot(frame: FrameType, code: CodeType) -> dict[str, Any]:
+    """The caller's names a deferred body reads, as they are now (a function's: all its locals)."""
+    if frame.f_code.co_flags & _withbody._CO_OPTIMIZED:
+        return dict(frame.f_locals)
+    namespace = frame.f_locals  # module level: the globals; a class body: its own dict
+    return {name: namespace[name] for name in _read_names(code) if name in namespace}
+
+
+def _read_names(code: CodeType) -> set[str]:
+    names = set(code.co_names) | set(code.co_freevars) | set(code.co_varnames)
+    for const in code.co_consts:
+        if isinstance(const, CodeType):  # a comprehension, lambda or def in the body
+            names |= _read_names(const)
+    return names
 
 
 class _Abandoned(BaseException):

@@ -47,7 +47,9 @@ def save_any(self: Any, _: Any = None) -> Any:
     _seen.add(type(self))
     tracer = _context.current_or_none()
     if tracer is None:
-        if _context.innermost_session() is not None:  # a session's own Python (between its blocks): plain values stay as they are
+        session = _context.innermost_session()
+        if session is not None:  # a session's own Python (between its blocks): the object outlives the session
+            session.saved_objects.append(self)
             return self
         if _previous is not None:  # nnsight's, in a process that uses both: its blocks' values
             return _previous(self)
@@ -127,6 +129,30 @@ class Tail:
         self.start = len(items)
 
 
+class Attributes:
+    """An object outside the block whose attributes the body sets (`holder.h = ...`): the block's
+    values placed there are delivered, as nnsight's (the object is the caller's, not a copy)."""
+
+    __slots__ = ("obj", "names")
+
+    def __init__(self, obj: Any, names: list[str]) -> None:
+        self.obj = obj
+        self.names = names
+
+    def items(self) -> list[Any]:
+        # The instance's own dict only: a property (an envoy's `.output`) is never run after the block.
+        own = _instance_dict(self.obj)
+        return [own.get(name) for name in self.names]
+
+
+def _instance_dict(obj: Any) -> dict[str, Any]:
+    try:
+        own = object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        return {}
+    return own if type(own) is dict else {}
+
+
 def containers_of(frame: FrameType | None, names: _blocknames.BlockNames | None) -> list[Any]:
     """The outer containers of a block opening in the user's frame: the lists and dicts its body
     fills (`names`; None: every list and dict the frame's locals hold, the body being unknown)."""
@@ -144,12 +170,25 @@ def containers_of(frame: FrameType | None, names: _blocknames.BlockNames | None)
             outer.append(Tail(value))
         elif type(value) in (list, dict):
             outer.append(value)
+    attributes: dict[str, list[str]] = {}
+    for name, attribute in names.attributes:
+        attributes.setdefault(name, []).append(attribute)
+    for name, wanted in attributes.items():
+        value = local_vars[name] if name in local_vars else frame.f_globals.get(name)
+        # A plain object of the user's (nnd's own, such as an envoy whose `.output` the body sets, are not).
+        if value is None or isinstance(value, (type, Proxy)) or type(value).__module__.startswith("nnd"):
+            continue
+        if isinstance(getattr(value, "__dict__", None), dict):
+            outer.append(Attributes(value, wanted))
     return outer
 
 
 def proxies_in(obj: Any, depth: int = 0) -> Iterator[Proxy]:
     if isinstance(obj, Proxy):
         yield obj
+    elif type(obj) is Attributes:
+        for item in obj.items():
+            yield from proxies_in(item, depth + 1)
     elif type(obj) is Tail:
         _rebind.walked[0] += max(0, len(obj.items) - obj.start)
         for item in obj.items[obj.start :]:
@@ -170,6 +209,10 @@ def save_held(tracer: Tracer, holders: list[Any]) -> None:
         for proxy in proxies_in(holder):
             if proxy._tracer is not tracer or not proxy._live() or proxy._resolved or id(proxy) in saved:
                 continue
+            if proxy._node is None and proxy._pending is None:  # a client-side value: saved where it was read
+                tracer._save(proxy)
+                saved.add(id(proxy))
+                continue
             if scopes is None:
                 scopes = {n.id: n.scope for n in builder.graph.nodes}
             # The save goes where the value lives (a loop pass's scope: that step's value).
@@ -188,3 +231,8 @@ def fill(holders: list[Any], replacements: _rebind.Replacements) -> None:
             _rebind.replace_from(holder.items, holder.start, replacements)
         elif type(holder) in (list, dict):
             _rebind.replace_inside(holder, replacements)
+        elif type(holder) is Attributes:
+            for name, item in zip(holder.names, holder.items(), strict=True):
+                hit, new = _rebind.replace_item(item, replacements)
+                if hit:
+                    setattr(holder.obj, name, new)

@@ -95,6 +95,11 @@ def replace_from(value: list[Any], start: int, replacements: Replacements, depth
     return changed
 
 
+def replace_item(item: Any, replacements: Replacements) -> tuple[bool, Any]:
+    """(True, its value) for a delivered proxy, or a list/dict/tuple holding some (filled in)."""
+    return _item(item, replacements, 1)
+
+
 def replace_inside(container: Any, replacements: Replacements) -> None:
     """Replace the proxies inside a list or dict (and the tuples it holds), in place."""
     _inside(container, replacements, 1)

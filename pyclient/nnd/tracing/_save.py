@@ -21,7 +21,9 @@ def save(value: T) -> T:
         return value.save()  # type: ignore[return-value]
     tracer = _context.current_or_none()
     if tracer is None:
-        if _context.innermost_session() is not None:
+        session = _context.innermost_session()
+        if session is not None:
+            session.saved_objects.append(value)  # it outlives the session, as nnsight's saved values do
             return value
         raise ValueError(
             "save() was called outside a block: it marks a value to return from a `with model.trace(...):` "
@@ -32,6 +34,7 @@ def save(value: T) -> T:
     if type(value) in (list, dict, tuple):  # a container: the block's values inside it come back
         tracer._saved_objects.append(value)
         return value
+    tracer._kept.append(value)  # the name bound to it outlives the block (_unsaved.py)
     try:
         tracer._save_constant(value)
     except TypeError:

@@ -12,7 +12,7 @@ from collections.abc import Hashable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from nnd.tracing import _backends, _blocknames, _context, _interact, _objects, _source
+from nnd.tracing import _backends, _blocknames, _context, _interact, _objects, _source, _unsaved
 from nnd.tracing._graph import GraphBuilder
 from nnd.v1 import nnd_pb2
 from nnd.wire import _results
@@ -43,6 +43,9 @@ class Session:
         self.compute_s = 0.0
         """Wall time the daemon spent running every block of the session."""
         self._names: _blocknames.BlockNames | None = None
+        self._before: _unsaved.Before | None = None  # what those names held when it opened
+        self.saved_objects: list[Any] = []
+        """Objects `.save()`d in the session's own Python, between its blocks: they outlive it."""
         self._interaction: _interact.Interaction | None = None  # open once a block needed a real value
 
     def __enter__(self) -> Session:
@@ -52,6 +55,8 @@ class Session:
         frame = _source.user_frame()
         # The names its body binds: those rebound when it ends (_blocknames.py).
         self._names = _blocknames.of(frame) if frame is not None else None
+        if not _context.snapshot():  # the outermost block: only saved values leave it (_unsaved.py)
+            self._before = _unsaved.snapshot(frame, self._names)
         _context.push(self)
         _objects.mount()  # `[].save()` between the session's blocks, as in nnsight
         return self
@@ -116,10 +121,19 @@ class Session:
         if exc_type is not None or not self.blocks:
             if self._interaction is not None:
                 self._interaction.cancel()  # frees the paused model at once
+            saved = {id(obj) for obj in self.saved_objects} if exc_type is None else set()
+            _unsaved.settle(self._before, lambda value: id(value) in saved)
+            self.saved_objects = []
             return
         _backends.settle(
-            self.blocks, self._run, lambda: "cancelled before its results came back", names=self._names
+            self.blocks,
+            self._run,
+            lambda: "cancelled before its results came back",
+            names=self._names,
+            before=self._before,
+            saved=self.saved_objects,
         )
+        self.saved_objects = []
 
     def _run(self) -> bool:
         blocks = self.blocks

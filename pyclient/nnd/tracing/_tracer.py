@@ -9,7 +9,18 @@ import sys
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from nnd.tracing import _backends, _blocknames, _concrete, _context, _inputs, _interleave, _objects, _source, _withbody
+from nnd.tracing import (
+    _backends,
+    _blocknames,
+    _concrete,
+    _context,
+    _inputs,
+    _interleave,
+    _objects,
+    _source,
+    _unsaved,
+    _withbody,
+)
 from nnd.tracing._cache import Cache, CacheView
 from nnd.tracing._loops import Loop, StepIter, every_step
 from nnd.tracing._proxy import Proxy
@@ -119,12 +130,16 @@ class Tracer:
         self._retained: list[Proxy] = []
         self._retained_grads: list[tuple[Proxy, Proxy]] = []
         self._caches: dict[int, Cache] = {}
+        self._touched: set[int | None] = set()  # invokes that have read or changed a module value
         self._invokes: list[nnd_pb2.Invoke] = []
         self._invoke: int | None = None
         self._turns: _interleave.Turns | None = None  # once the block has a barrier (_interleave.py)
         self._saved: dict[int, Proxy] = {}
         self._concrete_saves: list[_meta.Size] = []
         self._client_saves: list[tuple[Proxy, int]] = []
+        # Client-side values (`model.generator.streamer.output`): id -> (proxy, the scope it was read in).
+        self._client_scopes: dict[int, tuple[Proxy, int]] = {}
+        self._streamed_result: Proxy | None = None  # the generated ids, for the streamer's step 0
         self._recording = False
         # Unrolled loop passes: scope -> its step; saves made in them -> their scope (one value, not a list).
         self._unrolled: dict[int, int] = {}
@@ -135,6 +150,9 @@ class Tracer:
         self._outer: list[Any] = []
         self.names: _blocknames.BlockNames | None = None
         """The names the block's body binds and fills (None: its source could not be read)."""
+        # What those names held when the block opened (an outermost block's: _unsaved.py).
+        self._before: _unsaved.Before | None = None
+        self._kept: list[Any] = []  # what survives the block without `.save()` (its caches, as nnsight's)
         self.holders: list[Any] = []
         """Saved objects and outer containers whose values are filled in once the block has run."""
         self.options = options
@@ -218,6 +236,9 @@ class Tracer:
         """
         from nnd.wire import _dtypes
 
+        if self._invoke in self._touched:
+            # nnsight 0.8's rule (its cache sees the run from where it is declared): the same error.
+            raise ValueError("tracer.cache() must be declared before reading or modifying a model value")
         if not detach:
             raise NotImplementedError("cached values always come back detached (they travel as bytes)")
         if not (include_output or include_inputs):
@@ -234,7 +255,9 @@ class Tracer:
         )
         cache = Cache(self.model)
         self._caches[node] = cache
-        return CacheView(cache, None)
+        view = CacheView(cache, None)
+        self._kept.append(view)  # a cache is delivered without `.save()`, as nnsight's
+        return view
 
     def _cache_path(self, module: Any) -> str:
         from nnd.models._envoy import Envoy
@@ -290,16 +313,19 @@ class Tracer:
         if self._turns is not None:
             self._turns.access(path, point)
         which = self._invoke if invoke is _NO_INPUT else invoke
+        self._touched.add(self._invoke)
         return Proxy(self, self._builder.module(path, point, which, 0, op))
 
     def _set(self, path: str, point: int, value: Any, *, op: str = "") -> None:
         if self._turns is not None:
             self._turns.access(path, point)
+        self._touched.add(self._invoke)
         self._builder.set(path, point, self._invoke, 0, value, op)
 
     def _skip(self, path: str, value: Any, *, op: str = "") -> None:
         if self._turns is not None:
             self._turns.access(path, graph_pb2.INPUT)
+        self._touched.add(self._invoke)
         self._builder.skip(path, self._invoke, 0, value, op)
 
     def _record(self, name: str, args: list[Any], kwargs: dict[str, Any], func: Any = None) -> Proxy:
@@ -307,7 +333,8 @@ class Tracer:
 
     def _save(self, proxy: Proxy) -> None:
         if proxy._node is None and proxy._pending is None:  # client-side value (streamer tokens)
-            self._client_saves.append((proxy, self._builder.scope))
+            read = self._client_scopes.get(id(proxy))
+            self._client_saves.append((proxy, read[1] if read is not None else self._builder.scope))
             return
         node = self._builder.save(proxy)
         self._saved[node] = proxy
@@ -339,6 +366,9 @@ class Tracer:
         # What the body binds and fills, read once per call site: only those names are looked at after it.
         self.names = _blocknames.of(frame) if frame is not None else None
         self._outer = _objects.containers_of(frame, self.names)
+        # Only the outermost block leaves just its saved values behind; a session's blocks hand theirs on.
+        if self.backend.session is None and not _context.snapshot():
+            self._before = _unsaved.snapshot(frame, self.names)
         _context.push(self)
         _objects.mount()
         return self
@@ -358,6 +388,7 @@ class Tracer:
                 _context.pop(self)
                 self._recording = False
                 self.backend.cancel()
+                self._forget_unsaved()
                 raise
         _objects.unmount()
         self.holders = self._saved_objects + self._outer  # filled after the block (a session's: after the session)
@@ -369,8 +400,11 @@ class Tracer:
         if exc_type is not None:
             self.fail(f"{exc_type.__name__} inside the block, before it ran")
             self.backend.cancel()
+            self._forget_unsaved()
             return
-        _backends.settle([self], lambda: self.backend.run(self), lambda: self.backend.progress(self))
+        _backends.settle(
+            [self], lambda: self.backend.run(self), lambda: self.backend.progress(self), before=self._before
+        )
 
     # -- what backends and sessions use (_backends.py, _session.py, _interact.py)
     @property
@@ -409,6 +443,7 @@ class Tracer:
     def release(self) -> None:
         """The values are with the user: drop the block's hold on them."""
         self._saved_objects.clear()
+        self._kept.clear()
         self.holders = []
         # Tracer -> proxy -> tracer is a cycle: without this, results (and the shared-memory
         # regions or buffers they view) would live until a full garbage collection, not until `del`.
@@ -466,6 +501,21 @@ class Tracer:
         values = _grad.attach(self.model._conn, self.sent, [(i, arg, p._value) for i, arg, p in saves], params)
         for (_, _, proxy), value in zip(saves, values, strict=True):
             proxy._value = value
+
+    def _forget_unsaved(self) -> None:
+        """The block failed: its unsaved names go as under nnsight; a saved one stays, its value saying
+        that the block did not complete (nnsight leaves it unbound too)."""
+        kept = self.saved_ids()
+        _unsaved.settle(self._before, lambda value: id(value) in kept)
+
+    def saved_ids(self) -> set[int]:
+        """id() of every value the block saved (what a name may stay bound to after it)."""
+        ids = {id(proxy) for proxy in self._saved.values()}
+        ids.update(id(proxy) for proxy, _ in self._client_saves)
+        ids.update(id(size) for size in self._concrete_saves)
+        ids.update(id(obj) for obj in self._saved_objects)
+        ids.update(id(obj) for obj in self._kept)
+        return ids
 
     def replacements(self) -> dict[int, tuple[Any, Any]]:
         """id(placeholder) -> (placeholder, value) for every value the block delivered."""
