@@ -87,8 +87,8 @@ def test_a_weight_shape_costs_no_round_trip(handles, monkeypatch):
     asked = []
     monkeypatch.setattr(_concrete, "scan_graph", lambda *a: asked.append(a) or pytest.fail("a scan was sent"))
     with model.trace(weight_blocks.PROMPT):
-        vocab = model.transformer.wte.weight.shape[0]
-        dtype = model.lm_head.weight.dtype
+        vocab = nnd.save(model.transformer.wte.weight.shape[0])
+        dtype = nnd.save(model.lm_head.weight.dtype)
         logits = model.lm_head.output.save()
     assert (vocab, dtype) == (320, torch.float32) and not asked
     assert logits.shape[-1] == vocab
@@ -160,7 +160,7 @@ def test_weights_in_generation_steps_and_at_a_sync_point(handles):
     for a, b in zip(lens, logits, strict=True):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
     with model.trace(weight_blocks.PROMPT):
-        one = model.lm_head.weight[3, 5].item()  # a sync point on a weight: no module has run yet
+        one = nnd.save(model.lm_head.weight[3, 5].item())  # a sync point on a weight: no module has run yet
         whole = model.lm_head.weight.save()
         if one > 0:
             model.transformer.h[0].output[:] = 0
@@ -191,6 +191,6 @@ def test_the_shape_of_a_value_computed_from_a_weight_inside_a_trace(handles):
     n = len(model.tokenizer(weight_blocks.PROMPT)["input_ids"])
     with model.trace(weight_blocks.PROMPT):
         lens = model.model.layers[0].output @ model.lm_head.weight.T
-        shape = tuple(lens.shape)  # the helper scans a graph holding the weight's node
+        shape = nnd.save(tuple(lens.shape))  # the helper scans a graph holding the weight's node
         kept = lens.save()
     assert shape == (1, n, 320) == tuple(kept.shape)

@@ -65,10 +65,14 @@ def test_task_inference_and_tree(daemon, tiny_models):
 
 
 def test_unknown_model_is_one_line_error(daemon):
+    # `nnd dispatch` loads a model that is not loaded yet (as the Python client does): it says so, then
+    # the load's refusal, one line each.
     res = daemon.cli("dispatch", "no/such-model", check=False)
     assert res.returncode == 1
-    assert res.stderr.strip().startswith("nnd: model 'no/such-model' is not loaded")
-    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    lines = res.stderr.strip().splitlines()
+    assert lines[0] == "nnd: no/such-model is not loaded; loading it", res.stderr
+    assert lines[1].startswith("nnd: cannot load model 'no/such-model'"), res.stderr
+    assert "Traceback" not in res.stderr and len(lines) == 2
 
 
 def test_load_of_missing_path_is_not_found(daemon, tmp_path):
@@ -152,4 +156,10 @@ def test_help_keeps_the_quickstart_one_command_a_line():
     assert res.returncode == 0, res.stderr
     lines = [line.strip() for line in res.stdout.splitlines()]
     start = lines.index("quickstart:")
-    assert lines[start + 1 : start + 5] == ["nnd serve &", "nnd load gpt2", "nnd dispatch gpt2 --device cuda", "nnd ps"]
+    assert lines[start + 1 : start + 6] == [
+        "nnd serve &",
+        "nnd pull openai-community/gpt2",
+        "nnd load openai-community/gpt2 --name gpt2",
+        "nnd dispatch gpt2 --device cuda",
+        "nnd ps",
+    ]

@@ -265,7 +265,7 @@ def test_weights_come_back_whole(tp2, tp1):
             gate = m.model.layers[0].mlp.gate_proj.weight.save()
             down = m.model.layers[0].mlp.down_proj.weight.save()
             q = m.model.layers[1].self_attn.q_proj.weight.save()
-            vocab = m.model.embed_tokens.weight.shape[0]
+            vocab = nnd.save(m.model.embed_tokens.weight.shape[0])
             lens = (m.model.norm(m.model.layers[0].output) @ m.lm_head.weight.T).save()
         return gate, down, q, vocab, lens
 
@@ -294,7 +294,7 @@ def test_seeded_sampling_matches(tp2, tp1):
 def test_generation_with_per_step_reads(tp2, tp1):
     def block(m):
         with m.generate(PROMPT, max_new_tokens=3) as tracer:
-            gate = []
+            gate = [].save()  # made in the block: saved, or (as in nnsight) its name does not outlive it
             for _ in tracer.iter[:]:
                 gate.append(m.model.layers[1].mlp.gate_proj.output[:, -1].save())
             ids = tracer.result.save()
@@ -335,15 +335,15 @@ def test_sync_points_match_one_process(tp2, tp1):
     def block(m):
         with m.trace(PROMPT):
             gate = m.model.layers[0].mlp.gate_proj.output  # column-parallel: each rank holds 64 of 128
-            row = gate[0, -1].tolist()
-            total = gate.sum().item()
+            row = nnd.save(gate[0, -1].tolist())
+            total = nnd.save(gate.sum().item())
             if gate.sum() > -1e9:  # always: the branch runs, as in one process
                 m.model.layers[1].mlp.gate_proj.output[..., 60:70] = 0  # across the shard boundary
             if total > 1e9:  # never
                 m.model.layers[1].output[:] = 0
             logits = m.lm_head.output.save()
         with m.generate(PROMPT, max_new_tokens=3) as tracer:
-            norms = []
+            norms = [].save()
             for _ in tracer.iter[:]:  # a pause inside each step
                 norms.append(m.model.layers[1].mlp.act_fn.output[0, -1].norm().item())
             ids = tracer.result.save()
