@@ -42,7 +42,6 @@ def test_iter_runs_the_body_once_per_step_each_pass_in_a_scope_of_its_step(model
             bodies.append(step)
             per_step.append(model.lm_head.output.argmax(-1).save())
             model.transformer.h[0].output[:] *= 0.5
-        tokens = model.generator.streamer.output.save()
         out = tracer.result.save()
     assert bodies == [1, 2]  # nnsight's semantics: the body runs per step, `step` is its number
     req = last_generate(fake)
@@ -57,7 +56,6 @@ def test_iter_runs_the_body_once_per_step_each_pass_in_a_scope_of_its_step(model
     # A pass's save is that step's value, not a list (the fake answers step lists [0, 1, 2] per scope).
     assert first == -1 and per_step == [0, 0] and out == -1
     assert [t.id for t in tracer.tokens] == [10, 11, 12] and tracer.tokens[0].text == "t10"
-    assert tokens.tolist() == [[10, 11, 12]]
 
 
 def test_step_selectors(model, fake):

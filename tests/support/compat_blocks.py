@@ -318,6 +318,14 @@ def streamer_inside_iter_loops(model: Any) -> dict[str, Any]:
     return {"hs": hs, "streamed": streamed, "ids": ids}
 
 
+def streamer_at_the_top_of_a_generate_block(model: Any) -> dict[str, Any]:
+    # Outside any loop the streamer's value is its first one: the prompt's ids (two prompts: both rows).
+    with model.generate([PROMPT, PROMPT], max_new_tokens=3, min_new_tokens=3) as tracer:
+        streamed = model.generator.streamer.output.save()
+        ids = tracer.result.save()
+    return {"streamed": streamed, "ids": ids}
+
+
 def cache_declared_after_a_read_is_refused(model: Any) -> dict[str, Any]:
     # nnsight 0.8: a cache must be declared before the invoke reads or changes a model value.
     found = {}

@@ -205,7 +205,8 @@ class RemoteGenerate(RemoteTrace):
             )
 
     def client_value(self, tracer: Tracer, scope: int) -> Any:
-        """The streamed ids: per step inside a loop, else one [invokes, steps] table."""
+        """The streamed ids: in a pass of an iter loop that step's, at the block's top the first value
+        (the prompt's ids, as nnsight's streamer holds them), in a loop not unrolled one tensor per step."""
         from nnd.wire import _torchmod
 
         torch = _torchmod.available()
@@ -214,8 +215,7 @@ class RemoteGenerate(RemoteTrace):
             return _streamed_at(tracer, tracer._unrolled[scope], rows, torch)
         if scope:
             return [torch.tensor(r) if torch is not None else r for r in rows]
-        table = [list(col) for col in zip(*rows, strict=True)] if rows else []
-        return torch.tensor(table) if torch is not None else table
+        return _streamed_at(tracer, 0, rows, torch)
 
     def progress(self, tracer: Tracer) -> str:
         total = tracer.options.get("max_new_tokens")

@@ -118,13 +118,15 @@ def stream(model: TransformersModel, prompt: Any, **opts: Any) -> Iterator[StepT
 class _Streamer:
     @property
     def output(self) -> Proxy:
-        """The tokens streamed per step: inside a loop a list with one ids
-        tensor per step, at top level an [invokes, steps] tensor (after the block)."""
+        """What transformers hands a streamer, as nnsight gives it: in a pass of a
+        `tracer.iter` loop that step's ids (the prompt's at step 0, then the id the
+        previous step chose); at the top of the block its first value, the prompt's ids."""
         tracer = _context.current("`model.generator.streamer.output`")
         proxy = Proxy(tracer, None)
         # Where it was read: inside a pass of a `tracer.iter` loop it is that step's tokens.
         tracer._client_scopes[id(proxy)] = (proxy, tracer._builder.scope)
-        if tracer._builder.scope in tracer._unrolled and tracer._streamed_result is None:
+        scope = tracer._builder.scope
+        if (scope == 0 or scope in tracer._unrolled) and tracer._streamed_result is None:
             # At step 0 nnsight's streamer holds the prompt's ids: the result's first columns.
             builder = tracer._builder
             builder._scopes.append(0)
