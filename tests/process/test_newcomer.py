@@ -148,12 +148,19 @@ def ctrl_c():
     # Ctrl-C as a terminal sends it, while the loop waits for the next token: with the worker stopped no
     # new token can come, so once the main thread waits for one (twice in a row, the same token last:
     # any already on their way have been read) it stays there until the signal.
+    # (On a loaded box the frame test can miss the moment; with the worker stopped, no token for 5 s also
+    # means the loop waits for one: well inside the daemon's 30 s before it calls the worker hung.)
+    last, since = steps[-1], time.monotonic()
     while True:
         seen = steps[-1]
+        if seen != last:
+            last, since = seen, time.monotonic()
         if waiting_for_a_token():
             time.sleep(0.02)
             if waiting_for_a_token() and steps[-1] == seen:
                 break
+        if time.monotonic() - since > 5:
+            break
         time.sleep(0.001)
     os.kill(os.getpid(), signal.SIGINT)
 
@@ -167,7 +174,10 @@ try:
             print("streaming", flush=True)
             threading.Thread(target=ctrl_c, daemon=True).start()
 finally:
-    os.kill(worker, signal.SIGCONT)
+    try:
+        os.kill(worker, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
 """
 
 
