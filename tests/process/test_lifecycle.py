@@ -66,13 +66,13 @@ def test_task_inference_and_tree(daemon, tiny_models):
 
 def test_unknown_model_is_one_line_error(daemon):
     # `nnd dispatch` loads a model that is not loaded yet (as the Python client does): it says so, then
-    # the load's refusal, one line each.
+    # the load's refusal (transformers' own text, which may wrap), and no traceback.
     res = daemon.cli("dispatch", "no/such-model", check=False)
     assert res.returncode == 1
     lines = res.stderr.strip().splitlines()
     assert lines[0] == "nnd: no/such-model is not loaded; loading it", res.stderr
     assert lines[1].startswith("nnd: cannot load model 'no/such-model'"), res.stderr
-    assert "Traceback" not in res.stderr and len(lines) == 2
+    assert "Traceback" not in res.stderr and "no config found" in res.stderr, res.stderr
 
 
 def test_load_of_missing_path_is_not_found(daemon, tmp_path):
