@@ -42,10 +42,11 @@ def encode(x: list[Any] | tuple[Any, ...]) -> values_pb2.Value | None:
             return None
         raw = _varints(ints.view(np.uint64), _BOOL if kind is bool else _INT)
     # Value.list is field 9, Value.tuple field 10, both length-delimited: one parse, no copy.
-    return values_pb2.Value.FromString(bytes([0x52 if isinstance(x, tuple) else 0x4A]) + _varint(len(raw)) + raw)
+    return values_pb2.Value.FromString(bytes([0x52 if isinstance(x, tuple) else 0x4A]) + varint(len(raw)) + raw)
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
+    """`n` as a protobuf base-128 varint (the one encoder: wire.py's frames, the worker's joined messages)."""
     out = bytearray()
     while n >= 0x80:
         out.append(n & 0x7F | 0x80)

@@ -378,17 +378,9 @@ class _Strided:
             at += p.numel()
         return memoryview(buffer.numpy())
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
 
 def _tag(descriptor: Any, name: str, wire_type: int) -> bytes:
-    return _varint(descriptor.fields_by_name[name].number << 3 | wire_type)
+    return numlists.varint(descriptor.fields_by_name[name].number << 3 | wire_type)
 
 
 _CHUNK_TAG = _tag(nnd_pb2.TraceResponse.DESCRIPTOR, "chunk", 2)
@@ -429,8 +421,12 @@ class ChunkResponse:
 
     def SerializeToString(self) -> bytes:  # noqa: N802 - the protobuf message's method
         size = len(self._data)
-        inner = _BLOB_TAG + _varint(self.blob) + _DATA_TAG + _varint(size) if self.blob else _DATA_TAG + _varint(size)
-        return b"".join((_CHUNK_TAG, _varint(len(inner) + size), inner, self._bytes()))
+        inner = (
+            _BLOB_TAG + numlists.varint(self.blob) + _DATA_TAG + numlists.varint(size)
+            if self.blob
+            else _DATA_TAG + numlists.varint(size)
+        )
+        return b"".join((_CHUNK_TAG, numlists.varint(len(inner) + size), inner, self._bytes()))
 
     def message(self) -> nnd_pb2.TraceResponse:
         msg = nnd_pb2.TraceResponse()

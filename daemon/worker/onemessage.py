@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from nnd.v1 import nnd_pb2
+from nnd_daemon.engine.numlists import varint as _varint
 
 # Above this the stream's own chunking is cheaper: the client reads a streamed chunk as a view of the
 # bytes gRPC received (pyclient/nnd/_chunks.py), but parses a joined one with protobuf (one more copy).
@@ -40,15 +41,6 @@ def join(responses: Sequence[Any]) -> bytes | None:
             return None
         parts.append(part)
     return _TAG + _varint(size) + b"".join(parts)
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 class Joiner:
