@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 import warnings
 
+import nnsight_blocks_reference
 import pytest
 import torch
 
@@ -29,10 +29,7 @@ PROMPT = compat_api_blocks.PROMPT
 @pytest.fixture(scope="module")
 def pair(daemon, tiny_models, tmp_path_factory):
     path = tiny_models["gpt2"]
-    out = tmp_path_factory.mktemp("nnsight_api") / "ref.pt"
-    script = os.path.join(os.path.dirname(__file__), "support", "nnsight_blocks_reference.py")
-    subprocess.run([sys.executable, script, "compat_api_blocks", path, str(out)], check=True, capture_output=True, timeout=900)
-    ref = torch.load(out, weights_only=False)
+    ref = nnsight_blocks_reference.results("compat_api_blocks", path, tmp_path_factory.mktemp("nnsight_api"))
     ours = nnd.TransformersModel(path, address=daemon.address, device="cpu", dispatch=True)
     yield ours, ref
     ours.release()

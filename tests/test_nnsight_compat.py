@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 
+import nnsight_blocks_reference
 import numpy as np
 import pytest
 import torch
@@ -30,10 +30,7 @@ ATOL = 1e-5
 @pytest.fixture(scope="module")
 def pair(daemon, tiny_models, tmp_path_factory):
     path = tiny_models["gpt2"]
-    out = tmp_path_factory.mktemp("nnsight_compat") / "ref.pt"
-    script = os.path.join(os.path.dirname(__file__), "support", "nnsight_blocks_reference.py")
-    subprocess.run([sys.executable, script, "compat_blocks", path, str(out)], check=True, capture_output=True, timeout=900)
-    ref = torch.load(out, weights_only=False)
+    ref = nnsight_blocks_reference.results("compat_blocks", path, tmp_path_factory.mktemp("nnsight_compat"))
     ours = nnd.TransformersModel(path, address=daemon.address, device="cpu", dispatch=True)
     yield ours, ref
     ours.release()

@@ -2,6 +2,7 @@
 in a process of its own and save every block's results (or the error it raised).
 
 Usage: python nnsight_blocks_reference.py BLOCKS_MODULE MODEL_PATH OUT.pt
+(tests call `results(BLOCKS_MODULE, MODEL_PATH, FOLDER)`, which runs it and loads what it saved).
 """
 
 from __future__ import annotations
@@ -21,6 +22,17 @@ def _plain(value):
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return value
+
+
+def results(blocks_module: str, path: str, folder: os.PathLike) -> dict:
+    """nnsight 0.8.1's results of every block of `blocks_module` on the model at `path`."""
+    import subprocess
+
+    out = os.path.join(folder, f"{blocks_module}.pt")
+    subprocess.run(
+        [sys.executable, os.path.abspath(__file__), blocks_module, path, out], check=True, capture_output=True, timeout=900
+    )
+    return torch.load(out, weights_only=False)
 
 
 def main(blocks_module: str, path: str, out: str) -> None:
