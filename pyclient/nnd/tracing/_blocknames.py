@@ -25,6 +25,8 @@ import linecache
 from dataclasses import dataclass
 from types import CodeType, FrameType
 
+from nnd.tracing._withbody import enclosing_with
+
 # Methods that put a value into the container they are called on.
 _FILLING = frozenset({"append", "extend", "insert", "update", "setdefault", "add", "__setitem__"})
 _APPENDING = frozenset({"append", "extend"})
@@ -89,12 +91,7 @@ def _compute(frame: FrameType) -> BlockNames | None:
     tree = _tree(frame)
     if tree is None:
         return None
-    line = frame.f_lineno
-    found: ast.With | None = None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.With) and node.body and node.lineno <= line < node.body[0].lineno:
-            if found is None or node.lineno >= found.lineno:
-                found = node
+    found = enclosing_with(tree, frame.f_lineno)
     return None if found is None else _names(found)
 
 

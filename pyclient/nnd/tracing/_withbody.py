@@ -41,7 +41,11 @@ def _with_node(frame: FrameType) -> ast.With | None:
         tree = ast.parse("".join(lines))
     except SyntaxError:
         return None
-    line = frame.f_lineno
+    return enclosing_with(tree, frame.f_lineno)
+
+
+def enclosing_with(tree: ast.AST, line: int) -> ast.With | None:
+    """The innermost `with` statement of `tree` whose header holds `line` (a block opening there)."""
     found: ast.With | None = None
     for node in ast.walk(tree):
         if isinstance(node, ast.With) and node.body and node.lineno <= line < node.body[0].lineno:
