@@ -38,7 +38,7 @@ import torch
 
 from nnd.v1 import nnd_pb2
 
-from .. import errors
+from .. import errors, pyast
 
 OP = "__nnd_op__"
 BIND = "__nnd_bind__"
@@ -140,7 +140,7 @@ def _compile(func: FunctionType) -> Compiled:
     except (OSError, TypeError) as e:
         raise errors.InvalidArgument(f"the forward of {func.__qualname__} has no Python source to instrument") from e
     text = textwrap.dedent("".join(lines))
-    tree = ast.parse(text)
+    tree = pyast.parse(text)
     definition = tree.body[0]
     if not isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)):
         raise errors.InvalidArgument(f"the forward of {func.__qualname__} is not a plain function")
@@ -164,7 +164,7 @@ def _compile(func: FunctionType) -> Compiled:
     tree.body[0] = ast.copy_location(shell, definition)
     ast.increment_lineno(tree, start - 1)  # tracebacks point at the library's real lines
     ast.fix_missing_locations(tree)
-    module = compile(tree, code.co_filename, "exec")
+    module = pyast.compile_tree(tree, code.co_filename)
     shell_code = next(c for c in module.co_consts if isinstance(c, CodeType) and c.co_name == _SHELL)
     inner = next(c for c in shell_code.co_consts if isinstance(c, CodeType) and c.co_name == code.co_name)
     return Compiled(inner, tuple(rewriter.names), dict(rewriter.lines), text)
@@ -177,7 +177,7 @@ def _peel_index(wrapper: Any) -> int | None:
         return None
     try:
         lines, _ = inspect.getsourcelines(code)
-        tree = ast.parse(textwrap.dedent("".join(lines)))
+        tree = pyast.parse(textwrap.dedent("".join(lines)))
     except (OSError, TypeError, SyntaxError):
         return None
     called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}

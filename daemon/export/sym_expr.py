@@ -18,6 +18,8 @@ import ast
 import re
 from typing import Any
 
+from .. import pyast
+
 _MAX_LEN = 10_000
 _MAX_BITS = 4096
 _MAX_EXPONENT = 64
@@ -95,7 +97,7 @@ def why_not(text: Any) -> str:
     if not isinstance(text, str) or len(text) > _MAX_LEN:
         return f"is not a string of at most {_MAX_LEN} characters"
     try:
-        tree = ast.parse(text.strip(), mode="eval")
+        tree = pyast.parse_expression(text.strip())
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return f"{text[:80]!r} is not an expression"
     try:

@@ -25,6 +25,7 @@ import linecache
 from dataclasses import dataclass
 from types import CodeType, FrameType
 
+from nnd.tracing import _pyast
 from nnd.tracing._withbody import enclosing_with
 
 # Methods that put a value into the container they are called on.
@@ -78,7 +79,7 @@ def _tree(frame: FrameType) -> ast.Module | None:
     tree: ast.Module | None = None
     if lines:
         try:
-            tree = ast.parse("".join(lines))
+            tree = _pyast.parse("".join(lines))
         except SyntaxError:
             tree = None
     if len(_trees) > 256:

@@ -25,6 +25,8 @@ from collections.abc import Iterable
 from types import CodeType, FrameType
 from typing import Any
 
+from nnd.tracing import _pyast
+
 _CO_OPTIMIZED = 0x0001
 
 
@@ -38,7 +40,7 @@ def _with_node(frame: FrameType) -> ast.With | None:
     if not lines:
         return None
     try:
-        tree = ast.parse("".join(lines))
+        tree = _pyast.parse("".join(lines))
     except SyntaxError:
         return None
     return enclosing_with(tree, frame.f_lineno)
@@ -66,7 +68,7 @@ def _target(node: ast.With, frame: FrameType) -> str | None:
 def _compile(node: ast.With, filename: str) -> CodeType | None:
     module = ast.Module(body=node.body, type_ignores=[])
     try:
-        return compile(module, filename, "exec")
+        return _pyast.compile_tree(module, filename)
     except SyntaxError:  # break/continue/return/yield only mean something inside the original statement
         return None
 

@@ -1,0 +1,32 @@
+"""`ast.parse` and `compile` of a tree, one thread at a time.
+
+CPython before 3.13 keeps the AST converter's recursion depth in state shared by every
+thread: a collection that runs a finalizer in the middle of one thread's parse can let
+another thread's parse move it, and the first raises `SystemError: AST constructor
+recursion depth mismatch`. Requests run on several threads of one process (the helper's
+lanes, a worker's scan beside a trace), so every parse here takes this lock. Re-entrant:
+a finalizer that parses on the same thread must not deadlock.
+"""
+
+from __future__ import annotations
+
+import ast
+import threading
+from types import CodeType
+
+_lock = threading.RLock()
+
+
+def parse(source: str) -> ast.Module:
+    with _lock:
+        return ast.parse(source)
+
+
+def parse_expression(source: str) -> ast.Expression:
+    with _lock:
+        return ast.parse(source, mode="eval")
+
+
+def compile_tree(tree: ast.AST, filename: str) -> CodeType:
+    with _lock:
+        return compile(tree, filename, "exec")
