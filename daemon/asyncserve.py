@@ -266,16 +266,16 @@ class Context:
             log.debug("a call ended under a write: %r", exc)
             raise _CallEnded() from None
 
-    def exchange(self, timeout: float) -> Any:
-        """The stream's next request, read once what was posted has been written (one trip to the loop
-        for both): the message, grpc.aio.EOF when the client closed its side (a cancelled call may read so
+    def exchange(self, timeout: float, message: Any = None) -> Any:
+        """The stream's next request, read once what was posted (and `message`, if given) has been
+        written: one trip to the loop for the write and the read. Returns the message, grpc.aio.EOF when the client closed its side (a cancelled call may read so
         too), None when none came within `timeout` seconds. Raises grpc.RpcError (CANCELLED) when the
         call has ended."""
         posted, self._posted = self._posted, None
         with self._lock:
             if self._done:
                 raise _CallEnded()
-            self._read = read = self._chain(posted, self._call.read)
+            self._read = read = self._chain(posted, lambda: self._write_then_read(message))
         try:
             return read.result(timeout=max(0.0, timeout))
         except concurrent.futures.TimeoutError:
@@ -286,6 +286,11 @@ class Context:
         finally:
             with self._lock:
                 self._read = None
+
+    async def _write_then_read(self, message: Any) -> Any:
+        if message is not None:
+            await self._call.write(message)
+        return await self._call.read()
 
     def requests(self, first: Any) -> Iterator[Any]:
         """A stream's requests: `first` (already read), then the rest as they come."""

@@ -335,12 +335,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 self.paused = None
 
         here = parse is not None and hasattr(context, "exchange")
+        ending: list[Any] = []  # the pause's last message, held back to go out with the read (`_interact_here`)
 
         def receive_here(timeout: float) -> Any:
-            # What was posted (the pause's values) goes out and the client's answer comes back in one
-            # trip to the server's loop; nothing is read ahead, so gRPC's flow control bounds the client.
+            # The pause's message goes out and the client's answer comes back in one trip to the
+            # server's loop; nothing is read ahead, so gRPC's flow control bounds the client.
             try:
-                raw = context.exchange(timeout)  # type: ignore[attr-defined]
+                raw = context.exchange(timeout, ending.pop() if ending else None)  # type: ignore[attr-defined]
             except grpc.RpcError:  # the call ended (cancelled, reset): `gone` has set `stop`
                 return interact.GONE
             if raw is None:
@@ -358,7 +359,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             who_here = dict(user=self._user(context), rows=max(1, len(run.request.invokes)))
             with self.activity.track(kind, client, steps, **who_here) as tracked, _log_if_cancelled(stop, tracked):
                 held.append(tracked)
-                self._interact_here(run, context, stop, interaction, tracked, on_error)
+                self._interact_here(run, context, stop, interaction, tracked, on_error, ending)
             return
         out: queue.Queue[Any] = queue.Queue()
 
@@ -410,15 +411,28 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         interaction: Any,
         tracked: activity.Request,
         on_error: Callable[[BaseException], BaseException],
+        ending: list[Any],
     ) -> None:
         """An Interact run on its stream's handler thread, writing its messages itself (`context.post`:
         the run goes on while the loop writes) and reading the client's next one where it pauses: no
-        thread hand-off either way, one trip to the server's loop per sync point."""
+        thread hand-off either way, one trip to the server's loop per sync point. A pause's (or the
+        end's) last message waits in `ending` for the read that follows it (receive_here) or the end."""
 
         def put(item: Any) -> None:
-            if isinstance(item, nnd_pb2.TraceResponse) and item.WhichOneof("kind") == "step":
+            kind = item.WhichOneof("kind") if isinstance(item, nnd_pb2.TraceResponse) else "results"
+            if kind == "step":
                 tracked.step = item.step.step + 1
-            context.post(item)
+            if ending:
+                context.post(ending.pop())
+            if kind in ("results", "paused", "done"):  # joined (bytes: onemessage.py) or a stream's last
+                ending.append(item)
+            else:
+                context.post(item)
+
+        def send_ending() -> None:
+            if ending:
+                context.post(ending.pop())
+            context.flush()
 
         emit = onemessage.Joiner(put) if _one_message(run) else put
         try:
@@ -435,9 +449,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 emit.flush()
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
             with contextlib.suppress(grpc.RpcError):
-                context.flush()  # what the run sent before it failed goes out before the status
+                send_ending()  # what the run sent before it failed goes out before the status
             raise on_error(exc) from None
-        context.flush()  # the status goes out after the last message
+        send_ending()  # the status goes out after the last message
 
     def _interact(
         self, run: worker_pb2.WorkerRunRequest, emit: Callable[[Any], None], cancelled: Callable[[], bool],
