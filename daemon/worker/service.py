@@ -418,20 +418,26 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         thread hand-off either way, one trip to the server's loop per sync point. A pause's (or the
         end's) last message waits in `ending` for the read that follows it (receive_here) or the end."""
 
+        def post(item: Any) -> None:
+            try:
+                context.post(item)
+            except grpc.RpcError:  # the call ended: the run stops at its next hook, not inside one
+                stop.set()
+
         def put(item: Any) -> None:
             kind = item.WhichOneof("kind") if isinstance(item, nnd_pb2.TraceResponse) else "results"
             if kind == "step":
                 tracked.step = item.step.step + 1
             if ending:
-                context.post(ending.pop())
+                post(ending.pop())
             if kind in ("results", "paused", "done"):  # joined (bytes: onemessage.py) or a stream's last
                 ending.append(item)
             else:
-                context.post(item)
+                post(item)
 
         def send_ending() -> None:
             if ending:
-                context.post(ending.pop())
+                post(ending.pop())
             context.flush()
 
         emit = onemessage.Joiner(put) if _one_message(run) else put
