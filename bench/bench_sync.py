@@ -5,11 +5,15 @@ GPT-2 4×64 and 12×768: the extra should be about one round trip plus the
 value's transfer (target: ≤ one round trip + 0.5 ms). The round trip is one
 16-byte message sent and echoed back on an open gRPC bidi stream between two
 Python processes (bench/floor.py's echo server), measured in the same run; and
-the same block under nnsight 0.8.1 in-process. And a loop of 32 generated steps with
+the same block under nnsight 0.8.1 in-process. The CPU time one sync point adds, in
+the client and in the worker, beside the same trace without it (other processes'
+CPU times tick every 10 ms: many repeats). And a loop of 32 generated steps with
 one append each, nnd against nnsight 0.8.1 in-process.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import harness
 from harness import PROMPT, Row, ms
@@ -31,14 +35,14 @@ def run(quick: bool) -> list[Row]:
     return rows
 
 
-def _shape(d: object, layers: int, width: int, repeats: int, *, loop: bool) -> list[Row]:
+def _shape(d: Any, layers: int, width: int, repeats: int, *, loop: bool) -> list[Row]:
     import torch
     from floor import FloorTracer
 
     import nnd
 
     path, _tok, _hf, lm = harness.gpt2_subjects(layers, width)
-    ours = nnd.TransformersModel(path, address=d.address, device="cpu", dispatch=True)  # type: ignore[attr-defined]
+    ours = nnd.TransformersModel(path, address=d.address, device="cpu", dispatch=True)
     floor = FloorTracer(path, str(harness.workdir() / f"echo-{layers}x{width}.sock"), layers // 2)
     round_trip = floor.open_echo()
     mid = layers // 2
@@ -68,6 +72,10 @@ def _shape(d: object, layers: int, width: int, repeats: int, *, loop: bool) -> l
     )
     round_trip.close()
     floor.close()
+    worker = {"worker": harness.worker_pid(d)}
+    cpu = harness.interleaved_cpu(
+        {"plain": plain, "sync": one_sync}, repeats=max(repeats, 40) * 3, pids={"plain": worker, "sync": worker}
+    )
     extra = t["sync"] - t["plain"]
     ok = extra <= t["rtt"] + 0.5e-3
     rows = [
@@ -87,6 +95,16 @@ def _shape(d: object, layers: int, width: int, repeats: int, *, loop: bool) -> l
             ms(t["nnsight"]),
             ms(t["sync"]),
             t["sync"] / t["nnsight"],
+        ),
+        Row(
+            f"CPU of one sync point, client + worker ({shape})",
+            "the same trace, no sync",
+            ms(sum(cpu["plain"].values())),
+            ms(sum(cpu["sync"].values())),
+            sum(cpu["sync"].values()) / sum(cpu["plain"].values()),
+            target=f"client {harness.plus_ms(cpu['sync']['self'] - cpu['plain']['self'])}, "
+            f"worker {harness.plus_ms(cpu['sync']['worker'] - cpu['plain']['worker'])}",
+            raw={f"{fn}_{k}_cpu_s": v for fn, per in cpu.items() for k, v in per.items()},
         ),
     ]
     if loop:

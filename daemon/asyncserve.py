@@ -124,6 +124,9 @@ class Context:
         self._callbacks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._read: concurrent.futures.Future[Any] | None = None
+        # The last write `post` handed the loop: at most one is in flight, so a run never queues more
+        # than one message ahead of what the client takes.
+        self._posted: concurrent.futures.Future[Any] | None = None
         self.task: asyncio.Task[Any] | None = None
 
     # -- what the call says -------------------------------------------------------------
@@ -223,6 +226,71 @@ class Context:
         if self._done:
             raise _CallEnded()
         self._await(self._call.write(message))
+
+    # -- a stream driven from its handler thread (Interact: the run writes and reads its own stream) ---
+    def _chain(self, before: concurrent.futures.Future[Any] | None, step: Callable[[], Any]) -> Any:
+        """Run `step()` (a coroutine) on the loop once `before` is done: in order, and a failed write
+        fails what follows it."""
+
+        async def run() -> Any:
+            if before is not None:
+                await asyncio.wrap_future(before)
+            return await step()
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop)
+
+    def post(self, message: Any = None, *, initial_metadata: Any = None) -> None:
+        """Write `message` (or send `initial_metadata`) without waiting for it to go out: the run goes
+        on while the loop writes. Waits only for the write posted before it."""
+        if self._done:
+            raise _CallEnded()
+        before, self._posted = self._posted, None
+        if before is not None:
+            self._settle(before)
+        if initial_metadata is not None:
+            metadata = tuple(initial_metadata)
+            self._posted = self._chain(None, lambda: self._call.send_initial_metadata(metadata))
+        else:
+            self._posted = self._chain(None, lambda: self._call.write(message))
+
+    def flush(self) -> None:
+        """Wait until everything posted has been written."""
+        posted, self._posted = self._posted, None
+        if posted is not None:
+            self._settle(posted)
+
+    def _settle(self, future: concurrent.futures.Future[Any]) -> None:
+        try:
+            future.result()
+        except Exception as exc:  # noqa: BLE001 - a write to a call that has ended, however aio says so
+            log.debug("a call ended under a write: %r", exc)
+            raise _CallEnded() from None
+
+    def exchange(self, timeout: float, message: Any = None) -> Any:
+        """The stream's next request, read once what was posted (and `message`, if given) has been
+        written: one trip to the loop for the write and the read. Returns the message, grpc.aio.EOF when the client closed its side (a cancelled call may read so
+        too), None when none came within `timeout` seconds. Raises grpc.RpcError (CANCELLED) when the
+        call has ended."""
+        posted, self._posted = self._posted, None
+        with self._lock:
+            if self._done:
+                raise _CallEnded()
+            self._read = read = self._chain(posted, lambda: self._write_then_read(message))
+        try:
+            return read.result(timeout=max(0.0, timeout))
+        except concurrent.futures.TimeoutError:
+            read.cancel()  # the run ends now (its pause ran out): nothing reads this stream again
+            return None
+        except Exception:  # noqa: BLE001 - cancelled, reset, a failed write: the call has ended
+            raise _CallEnded() from None
+        finally:
+            with self._lock:
+                self._read = None
+
+    async def _write_then_read(self, message: Any) -> Any:
+        if message is not None:
+            await self._call.write(message)
+        return await self._call.read()
 
     def requests(self, first: Any) -> Iterator[Any]:
         """A stream's requests: `first` (already read), then the rest as they come."""

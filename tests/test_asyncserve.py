@@ -1,7 +1,8 @@
 """daemon/asyncserve.py on its own (a real gRPC server on a unix socket, in this process): calls
 waiting for their request cost no pool thread, the bounds on them (per caller, in all) and the
 idle cut-off, the socket's call cap refusing (not queueing) with the `nnd-busy` trailer, and the
-synchronous context the handlers see (abort with trailers, cancel, callbacks, is_active)."""
+synchronous context the handlers see (abort with trailers, cancel, callbacks, is_active), and a
+stream its handler thread writes and reads itself (post, exchange: Interact's run)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,34 @@ def _lines(request: bytes, context: Any) -> Iterator[bytes]:
 def _collect(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
     for r in requests:
         yield b"got:" + r
+
+
+class Steer:
+    """A stream driven from its handler thread as an Interact run drives it: what it posted goes out,
+    then it waits for the client's next message (`exchange`), with a bound."""
+
+    def __init__(self) -> None:
+        self.seen: list[Any] = []
+        self.ended = threading.Event()
+
+    def __call__(self, requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
+        try:
+            next(requests)  # the first message: already read on the loop
+            context.post(initial_metadata=(("x-started", "1"),))
+            context.post(b"paused")
+            self.seen.append(context.exchange(30))
+            context.post(b"again")
+            self.seen.append(context.exchange(0.2))  # the client sends nothing: None after the bound
+            context.post(b"bound")
+            try:
+                self.seen.append(context.exchange(30))  # the client ends its side, or cancels
+            except grpc.RpcError as err:
+                self.seen.append(err.code())
+            context.flush()
+        finally:
+            self.ended.set()
+        return
+        yield
 
 
 def _refuse(request: bytes, context: Any) -> None:
@@ -61,12 +90,14 @@ def serve(tmp_path):
 
     def make(**kwargs: Any) -> tuple[grpc.Channel, Hold]:
         hold = Hold()
+        steer = kwargs.pop("steer", Steer())
         handlers = {
             "Echo": grpc.unary_unary_rpc_method_handler(_echo),
             "Lines": grpc.unary_stream_rpc_method_handler(_lines),
             "Collect": grpc.stream_stream_rpc_method_handler(_collect),
             "Refuse": grpc.unary_unary_rpc_method_handler(_refuse),
             "Hold": grpc.unary_unary_rpc_method_handler(hold),
+            "Steer": grpc.stream_stream_rpc_method_handler(steer),
         }
         kwargs.setdefault("caller_of", lambda metadata, peer: (dict(metadata).get("who", "anon"), ""))
         server = asyncserve.Server(**kwargs)
@@ -168,3 +199,28 @@ def test_a_cancelled_call_runs_its_callbacks_and_its_handler_sees_it(serve):
             break
         threading.Event().wait(0.01)
     assert hold.ended == [False]  # is_active() turned False: the handler stopped early
+
+
+@pytest.mark.parametrize("ends", ["closes", "cancels"])
+def test_a_stream_its_handler_writes_and_reads_itself(serve, ends):
+    import queue
+
+    steer = Steer()
+    channel, _ = serve(threads=2, idle_s=10, steer=steer)
+    outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+    outbox.put(b"start")
+    call = channel.stream_stream("/t.T/Steer")(iter(outbox.get, None), timeout=60)
+    assert next(call) == b"paused"  # posted, then written while the handler waits for the answer
+    assert ("x-started", "1") in [(m.key, m.value) for m in call.initial_metadata()]
+    outbox.put(b"more")
+    assert next(call) == b"again"
+    assert next(call) == b"bound"  # its next wait ran out first
+    if ends == "closes":
+        outbox.put(None)
+        assert list(call) == []
+    else:
+        call.cancel()
+    assert steer.ended.wait(30)
+    assert steer.seen[:2] == [b"more", None]
+    # A cancelled call may read as the stream's end: either way the wait ends at once.
+    assert steer.seen[2] in ((grpc.aio.EOF,) if ends == "closes" else (grpc.aio.EOF, grpc.StatusCode.CANCELLED))

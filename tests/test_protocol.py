@@ -372,9 +372,12 @@ def test_a_trace_asking_for_one_message_gets_its_results_in_one(daemon, gpt2):
     np.testing.assert_array_equal(values[2], torch.randn(1000, generator=torch.Generator().manual_seed(5)).numpy())
 
 
-def test_an_interact_stream_asking_for_one_message_gets_each_pause_in_one(daemon, gpt2):
+@pytest.mark.parametrize("way", ["daemon", "route"])
+def test_an_interact_stream_asking_for_one_message_gets_each_pause_in_one(daemon, gpt2, way):
     """With `one_message` in the start's request, a sync point's value comes with its Paused as one
-    TraceResults, and the end's saved values with TraceDone: the same values as the two-message form."""
+    TraceResults, and the end's saved values with TraceDone: the same values as the two-message form.
+    Through the daemon (the worker's private socket: the run on threads of its own) and on the route
+    (the run on the stream's handler thread, writing and reading the stream itself)."""
     import queue
 
     def run(one: bool) -> tuple[list[list[str]], dict[int, np.ndarray]]:
@@ -387,10 +390,17 @@ def test_an_interact_stream_asking_for_one_message_gets_each_pause_in_one(daemon
         outbox: queue.SimpleQueue = queue.SimpleQueue()
         outbox.put(nnd_pb2.InteractRequest(start=nnd_pb2.InteractStart(request=req, want=[2])))
         channel, stub = _stub(daemon.address)
+        metadata: list[tuple[str, str]] = []
+        if way == "route":
+            route = stub.GetRoute(nnd_pb2.RouteRequest(model=gpt2), timeout=30)
+            channel.close()
+            channel = grpc.insecure_channel(route.address)
+            stub = nnd_pb2_grpc.NndStub(channel)
+            metadata = [("nnd-epoch", str(route.epoch))]
         kinds: list[list[str]] = [[]]
         got: list = []
         with channel:
-            for r in stub.Interact(iter(outbox.get, None), timeout=60):
+            for r in stub.Interact(iter(outbox.get, None), timeout=60, metadata=metadata):
                 kinds[-1].append(r.WhichOneof("kind"))
                 got.append(r)
                 if r.WhichOneof("kind") == "paused" or (r.WhichOneof("kind") == "results" and r.results.HasField("paused")):

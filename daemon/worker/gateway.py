@@ -189,39 +189,43 @@ class Gateway:
         keep_alive = run.session.keep_alive if run.HasField("session") else run.request.keep_alive
         user = self._begin(intake.kind_of(run), keep_alive, context)
 
+        def parse(raw: bytes) -> worker_pb2.WorkerInteractContinue | errors.NndError:
+            """One later message, checked; an error is what the paused run fails with."""
+            try:
+                msg = nnd_pb2.InteractRequest.FromString(raw)
+            except Exception as exc:  # noqa: BLE001 - malformed: the paused run fails, saying why
+                return errors.InvalidArgument(
+                    f"a later message of this Interact stream is not a valid nnd.v1.InteractRequest ({exc}); "
+                    "the run was ended"
+                )
+            kind = msg.WhichOneof("kind")
+            if kind != "more":
+                return errors.InvalidArgument(
+                    "a later message of an Interact stream must be an InteractContinue (`more`), not "
+                    f"{'a second InteractStart' if kind == 'start' else 'an empty InteractRequest'}; "
+                    "the run was ended"
+                )
+            try:  # held to the limits the stream's first message was
+                return intake.prepare_continue(
+                    msg.more, len(raw), run, self.limits, rewrite=self._rewrite, stacks=self._stacks
+                )
+            except errors.NndError as err:
+                return err
+
         def messages() -> Iterator[worker_pb2.WorkerInteractContinue | errors.NndError]:
             for raw in raws:
-                try:
-                    msg = nnd_pb2.InteractRequest.FromString(raw)
-                except Exception as exc:  # noqa: BLE001 - malformed: the paused run fails, saying why
-                    yield errors.InvalidArgument(
-                        f"a later message of this Interact stream is not a valid nnd.v1.InteractRequest ({exc}); "
-                        "the run was ended"
-                    )
-                    return
-                kind = msg.WhichOneof("kind")
-                if kind != "more":
-                    yield errors.InvalidArgument(
-                        "a later message of an Interact stream must be an InteractContinue (`more`), not "
-                        f"{'a second InteractStart' if kind == 'start' else 'an empty InteractRequest'}; "
-                        "the run was ended"
-                    )
-                    return
-                try:  # held to the limits the stream's first message was
-                    part = intake.prepare_continue(
-                        msg.more, len(raw), run, self.limits, rewrite=self._rewrite, stacks=self._stacks
-                    )
-                except errors.NndError as err:  # the paused run fails with it
-                    yield err
-                    return
+                part = parse(raw)
                 yield part
+                if isinstance(part, errors.NndError):
+                    return
 
         try:
             yield from self._run(
                 run,
                 context,
                 lambda stop, on_error: self.service.interact(
-                    run, start, messages(), context, stop, on_error, caps=self.pause_caps(stop), inflight=self.inflight
+                    run, start, messages(), context, stop, on_error, caps=self.pause_caps(stop), inflight=self.inflight,
+                    parse=parse,
                 ),
             )
         finally:

@@ -249,11 +249,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         on_error: Callable[[BaseException], BaseException] = lambda exc: exc,
         caps: dict[str, Any] | None = None,
         inflight: Any = None,
+        parse: Callable[[bytes], Any] | None = None,
     ) -> Iterator[Any]:
         """A run the client steers at sync points (gateway.py parses the stream): it runs alone
         (never batched) and holds the model while paused. `messages` ends when the client does.
         `caps`: the server's bounds on its pauses (engine/interact.py's PauseCaps); `inflight`: the
-        worker's byte budget (daemon/inflight.py) the continuations it has not read yet count in."""
+        worker's byte budget (daemon/inflight.py) the continuations it has not read yet count in.
+        `parse`: how gateway.py checks one raw later message; given it, on a stream its handler thread
+        may write and read itself (asyncserve.Context: the route socket), the run happens right here
+        (`_interact_here`) instead of on threads of its own."""
         from nnd_daemon.engine import interact
 
         if self.model is None:
@@ -330,8 +334,33 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             else:
                 self.paused = None
 
-        interaction = interact.Interaction(start, receive, caps=interact.PauseCaps(**(caps or {})), on_pause=on_pause)
+        here = parse is not None and hasattr(context, "exchange")
+        ending: list[Any] = []  # the pause's last message, held back to go out with the read (`_interact_here`)
+
+        def receive_here(timeout: float) -> Any:
+            # The pause's message goes out and the client's answer comes back in one trip to the
+            # server's loop; nothing is read ahead, so gRPC's flow control bounds the client.
+            try:
+                raw = context.exchange(timeout, ending.pop() if ending else None)  # type: ignore[attr-defined]
+            except grpc.RpcError:  # the call ended (cancelled, reset): `gone` has set `stop`
+                return interact.GONE
+            if raw is None:
+                return None
+            if raw is grpc.aio.EOF:
+                return interact.GONE
+            assert parse is not None
+            return parse(raw)
+
+        interaction = interact.Interaction(
+            start, receive_here if here else receive, caps=interact.PauseCaps(**(caps or {})), on_pause=on_pause
+        )
         kind, steps = intake.kind_of(run), intake.steps_of(run)
+        if here:
+            who_here = dict(user=self._user(context), rows=max(1, len(run.request.invokes)))
+            with self.activity.track(kind, client, steps, **who_here) as tracked, _log_if_cancelled(stop, tracked):
+                held.append(tracked)
+                self._interact_here(run, context, stop, interaction, tracked, on_error, ending)
+            return
         out: queue.Queue[Any] = queue.Queue()
 
         def work() -> None:
@@ -373,6 +402,62 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 if isinstance(item, nnd_pb2.TraceResponse) and item.WhichOneof("kind") == "step":
                     tracked.step = item.step.step + 1
                 yield item
+
+    def _interact_here(
+        self,
+        run: worker_pb2.WorkerRunRequest,
+        context: Any,
+        stop: Stop,
+        interaction: Any,
+        tracked: activity.Request,
+        on_error: Callable[[BaseException], BaseException],
+        ending: list[Any],
+    ) -> None:
+        """An Interact run on its stream's handler thread, writing its messages itself (`context.post`:
+        the run goes on while the loop writes) and reading the client's next one where it pauses: no
+        thread hand-off either way, one trip to the server's loop per sync point. A pause's (or the
+        end's) last message waits in `ending` for the read that follows it (receive_here) or the end."""
+
+        def post(item: Any) -> None:
+            try:
+                context.post(item)
+            except grpc.RpcError:  # the call ended: the run stops at its next hook, not inside one
+                stop.set()
+
+        def put(item: Any) -> None:
+            kind = item.WhichOneof("kind") if isinstance(item, nnd_pb2.TraceResponse) else "results"
+            if kind == "step":
+                tracked.step = item.step.step + 1
+            if ending:
+                post(ending.pop())
+            if kind in ("results", "paused", "done"):  # joined (bytes: onemessage.py) or a stream's last
+                ending.append(item)
+            else:
+                post(item)
+
+        def send_ending() -> None:
+            if ending:
+                post(ending.pop())
+            context.flush()
+
+        emit = onemessage.Joiner(put) if _one_message(run) else put
+        try:
+            self._turn(stop)  # alone: a paused run must not hold other clients' rows
+            self.holder = "interact"
+            try:
+                tracked.running = True
+                context.post(initial_metadata=((contract.STARTED_KEY, "1"),))
+                self._interact(run, emit, stop.is_set, interaction)
+            finally:
+                self.paused = None
+                self._run_lock.release()
+            if isinstance(emit, onemessage.Joiner):
+                emit.flush()
+        except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
+            with contextlib.suppress(grpc.RpcError):
+                send_ending()  # what the run sent before it failed goes out before the status
+            raise on_error(exc) from None
+        send_ending()  # the status goes out after the last message
 
     def _interact(
         self, run: worker_pb2.WorkerRunRequest, emit: Callable[[Any], None], cancelled: Callable[[], bool],
