@@ -79,6 +79,40 @@ def test_no_class_remembers_save_after_the_block(model, object_save):
     assert "save" not in dir(object)
 
 
+def test_a_lookup_cached_inside_a_block_finds_no_save_after_it(object_save):
+    """Unmounting invalidates nothing: a class whose `save` the interpreter's method cache still
+    maps to nnd's finds no attribute after the block, by every way of looking (hasattr, getattr
+    with a default, the class itself, a class's `__getattr__`); an instance's own `save` wins."""
+    import inspect
+
+    class Plain:
+        pass
+
+    class Fallback:
+        def __getattr__(self, name):
+            return ("fallback", name)
+
+    own = Plain()
+    own.save = "mine"
+    values = [[], {}, Plain(), Fallback(), 5, "s"]
+    object_save.pop("save", None)
+    for _ in range(30):
+        _objects.mount()
+        for value in values:
+            assert value.save.__self__ is value and hasattr(type(value), "save")
+        assert own.save == "mine"
+        assert list(inspect.signature(Plain.save).parameters) == ["self", "_"]
+        _objects.unmount()
+        for value in values:
+            if isinstance(value, Fallback):
+                assert value.save == ("fallback", "save")
+                continue
+            assert not hasattr(value, "save") and getattr(value, "save", 7) == 7, type(value)
+            assert not hasattr(type(value), "save")
+        assert own.save == "mine"
+    assert "save" not in dir(object)
+
+
 def test_another_librarys_save_answers_outside_nnds_blocks(object_save):
     seen = []
 

@@ -66,7 +66,7 @@ class GraphBuilder:
         node.id = self._counter[0]
         self._counter[0] += 1
         node.scope = self.scope
-        node.loc.CopyFrom(_source.location())
+        _source.fill_location(node.loc)
         self.keys[node.id] = (key, node.scope)
         return node
 

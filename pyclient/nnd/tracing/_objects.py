@@ -7,7 +7,9 @@ is mounted on `object` while a block is open and taken off when the last open on
 closes: outside a block `dir(object)` is what it was before, so a library imported
 after a block that walks every attribute of its classes (anyio's `TypedAttributeSet`,
 hence httpx, huggingface_hub and transformers) finds nothing foreign. Mounting and
-unmounting stay cheap because they do not invalidate every class (`_forget`).
+unmounting stay cheap because they do not invalidate every class: what is mounted is
+a descriptor (`save_any`) that answers only while a block is open, so unmounting needs
+no invalidation at all and mounting clears only the global method cache (`_forget`).
 Outside a block, `obj.save()` is an AttributeError (nnsight's raises ValueError), or
 the `save` mounted before nnd's answers (nnsight's, when a process uses both). At a block's end the proxies found in saved objects
 and in the containers its frame held when it opened are saved, then replaced by
@@ -16,11 +18,11 @@ their values in place.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import sys
 import threading
 from collections.abc import Iterator
+from types import MethodType
 from typing import TYPE_CHECKING, Any
 
 from nnd.tracing import _blocknames, _context, _rebind
@@ -37,14 +39,12 @@ _CONTAINERS = (list, dict, tuple)
 _lock = threading.Lock()
 _open = 0
 _previous: Any = None  # the `object.save` nnd's replaced (nnsight's), called outside nnd's blocks
-_seen: set[type] = set()  # classes whose instances' `.save()` ran while mounted (_forget)
 
 
-def save_any(self: Any, _: Any = None) -> Any:
+def _save(self: Any, _: Any = None) -> Any:
     """`obj.save()` inside a block: keep `obj`, and the block's values inside it, after the block.
     (The unused default argument is for code that reads the signatures of every method a class
     lists, as torch's inductor does: a method with only `self` would make it generate bad code.)"""
-    _seen.add(type(self))
     tracer = _context.current_or_none()
     if tracer is None:
         session = _context.innermost_session()
@@ -58,47 +58,90 @@ def save_any(self: Any, _: Any = None) -> Any:
     return self
 
 
+class _Mounted:
+    """What `object.save` is while a block is open: `obj.save` is `_save` bound to `obj`, `cls.save`
+    is `_save` itself, as a function in `object`'s dict would give.
+
+    A descriptor rather than the function, so that taking it off needs no invalidation. The
+    interpreter's global method cache may still map a class's `save` to it after the last block
+    closed (it keeps borrowed pointers: this object lives as long as the process); looked up then,
+    it answers as `object` does now: no attribute (an AttributeError, so `hasattr` is False and a
+    class's `__getattr__` runs), or the `save` mounted before nnd's (nnsight's). The interpreter never
+    specialises a call site on a descriptor of this kind, so no call site remembers it either."""
+
+    __slots__ = ()
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if not _open:  # a stale cache entry: `object` has no nnd `save` now
+            previous = _previous
+            if previous is None:
+                if obj is None:
+                    name = owner.__name__ if owner is not None else "object"
+                    raise AttributeError(f"type object {name!r} has no attribute 'save'")
+                raise AttributeError(f"{type(obj).__name__!r} object has no attribute 'save'")
+            get = getattr(type(previous), "__get__", None)
+            return previous if get is None else get(previous, obj, owner)
+        if obj is None:
+            return _save
+        return MethodType(_save, obj)
+
+    def __call__(self, obj: Any, _: Any = None) -> Any:
+        # Callable as the function it stands for (code that calls `object.__dict__["save"](x)`).
+        return _save(obj)
+
+
+save_any = _Mounted()
+"""The `save` nnd mounts on `object` (see `_Mounted`)."""
+
+
 def _object_dict() -> dict[str, Any]:
     # The real dict behind `object.__dict__` (a read-only mappingproxy), as nnsight's C extension reaches it.
     return gc.get_referents(object.__dict__)[0]  # type: ignore[no-any-return]
 
 
-def _forget(types: set[type]) -> None:
-    """Make attribute lookups see `object`'s dict as it is now, without invalidating every class.
+_namespace: dict[str, Any] | None = None  # object's dict: the same one for the process's life
+_bound_save = False  # `nnd.save` bound (once per process)
+
+
+def _forget() -> None:
+    """Make attribute lookups see `object`'s dict as it is now (a `save` added), without invalidating
+    every class.
 
     `PyType_Modified(object)` would reset the version tag of every class in the process (and undo
-    every specialised attribute load), ~1-2 ms with torch loaded. Adding or removing a name that
-    no class defines needs less: the global method cache (which also remembers misses) is
-    cleared, and the classes whose instances looked `save` up through `save_any` are invalidated,
-    so a call site specialised on one of them no longer finds it."""
-    for cls in types:
-        if cls is not object:
-            ctypes.pythonapi.PyType_Modified(ctypes.py_object(cls))
+    every specialised attribute load), ~1-2 ms with torch loaded. Adding a name that no class defines
+    needs less: the global method cache, which also remembers misses (a `hasattr(x, "save")` between
+    blocks), is cleared. Taking `save_any` off needs nothing (`_Mounted`)."""
     sys._clear_type_cache()
 
 
 def mount() -> None:
     """A block opens: `object.save` is nnd's while any block is open (see the module's docstring)."""
-    global _open, _previous
+    global _open, _previous, _namespace, _bound_save
     with _lock:
         _open += 1
-        namespace = _object_dict()
+        namespace = _namespace
+        if namespace is None:
+            namespace = _namespace = _object_dict()
         current = namespace.get("save")
         if current is save_any:
             return
-        # `nnd.save` is a lazy module attribute: bind it first, or `object.save` would answer for it.
-        import nnd
+        if not _bound_save:
+            # `nnd.save` is a lazy module attribute: bind it first, or `object.save` would answer for it.
+            import nnd
 
-        nnd.__getattr__("save")
-        # Results will be torch tensors (the default setting): import torch now, while `object` has no
-        # `save` of ours. torch's C module refuses to load beside one, so a first result arriving at a
-        # sync point inside the block (`.item()`) could not import it then.
-        from nnd.wire import _torchmod
+            nnd.__getattr__("save")
+            _bound_save = True
+        if "torch" not in sys.modules:
+            # Results will be torch tensors (the default setting): import torch now, while `object` has
+            # no `save` of ours. torch's C module refuses to load beside one, so a first result arriving
+            # at a sync point inside the block (`.item()`) could not import it then. (Once torch is
+            # loaded there is nothing to do: this is the check `available()` makes first.)
+            from nnd.wire import _torchmod
 
-        _torchmod.available()
+            _torchmod.available()
         _previous = current if callable(current) else None  # another library's, mounted since
         namespace["save"] = save_any
-        _forget(set())
+        _forget()
 
 
 def unmount() -> None:
@@ -106,16 +149,13 @@ def unmount() -> None:
     global _open
     with _lock:
         _open = max(0, _open - 1)
-        namespace = _object_dict()
+        namespace = _namespace if _namespace is not None else _object_dict()
         if _open or namespace.get("save") is not save_any:
             return
         if _previous is None:
             namespace.pop("save", None)
         else:
             namespace["save"] = _previous
-        seen = set(_seen)
-        _seen.clear()
-        _forget(seen)
 
 
 class Tail:

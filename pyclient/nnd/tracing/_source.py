@@ -5,7 +5,7 @@ from __future__ import annotations
 import linecache
 import os
 import sys
-from types import FrameType
+from types import CodeType, FrameType
 
 from nnd.v1 import graph_pb2
 from nnd.wire import _torchmod
@@ -37,15 +37,39 @@ def user_frame(depth: int = 1) -> FrameType | None:
     return frame
 
 
+# (code, line) -> its SourceLocation, worked out once per call site (a block in a loop records the
+# same lines every time). Keyed by the code object, not the file name: a re-run notebook cell or a
+# reloaded module is new code and reads its lines afresh. Never handed out: callers get copies.
+_locations: dict[tuple[CodeType, int], graph_pb2.SourceLocation] = {}
+_NOWHERE = graph_pb2.SourceLocation()
+
+
+def _location_of(frame: FrameType | None) -> graph_pb2.SourceLocation:
+    if frame is None:
+        return _NOWHERE
+    code, line = frame.f_code, frame.f_lineno
+    key = (code, line)
+    loc = _locations.get(key)
+    if loc is None:
+        file = code.co_filename
+        text = linecache.getline(file, line).strip()
+        loc = graph_pb2.SourceLocation(file=display_name(file), line=line, text=text)
+        if len(_locations) > 4096:  # a notebook's cells come and go: keep the cache bounded
+            _locations.clear()
+        _locations[key] = loc
+    return loc
+
+
 def location() -> graph_pb2.SourceLocation:
     """The user's file, line and line text, for a node being recorded."""
-    frame = user_frame(2)
-    if frame is None:
-        return graph_pb2.SourceLocation()
-    file = frame.f_code.co_filename
-    line = frame.f_lineno
-    text = linecache.getline(file, line).strip()
-    return graph_pb2.SourceLocation(file=display_name(file), line=line, text=text)
+    out = graph_pb2.SourceLocation()
+    out.CopyFrom(_location_of(user_frame(2)))
+    return out
+
+
+def fill_location(loc: graph_pb2.SourceLocation) -> None:
+    """Set `loc` (a node's) to the user's file, line and line text, as `location()` gives them."""
+    loc.CopyFrom(_location_of(user_frame(2)))
 
 
 def display_name(file: str) -> str:

@@ -109,18 +109,21 @@ class Tracer:
 
     def __init__(self, model: TransformersModel, data: Any = _NO_INPUT, **options: Any) -> None:
         kind = self._kind()
-        self._tokenizer_kwargs: dict[str, Any] | None = options.pop("tokenizer_kwargs", None)
-        for name in kind.options_ignored - kind.options_allowed:
-            options.pop(name, None)
-        _remote_note(options.pop("remote", False))
-        remote = sorted(set(options) & _NNSIGHT_ONLY)
-        if remote:
-            raise TypeError(
-                f"nnsight option(s) {', '.join(remote)} do not apply to nnd: the daemon is the remote; "
-                f"this block takes: {', '.join(sorted(kind.options_allowed))}"
-            )
-        # Any other keyword is an input of the model's forward (input_ids=, decoder_input_ids=...), as in nnsight.
-        inputs = {k: options.pop(k) for k in list(options) if not kind.takes_option(k, options[k])}
+        self._tokenizer_kwargs: dict[str, Any] | None = None
+        inputs: dict[str, Any] = {}
+        if options:  # (most blocks pass none: `model.trace(prompt)`)
+            self._tokenizer_kwargs = options.pop("tokenizer_kwargs", None)
+            for name in kind.options_ignored - kind.options_allowed:
+                options.pop(name, None)
+            _remote_note(options.pop("remote", False))
+            remote = sorted(set(options) & _NNSIGHT_ONLY)
+            if remote:
+                raise TypeError(
+                    f"nnsight option(s) {', '.join(remote)} do not apply to nnd: the daemon is the remote; "
+                    f"this block takes: {', '.join(sorted(kind.options_allowed))}"
+                )
+            # Any other keyword is an input of the model's forward (input_ids=, decoder_input_ids=...), as in nnsight.
+            inputs = {k: options.pop(k) for k in list(options) if not kind.takes_option(k, options[k])}
         self.model = model
         self.backend = _backends.place(model, kind)
         """How the block runs (_backends.py): chosen here, once; inside a session, a member of it."""
