@@ -368,16 +368,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             # with TraceDone, as one message each (onemessage.py): one write and wake-up fewer per sync.
             emit = onemessage.Joiner(out.put) if _one_message(run) else out.put
             try:
-                self._turn(stop)  # alone: a paused run must not hold other clients' rows
-                self.holder = "interact"
-                try:
-                    out.put(_STARTED)
-                    self._interact(run, emit, stop.is_set, interaction)
-                finally:
-                    self.paused = None
-                    self._run_lock.release()
-                if isinstance(emit, onemessage.Joiner):
-                    emit.flush()
+                self._interact_alone(run, emit, stop, interaction, lambda: out.put(_STARTED))
                 out.put(_END)
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
                 out.put(exc)
@@ -441,23 +432,34 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             context.flush()
 
         emit = onemessage.Joiner(put) if _one_message(run) else put
+        def started() -> None:
+            tracked.running = True
+            context.post(initial_metadata=((contract.STARTED_KEY, "1"),))
+
         try:
-            self._turn(stop)  # alone: a paused run must not hold other clients' rows
-            self.holder = "interact"
-            try:
-                tracked.running = True
-                context.post(initial_metadata=((contract.STARTED_KEY, "1"),))
-                self._interact(run, emit, stop.is_set, interaction)
-            finally:
-                self.paused = None
-                self._run_lock.release()
-            if isinstance(emit, onemessage.Joiner):
-                emit.flush()
+            self._interact_alone(run, emit, stop, interaction, started)
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
             with contextlib.suppress(grpc.RpcError):
                 send_ending()  # what the run sent before it failed goes out before the status
             raise on_error(exc) from None
         send_ending()  # the status goes out after the last message
+
+    def _interact_alone(
+        self, run: worker_pb2.WorkerRunRequest, emit: Callable[[Any], None], stop: Stop, interaction: Any,
+        started: Callable[[], None],
+    ) -> None:
+        """An Interact run with the model held by it alone (a paused run must not hold other clients'
+        rows); `started` says it has the model; a one-message client's last joined message goes out."""
+        self._turn(stop)
+        self.holder = "interact"
+        try:
+            started()
+            self._interact(run, emit, stop.is_set, interaction)
+        finally:
+            self.paused = None
+            self._run_lock.release()
+        if isinstance(emit, onemessage.Joiner):
+            emit.flush()
 
     def _interact(
         self, run: worker_pb2.WorkerRunRequest, emit: Callable[[Any], None], cancelled: Callable[[], bool],
