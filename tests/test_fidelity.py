@@ -314,19 +314,21 @@ def test_requires_grad_and_retain_grad_ops(model, ref):
     _close(y, want["y"])
 
 
-def test_distributed_config_spelling(fresh_daemon, tiny_models):
+def test_distributed_config_spelling(daemon, tiny_models, tmp_path):
     """The reference page's DistributedConfig(tp_size=N) means nnd's tp_size=N (no TypeError)."""
+    import tinymodels
     from transformers.distributed import DistributedConfig
 
-    # A daemon of its own: the first loader's placement is the model's (another test may have loaded it).
+    # A model of its own: the first loader's placement is the model's (another test may have loaded it).
+    path = tinymodels.private_copy(tiny_models["llama"], tmp_path)
     m = nnd.TransformersModel(
-        tiny_models["llama"], address=fresh_daemon.address, device="cpu", distributed_config=DistributedConfig(tp_size=2)
+        path, address=daemon.address, device="cpu", distributed_config=DistributedConfig(tp_size=2)
     )
     assert m.info.placement.tp_size == 2
     with pytest.raises(TypeError, match="disagree"):
         nnd.TransformersModel(
-            tiny_models["llama"],
-            address=fresh_daemon.address,
+            path,
+            address=daemon.address,
             tp_size=3,
             distributed_config=DistributedConfig(tp_size=2),
         )

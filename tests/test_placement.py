@@ -9,6 +9,7 @@ import time
 
 import psutil
 import pytest
+import tinymodels
 from daemonproc import start_daemon
 
 
@@ -144,17 +145,17 @@ def test_quantized_traces_stay_close_to_full_precision(daemon, tiny_models):
     model.release()
 
 
-def test_a_handle_dispatches_with_the_placement_it_asked_for(fresh_daemon, tiny_models):
+def test_a_handle_dispatches_with_the_placement_it_asked_for(daemon, tiny_models, tmp_path):
     """A second handle asking for another dtype gets that dtype (a model of its own, named after it), not the
     first handle's silently; the first keeps its own."""
     import nnd
 
-    path = tiny_models["gpt2"]
-    first = nnd.TransformersModel(path, address=fresh_daemon.address, device="cpu", dispatch=True)
-    assert _ps(fresh_daemon)[path]["dtype"] == "float32"
-    second = nnd.TransformersModel(path, address=fresh_daemon.address, device="cpu", dtype="bfloat16", dispatch=True)
-    assert second.name != path and _ps(fresh_daemon)[second.name]["dtype"] == "bfloat16"
-    assert _ps(fresh_daemon)[path]["dtype"] == "float32"
+    path = tinymodels.private_copy(tiny_models["gpt2"], tmp_path)  # no other test's handle has loaded it
+    first = nnd.TransformersModel(path, address=daemon.address, device="cpu", dispatch=True)
+    assert _ps(daemon)[path]["dtype"] == "float32"
+    second = nnd.TransformersModel(path, address=daemon.address, device="cpu", dtype="bfloat16", dispatch=True)
+    assert second.name != path and _ps(daemon)[second.name]["dtype"] == "bfloat16"
+    assert _ps(daemon)[path]["dtype"] == "float32"
     with second.trace("Hello"):
         h = second.transformer.h[0].output.save()
     assert str(h.dtype).endswith("bfloat16")

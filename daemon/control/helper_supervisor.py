@@ -16,7 +16,7 @@ other call with it. (Calls wait for the one before; none is lost.) There are
 two such processes, two lanes (`Lanes`): cheap calls whose cost is bounded by
 a limit of their own (Tokenize, Decode, GetTokenizerFiles) have a process of
 their own, so they never wait behind a Scan or a meta build another client
-shaped.
+shaped. The heavy lane starts with the daemon, the light one on its first call.
 """
 
 from __future__ import annotations
@@ -307,8 +307,10 @@ class Lanes:
         return lane.call(method, request, **kw)
 
     def start_soon(self) -> None:
+        # Only the heavy lane at start (GetServerInfo answers from its capabilities, and every load
+        # needs it). The light one starts on its first call: a client reads a model's tokenizer files
+        # once (then tokenizes itself), and a daemon whose clients never ask spends no process on it.
         self.heavy.start_soon()
-        self.light.start_soon()
 
     def close(self) -> None:
         light = threading.Thread(target=self.light.close, name="stop-helper-light")  # both lanes at once

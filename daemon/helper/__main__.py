@@ -41,6 +41,10 @@ def main() -> None:
     server = serve(ns.socket, ns.cache)
     signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=1))
     server.wait_for_termination()
+    # Calls are drained and nothing here is kept: skip interpreter teardown, which with torch and
+    # transformers imported takes a second or more that the daemon's stop would wait for.
+    logging.shutdown()
+    os._exit(0)
 
 
 def serve(socket: str, cache: int) -> grpc.Server:

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 from typing import Any
 
 import grpc
@@ -85,6 +86,14 @@ def main() -> None:
     servers = serve(ns)
     signal.signal(signal.SIGTERM, lambda *_: listen.stop(servers, 2))
     servers[-1].wait_for_termination()
+    for server in servers:  # the private socket stops last: wait for the others' drains too
+        server.wait_for_termination()
+    # Calls are drained and the worker keeps no state (it creates no shared memory: shm.py): skip the
+    # interpreter's teardown, seconds with torch and a model loaded, that a daemon's stop waits for.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _limits(ns: argparse.Namespace) -> Any:

@@ -10,15 +10,16 @@ import sys
 
 import psutil
 import pytest
+import tinymodels
 
 
 def _ps(daemon) -> dict[str, dict]:
     return {m["name"]: m for m in json.loads(daemon.cli("ps", "--json").stdout)}
 
 
-def test_load_is_meta_and_dispatch_release_cycle(fresh_daemon, tiny_models):
-    d = fresh_daemon
-    path = tiny_models["gpt2"]
+def test_load_is_meta_and_dispatch_release_cycle(process_daemon, tiny_models, tmp_path):
+    d = process_daemon  # its worker a process: the test watches its pid; the model is its own
+    path = tinymodels.private_copy(tiny_models["gpt2"], tmp_path)
     out = d.cli("load", path).stdout
     assert "META" in out and "GPT2LMHeadModel" in out and "text-generation" in out
     assert _ps(d)[path]["state"] == "META"

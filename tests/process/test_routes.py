@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 import pytest
+import tinymodels
 from daemonproc import Daemon, start_daemon
 
 from nnd import errors
@@ -164,9 +165,10 @@ def test_stale_epoch_is_refused_before_anything_runs(routed, tiny_models):
         conn.close()
 
 
-def test_killed_worker_is_rerouted_with_nothing_run_twice(tmp_path, tiny_models):
-    model = tiny_models["gpt2"]
-    d = start_daemon(tmp_path)
+def test_killed_worker_is_rerouted_with_nothing_run_twice(routed, tmp_path, tiny_models):
+    # The module's daemon, with a model no other test uses: what is killed and counted is its own.
+    model = tinymodels.private_copy(tiny_models["gpt2"], tmp_path)
+    d = routed
     conn = Connection(d.address)
     try:
         d.cli("load", model)
@@ -184,12 +186,12 @@ def test_killed_worker_is_rerouted_with_nothing_run_twice(tmp_path, tiny_models)
         assert _info(conn, model).worker_requests == 2  # and the next one goes to it directly
     finally:
         conn.close()
-        assert d.stop() == 0
+        d.cli("unload", model, check=False)
 
 
-def test_worker_killed_mid_request_is_reported_not_rerun(tmp_path, long_gpt2):
-    model = long_gpt2
-    d = start_daemon(tmp_path)
+def test_worker_killed_mid_request_is_reported_not_rerun(routed, tmp_path, long_gpt2):
+    model = tinymodels.private_copy(long_gpt2, tmp_path)  # the module's daemon, a model of its own
+    d = routed
     conn = Connection(d.address)
     try:
         d.cli("load", model)
@@ -210,7 +212,7 @@ def test_worker_killed_mid_request_is_reported_not_rerun(tmp_path, long_gpt2):
         assert _info(conn, model).worker_requests == 1
     finally:
         conn.close()
-        assert d.stop() == 0
+        d.cli("unload", model, check=False)
 
 
 def test_restarted_daemon_is_rerouted(tmp_path, tiny_models):

@@ -120,3 +120,11 @@ def write_config_only(path: pathlib.Path, config: dict) -> pathlib.Path:
     _tokenizer(path)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+def private_copy(path: str, dest: pathlib.Path) -> str:
+    """A copy of the model at `path` under `dest`: a model (its name is its path) that no other test
+    of a shared daemon loads, so a test about one model's state needs no daemon of its own."""
+    import shutil
+
+    return str(shutil.copytree(path, dest / pathlib.Path(path).name))
