@@ -610,3 +610,14 @@ def test_after_fuzzing_the_model_computes_exactly_what_it_did(target):
     print(f"\n{total} fuzzed requests, {sum(TIMES):.1f} s in calls, slowest {max(TIMES, default=0):.2f} s")
     for key, count in sorted(STATS.items()):
         print(f"  {key:<32} {count}")
+
+
+@pytest.mark.parametrize("method", ["Trace", "Generate", "Scan"])
+def test_a_model_name_with_a_nul_is_invalid_not_internal(target: dict[str, Any], method: str):
+    # Found by the fuzzer: os.path raised ValueError on the name and the daemon answered INTERNAL.
+    name = "/\x00" + target["model"][1:]
+    request = nnd_pb2.TraceRequest(model=name, invokes=[nnd_pb2.Invoke(text="Hello")])
+    code, details, _ = _call(target, method, request.SerializeToString())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert "NUL" in details
+    _check_alive(target)

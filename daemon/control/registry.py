@@ -1094,6 +1094,8 @@ def check_short_name(name: str) -> None:
 
 def local_key(name: str) -> str:
     """A local path's real path (links and '..' resolved); a repo id unchanged."""
+    if "\0" in name:  # no path or repo id holds one, and os.path would raise ValueError (an INTERNAL)
+        raise errors.InvalidArgument(f"the model name {name[:80]!r} holds a NUL character")
     return os.path.realpath(name) if os.path.isabs(name) or os.path.exists(name) else name
 
 
