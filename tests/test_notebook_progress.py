@@ -4,6 +4,8 @@ the weights loading as a tqdm bar (issue #30), and `progress=False` keeps the ce
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -12,6 +14,12 @@ nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
 PROMPT = "The Eiffel Tower is in the city of"
+RUN = """
+import sys, nbclient, nbformat
+nb = nbformat.read(sys.argv[1], as_version=4)
+nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": sys.argv[2]}}).execute()
+nbformat.write(nb, sys.argv[1])
+"""
 
 
 def _stderr(cell) -> str:
@@ -33,8 +41,13 @@ def test_a_notebooks_first_trace_shows_a_tqdm_bar_and_progress_false_none(daemon
             trace,
         )
     ]
-    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()
+    # Run by nbclient in a process of its own: in a pytest process where test_notebooks.py restarted a
+    # kernel, a new kernel client waits forever for replies (test_notebooks.py's note), and which files
+    # share a process under `--dist loadfile` changes as tests are added.
+    path = tmp_path / "progress.ipynb"
+    nbformat.write(nb, str(path))
+    subprocess.run([sys.executable, "-c", RUN, str(path), str(tmp_path)], check=True, timeout=600)
+    nb = nbformat.read(str(path), as_version=4)
     shown = _stderr(nb.cells[1])
     assert "100%|" in shown and "tensors" in shown, shown  # tqdm's bar, not the script's lines
     assert "loading   [" not in shown, shown

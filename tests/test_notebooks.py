@@ -159,9 +159,11 @@ def test_ctrl_c_mid_generation_reads_as_one_line_and_the_kernel_carries_on(daemo
     marker = tmp_path / "step1"
     nb = _notebook(
         _setup(daemon, tiny_models["gpt2"]),
-        "import pathlib\n"
+        "import pathlib, time\n"
         "def note(t):\n"
-        f"    if t.step == 1: pathlib.Path({str(marker)!r}).touch()\n"
+        # The generation waits at its second step for the stop button: a tiny model's 100 steps could
+        # otherwise all be done before the signal lands.
+        f"    if t.step == 1: pathlib.Path({str(marker)!r}).touch(); time.sleep(300)\n"
         f"with model.generate({PROMPT!r}, max_new_tokens=100, min_new_tokens=100, on_token=note) as tracer:\n"
         "    ids = tracer.result.save()",
         "try:\n    ids.value\nexcept Exception as e:\n    print('value:', e)",
