@@ -44,29 +44,30 @@ def test_a_request_starts_no_thread_for_its_deadline(monkeypatch):
     monkeypatch.setattr(threading.Thread, "start", counting)
     seen = []
     for _ in range(20):
-        out = list(_gateway(600)._run(None, _Context(), lambda stop, on_error: iter([stop])))
-        seen.append(out[0])
+        stop, _ = _gateway(600)._stop(_Context())
+        seen.append(stop)
     assert started == []
     assert all(590 < s.remaining() <= 600 for s in seen)
 
 
 def test_a_deadline_that_passes_while_running_ends_the_request_as_deadline_exceeded():
     # What the engine does at its next hook: it finds `cancelled()` true and raises Cancelled.
-    def call(stop, on_error):
+    def call(context):
+        stop, on_error = _gateway(1e-9)._stop(context)
         assert stop.is_set() and stop.expired
         raise on_error(errors.Cancelled("request cancelled"))
 
     with pytest.raises(errors.DeadlineExceeded, match="--deadline"):
-        list(_gateway(1e-9)._run(None, _Context(), call))
+        call(_Context())
     # Forwarded by the daemon for a client without a deadline: the daemon's default, named as such.
     forwarded = _Context(remaining=5.0, metadata=(("nnd-default-deadline", "1"),))
     with pytest.raises(errors.DeadlineExceeded, match="--deadline"):
-        list(_gateway(1e-9)._run(None, forwarded, call))
+        call(forwarded)
 
 
 def test_a_client_deadline_is_kept_as_it_asked():
-    out = list(_gateway(600)._run(None, _Context(remaining=2.0), lambda stop, on_error: iter([stop])))
-    assert 0 < out[0].remaining() <= 2.0
+    stop, _ = _gateway(600)._stop(_Context(remaining=2.0))
+    assert 0 < stop.remaining() <= 2.0
 
 
 def test_a_queued_request_leaves_the_line_at_its_deadline_and_when_cancelled():

@@ -89,7 +89,7 @@ class Gateway:
 
     # -- requests ----------------------------------------------------------------
     def handler(self, route: bool = False) -> grpc.GenericRpcHandler:
-        """Trace, Generate and Session: bytes in (parsed here, so malformed ones get
+        """Trace, TraceOnce, Generate and Session: bytes in (parsed here, so malformed ones get
         INVALID_ARGUMENT), TraceResponse out. `route`: the public socket clients reach by the
         model's route, where a call must carry the route's epoch and name this worker's model."""
         handlers = {
@@ -98,6 +98,11 @@ class Gateway:
             )
             for method in contract.DATA_METHODS
         }
+        handlers["TraceOnce"] = grpc.unary_unary_rpc_method_handler(
+            lambda raw, context: self.serve_once(raw, context, route=route),
+            request_deserializer=None,
+            response_serializer=_serialize,
+        )
         handlers["Interact"] = grpc.stream_stream_rpc_method_handler(
             lambda raws, context: self.interact(raws, context, route=route),
             request_deserializer=None,
@@ -153,20 +158,36 @@ class Gateway:
     def serve(self, method: str, raw: bytes, context: grpc.ServicerContext, route: bool = False) -> Iterator[Any]:
         self._check_epoch(context, route)
         with self.inflight.hold(len(raw), "the request"):
-            try:
-                run = self._prepare(method, raw)
-            except errors.NndError as exc:  # over a limit, malformed: counted, never run
-                self.service.activity.refused(method.lower(), exc, self.user_of(context), client_of(context))
-                raise
-            self._check_model(run.session.model if run.HasField("session") else run.request.model, route)
+            run = self._intake(method, raw, context, route)
             keep_alive = run.session.keep_alive if run.HasField("session") else run.request.keep_alive
             user = self._begin(intake.kind_of(run), keep_alive, context)
             try:
-                yield from self._run(
-                    run, context, lambda stop, on_error: self.service.run(run, context, stop, on_error)
-                )
+                yield from self.service.run(run, context, *self._stop(context))
             finally:
                 self.service.activity.end(user)
+
+    def serve_once(self, raw: bytes, context: grpc.ServicerContext, route: bool = False) -> Any:
+        """TraceOnce: a Trace whose whole answer is one unary response (nnd.proto)."""
+        self._check_epoch(context, route)
+        with self.inflight.hold(len(raw), "the request"):
+            run = self._intake("Trace", raw, context, route)
+            run.request.one_message = True
+            user = self._begin("trace", run.request.keep_alive, context)
+            try:
+                return self.service.run_once(run, context, *self._stop(context))
+            finally:
+                self.service.activity.end(user)
+
+    def _intake(
+        self, method: str, raw: bytes, context: grpc.ServicerContext, route: bool
+    ) -> worker_pb2.WorkerRunRequest:
+        try:
+            run = self._prepare(method, raw)
+        except errors.NndError as exc:  # over a limit, malformed: counted, never run
+            self.service.activity.refused(method.lower(), exc, self.user_of(context), client_of(context))
+            raise
+        self._check_model(run.session.model if run.HasField("session") else run.request.model, route)
+        return run
 
     def interact(self, raws: Iterator[bytes], context: grpc.ServicerContext, route: bool = False) -> Iterator[Any]:
         """Interact (sync points): the first message starts the run, checked and completed as a
@@ -220,23 +241,16 @@ class Gateway:
                     return
 
         try:
-            yield from self._run(
-                run,
-                context,
-                lambda stop, on_error: self.service.interact(
-                    run, start, messages(), context, stop, on_error, caps=self.pause_caps(stop), inflight=self.inflight,
-                    parse=parse,
-                ),
+            stop, on_error = self._stop(context)
+            yield from self.service.interact(
+                run, start, messages(), context, stop, on_error, caps=self.pause_caps(stop), inflight=self.inflight,
+                parse=parse,
             )
         finally:
             self.service.activity.end(user)
 
-    def _run(
-        self,
-        run: worker_pb2.WorkerRunRequest,
-        context: grpc.ServicerContext,
-        call: Callable[[Stop, Callable[[BaseException], BaseException]], Iterator[Any]],
-    ) -> Iterator[Any]:
+    def _stop(self, context: grpc.ServicerContext) -> tuple[Stop, Callable[[BaseException], BaseException]]:
+        """What ends a request early, and how a failure after its deadline reads."""
         # The deadline is a point in time checked where the request already waits or polls (stop.py),
         # not a timer thread per request: the client's own timeout, else the daemon's --deadline.
         remaining = context.time_remaining()
@@ -255,7 +269,7 @@ class Gateway:
                 )
             return exc
 
-        yield from call(stop, on_error)
+        return stop, on_error
 
     def pause_caps(self, stop: Stop) -> dict[str, Any]:
         """The server's bounds on `stop`'s request pausing at sync points (engine/interact.py's PauseCaps)."""

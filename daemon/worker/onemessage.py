@@ -13,18 +13,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from nnd.v1 import nnd_pb2
+from nnd.v1 import contract, nnd_pb2
 from nnd_daemon.engine.numlists import varint as _varint
 
 # Above this the stream's own chunking is cheaper: the client reads a streamed chunk as a view of the
 # bytes gRPC received (pyclient/nnd/_chunks.py), but parses a joined one with protobuf (one more copy).
 MAX_BYTES = 256 * 1024
+# A TraceOnce has no stream to fall back on: its answer is one message up to the transport's limit
+# (less room for the message's own framing).
+MAX_ONE = contract.MAX_MESSAGE - 2**20
 _KINDS = frozenset({"saved", "chunk", "done", "paused"})
 _ENDS = frozenset({"done", "paused"})
 _TAG = bytes([nnd_pb2.TraceResponse.DESCRIPTOR.fields_by_name["results"].number << 3 | 2])
 
 
-def join(responses: Sequence[Any]) -> bytes | None:
+def join(responses: Sequence[Any], limit: int = MAX_BYTES) -> bytes | None:
     """`responses` (a finished Trace's TraceResponse messages, ending with its TraceDone, or an Interact
     run's since its last pause, ending with Paused) as one serialized `TraceResponse{results}`; None
     when they must stream (too big, or of another kind)."""
@@ -37,7 +40,7 @@ def join(responses: Sequence[Any]) -> bytes | None:
             return None
         part = response.SerializeToString()
         size += len(part)
-        if size > MAX_BYTES:
+        if size > limit:
             return None
         parts.append(part)
     return _TAG + _varint(size) + b"".join(parts)

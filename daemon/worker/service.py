@@ -100,10 +100,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # Tell a client whose request must wait why nothing happens yet (its place in line). Its turn is then
         # announced by a message too (initial metadata has gone out with the first one).
         ahead = self._run_lock.waiting() + self._run_lock.locked()
-        # A trace behind a few other traces waits a few forwards: nothing a person needs to be told, and
-        # with many clients it is every trace (batching merges it into the next forward anyway). It says
-        # nnd-queued all the same (whether it ran, if the worker dies), but sends no Queued message.
-        quiet = kind == "trace" and 0 < ahead <= QUIET_AHEAD and self.holder == "trace" and self.paused is None
+        # A quiet one (`_quiet`) says nnd-queued all the same (whether it ran, if the worker dies), but
+        # sends no Queued message.
+        quiet = self._quiet(kind, ahead)
         if ahead:
             # "It waits" goes out with the message; a request that did not wait sends no header at all
             # (contract.started_from: one write fewer per trace).
@@ -141,6 +140,54 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             yield whole  # bytes: the gateway's serializer passes them as they are
             return
         yield from out
+
+    def run_once(
+        self,
+        request: worker_pb2.WorkerRunRequest,
+        context: grpc.ServicerContext,
+        stop: Stop,
+        on_error: Callable[[BaseException], BaseException] = lambda exc: exc,
+    ) -> bytes:
+        """A TraceOnce: `request` (a Trace) run on this gRPC thread, its whole answer returned as one
+        serialized `TraceResponse{results}`. One that would first have to say it waits, or whose answer
+        does not fit in one message, is refused with `nnd-route: stream` (nnd.proto): send it as Trace."""
+        if self.model is None:
+            raise errors.FailedPrecondition("worker has no model loaded")
+        context.add_callback(stop.set)
+        ahead = self._run_lock.waiting() + self._run_lock.locked()
+        if ahead and not self._quiet("trace", ahead):
+            raise errors.FailedPrecondition(
+                f"this trace would wait behind {ahead} request(s) held by a {self.holder or 'run'}; "
+                "send it as Trace, which says its place in line; nothing ran",
+                trailers=((contract.ROUTE_KEY, contract.STREAM),),
+            )
+        # A trace queued behind a few traces says nothing (QUIET_AHEAD); with one header only, the client
+        # cannot tell queued from running if the worker dies, and takes it to have run.
+        who = dict(user=self._user(context), rows=max(1, len(request.request.invokes)))
+        out: list[Any] = []
+        with self.activity.track("trace", _client(context), intake.steps_of(request), **who) as tracked, _log_if_cancelled(stop, tracked):
+
+            def started() -> None:
+                tracked.running = True
+                self.holder = "trace"
+
+            try:
+                self._work(request, out.append, stop, started)
+            except BaseException as exc:  # noqa: BLE001 - every failure becomes a status (errors.ErrorInterceptor)
+                raise on_error(exc) from None
+        whole = onemessage.join(out, limit=onemessage.MAX_ONE)
+        if whole is None:
+            raise errors.FailedPrecondition(
+                "the trace's results do not fit in one message; send it as Trace, which streams them "
+                "(a trace changes nothing: it runs again)",
+                trailers=((contract.ROUTE_KEY, contract.STREAM),),
+            )
+        return whole
+
+    def _quiet(self, kind: str, ahead: int) -> bool:
+        """A trace behind a few other traces waits a few forwards: nothing a person needs to be told (with
+        many clients it is every trace, and batching merges it into the next forward anyway)."""
+        return kind == "trace" and 0 < ahead <= QUIET_AHEAD and self.holder == "trace" and self.paused is None
 
     def _queued(self, ahead: int) -> nnd_pb2.TraceResponse:
         """The message a request that must wait gets first: its place in line, and whether the model is

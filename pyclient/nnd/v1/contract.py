@@ -23,6 +23,8 @@ EPOCH_KEY = "nnd-epoch"
 # Trailing metadata of a refused routed call; the value STALE means: ask GetRoute again, then resend.
 ROUTE_KEY = "nnd-route"
 STALE = "stale"
+# ... and STREAM: this TraceOnce cannot be answered in one message; send it as Trace.
+STREAM = "stream"
 # Request metadata the daemon sets when it forwards bytes it did not parse: which model they are for.
 MODEL_KEY = "nnd-model"
 # Request metadata the daemon sets on a forwarded call whose client sent no deadline: the worker
@@ -52,6 +54,8 @@ DEFAULT_MAX_NEW_TOKENS = 20
 # The unary-request data methods a worker serves to clients and the daemon forwards to it unparsed
 # (Interact, a bidirectional stream, is routed too but forwarded by its own path).
 DATA_METHODS = ("Trace", "Generate", "Session")
+# A Trace answered in one unary message, served on routes only (nnd.proto, TraceOnce).
+TRACE_ONCE = "TraceOnce"
 
 # One gRPC message, either way, on every channel and server (daemon, workers, helper, client).
 # Results stream in chunks of a few MiB; a request is bounded separately by Limits.max_request_bytes

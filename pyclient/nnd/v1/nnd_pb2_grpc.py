@@ -99,6 +99,11 @@ class NndStub:
                 request_serializer=nnd_dot_v1_dot_nnd__pb2.TraceRequest.SerializeToString,
                 response_deserializer=nnd_dot_v1_dot_nnd__pb2.TraceResponse.FromString,
                 _registered_method=True)
+        self.TraceOnce = channel.unary_unary(
+                '/nnd.v1.Nnd/TraceOnce',
+                request_serializer=nnd_dot_v1_dot_nnd__pb2.TraceRequest.SerializeToString,
+                response_deserializer=nnd_dot_v1_dot_nnd__pb2.TraceResponse.FromString,
+                _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/nnd.v1.Nnd/Generate',
                 request_serializer=nnd_dot_v1_dot_nnd__pb2.TraceRequest.SerializeToString,
@@ -268,6 +273,23 @@ class NndServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TraceOnce(self, request, context):
+        """A Trace answered in one message, `TraceResponse{results}` (as Trace with
+        `one_message`), as a unary call: one write and one wake-up fewer on each
+        side than a stream. Served on a model's route only (the daemon answers
+        UNIMPLEMENTED; an older worker too: send Trace). A worker that would have
+        to say something first (the trace waits behind a generation, a session or
+        a paused run, whose place in line Trace reports) refuses before anything
+        ran with FAILED_PRECONDITION and trailing `nnd-route: stream`; so does one
+        whose results do not fit in one message (under 512 MiB), after the run,
+        since a trace changes nothing it may run again. Either way: send it as
+        Trace. If the worker dies under it, the call cannot say whether it had
+        started (one header only): take it to have run.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Generate(self, request, context):
         """Run a graph during generation; streams each step's tokens as produced.
         """
@@ -422,6 +444,11 @@ def add_NndServicer_to_server(servicer, server):
             ),
             'Trace': grpc.unary_stream_rpc_method_handler(
                     servicer.Trace,
+                    request_deserializer=nnd_dot_v1_dot_nnd__pb2.TraceRequest.FromString,
+                    response_serializer=nnd_dot_v1_dot_nnd__pb2.TraceResponse.SerializeToString,
+            ),
+            'TraceOnce': grpc.unary_unary_rpc_method_handler(
+                    servicer.TraceOnce,
                     request_deserializer=nnd_dot_v1_dot_nnd__pb2.TraceRequest.FromString,
                     response_serializer=nnd_dot_v1_dot_nnd__pb2.TraceResponse.SerializeToString,
             ),
@@ -825,6 +852,33 @@ class Nnd:
             request,
             target,
             '/nnd.v1.Nnd/Trace',
+            nnd_dot_v1_dot_nnd__pb2.TraceRequest.SerializeToString,
+            nnd_dot_v1_dot_nnd__pb2.TraceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TraceOnce(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nnd.v1.Nnd/TraceOnce',
             nnd_dot_v1_dot_nnd__pb2.TraceRequest.SerializeToString,
             nnd_dot_v1_dot_nnd__pb2.TraceResponse.FromString,
             options,

@@ -90,7 +90,7 @@ def response(raw: bytes) -> nnd_pb2.TraceResponse | Chunk:
 
 
 class DataStub:
-    """Trace, Generate, Session and Interact of nnd.v1.Nnd on `channel` (as `NndStub` has them),
+    """Trace, TraceOnce, Generate, Session and Interact of nnd.v1.Nnd on `channel` (as `NndStub` has them),
     their responses read by `response`."""
 
     def __init__(self, channel: grpc.Channel) -> None:
@@ -105,6 +105,13 @@ class DataStub:
         self.Trace = stream("Trace", nnd_pb2.TraceRequest)
         self.Generate = stream("Generate", nnd_pb2.TraceRequest)
         self.Session = stream("Session", nnd_pb2.SessionRequest)
+        # A Trace answered in one message (nnd.proto, TraceOnce): a results message, never a chunk.
+        self.TraceOnce = channel.unary_unary(
+            "/nnd.v1.Nnd/TraceOnce",
+            request_serializer=nnd_pb2.TraceRequest.SerializeToString,
+            response_deserializer=nnd_pb2.TraceResponse.FromString,
+            _registered_method=True,
+        )
         self.Interact = channel.stream_stream(
             "/nnd.v1.Nnd/Interact",
             request_serializer=nnd_pb2.InteractRequest.SerializeToString,

@@ -35,6 +35,7 @@ class Route:
     epoch: int
     channel: grpc.Channel
     stub: _chunks.DataStub
+    once: bool = True  # the worker serves TraceOnce (an older one answers UNIMPLEMENTED)
 
 
 class Router:
@@ -54,6 +55,7 @@ class Router:
         self._lock = threading.Lock()
         self._routes: dict[str, Route] = {}
         self.direct_calls = 0  # calls that went to a worker (tests and benchmarks read it)
+        self.once_calls = 0  # ... of which answered as TraceOnce (one unary message)
         self.fallbacks = 0  # routes found unreachable, whose calls went through the daemon
         self._unreachable: set[tuple[str, int]] = set()  # (model, epoch): follow the daemon, not the route
 
@@ -65,7 +67,9 @@ class Router:
         via_daemon: Callable[[float | None], Iterator[Any]],
         translate: Callable[[grpc.RpcError], Exception],
     ) -> Iterator[Any]:
-        yield from self.follow(method, request.model, lambda: request, timeout, via_daemon, translate)
+        # A trace read as one message goes as one unary call where the worker takes it (TraceOnce).
+        once = method == "Trace" and bool(getattr(request, "one_message", False))
+        yield from self.follow(method, request.model, lambda: request, timeout, via_daemon, translate, once=once)
 
     def follow(
         self,
@@ -75,29 +79,50 @@ class Router:
         timeout: float | None,
         via_daemon: Callable[[float | None], Iterator[Any]],
         translate: Callable[[grpc.RpcError], Exception],
+        *,
+        once: bool = False,
     ) -> Iterator[Any]:
         """Call `method` of `model`'s worker with `argument()` (called once per attempt: a
-        request, or a fresh iterator of an Interact stream's messages)."""
+        request, or a fresh iterator of an Interact stream's messages). `once`: a Trace that may go
+        as TraceOnce; refused so (`nnd-route: stream`, or an older worker), it goes as Trace."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for attempt in (0, 1):
+        attempt = 0
+        while attempt < 2:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             route = self._route(model, translate)
             if route is None:  # no worker (or none this client can reach): the daemon runs the request
                 yield from via_daemon(left)
                 return
             meta = [*self._metadata(), (contract.EPOCH_KEY, str(route.epoch))]
-            call = getattr(route.stub, method)(argument(), timeout=left, metadata=meta)
-            self.direct_calls += 1
+            unary = once and route.once
+            call = None
             answered = False  # a response came: the request had begun, whatever the metadata says
             try:
+                if unary:
+                    self.direct_calls += 1
+                    response = route.stub.TraceOnce(argument(), timeout=left, metadata=meta)
+                    answered = True
+                    self.once_calls += 1
+                    yield response
+                    return
+                call = getattr(route.stub, method)(argument(), timeout=left, metadata=meta)
+                self.direct_calls += 1
                 for response in call:
                     answered = True
                     yield response
                 return
             except grpc.RpcError as err:
+                if unary and _stream_instead(err):
+                    # Nothing was answered: the same attempt goes as a stream (an older worker's route
+                    # never again).
+                    if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                        route.once = False
+                    once = False
+                    continue
                 if _never_ran(err):
                     self._forget(model, route)
-                    if attempt == 0:
+                    attempt += 1
+                    if attempt < 2:
                         continue
                     if _not_connected(err):
                         # The fresh route cannot be reached either (a socket out of this client's
@@ -114,12 +139,14 @@ class Router:
                     self.fallbacks += 1
                     break
                 if err.code() == grpc.StatusCode.UNAVAILABLE:
+                    # A unary call keeps one header only, which cannot say queued-then-started: taken to have run.
                     lost = self._lost(model, route, call if not answered else None, err, translate)
                     self._forget(model, route)  # after reading the call's metadata: closing ends it
                     raise lost from None
                 raise translate(err) from None
             finally:
-                call.cancel()
+                if call is not None:
+                    call.cancel()
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         yield from via_daemon(left)
 
@@ -193,6 +220,15 @@ class Router:
             routes, self._routes = list(self._routes.values()), {}
         for route in routes:
             route.channel.close()
+
+
+def _stream_instead(err: grpc.RpcError) -> bool:
+    """The worker will not answer this Trace in one message (TraceOnce), or knows no TraceOnce."""
+    if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+        return True
+    return err.code() == grpc.StatusCode.FAILED_PRECONDITION and (
+        contract.trailer(err.trailing_metadata(), contract.ROUTE_KEY) == contract.STREAM
+    )
 
 
 def _never_ran(err: grpc.RpcError) -> bool:
