@@ -82,7 +82,8 @@ def test_keep_alive_expiry_releases(process_daemon, tiny_models):
 
 def test_registry_survives_restart(tmp_path, tiny_models):
     state = str(tmp_path / "state")
-    d = start_daemon(tmp_path / "one", state_dir=state)
+    # The registry file is what survives: workers as threads of the daemon (a dispatch starts no process).
+    d = start_daemon(tmp_path / "one", state_dir=state, in_process=True)
     gpt2, llama = tiny_models["gpt2"], tiny_models["llama"]
     try:
         d.cli("load", gpt2)
@@ -90,7 +91,7 @@ def test_registry_survives_restart(tmp_path, tiny_models):
         d.cli("dispatch", llama, "--dtype", "bfloat16")
     finally:
         assert d.stop() == 0
-    d2 = start_daemon(tmp_path / "two", state_dir=state)
+    d2 = start_daemon(tmp_path / "two", state_dir=state, in_process=True)
     try:
         assert _ps(d2)[gpt2]["state"] == "META"
         model = _wait_state(d2, llama, "DISPATCHED")

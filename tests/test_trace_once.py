@@ -11,6 +11,7 @@ import time
 
 import grpc
 import pytest
+import tinymodels
 import torch
 from graphs import Graph
 
@@ -21,19 +22,24 @@ PROMPT = "Hello world"
 
 
 @pytest.fixture(scope="module")
-def gpt2(daemon, tiny_models):
-    model = nnd.TransformersModel(tiny_models["gpt2"], address=daemon.address, device="cpu", dispatch=True)
+def path(tiny_models, tmp_path_factory):
+    """A model of this module's own: a run another module left ending on the shared daemon's worker
+    would make a trace wait, and a waiting trace is (rightly) refused as TraceOnce."""
+    return tinymodels.private_copy(tiny_models["gpt2"], tmp_path_factory.mktemp("trace-once"))
+
+
+@pytest.fixture(scope="module")
+def gpt2(daemon, path):
+    model = nnd.TransformersModel(path, address=daemon.address, device="cpu", dispatch=True)
     yield model
     model.release()
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_models):
+def reference(path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return AutoModelForCausalLM.from_pretrained(tiny_models["gpt2"]).eval(), AutoTokenizer.from_pretrained(
-        tiny_models["gpt2"]
-    )
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
 
 
 def _logits(reference, prompts):
@@ -106,9 +112,9 @@ def _queued(address: str) -> int:
 
 
 def test_a_trace_behind_a_paused_run_is_refused_unrun_and_streams_its_place_in_line(
-    daemon, gpt2, reference, tiny_models, capsys
+    daemon, gpt2, reference, path, capsys
 ):
-    name = tiny_models["gpt2"]
+    name = path
     want = _logits(reference, [PROMPT])
     router = gpt2._conn.router
     once, direct = router.once_calls, router.direct_calls

@@ -217,7 +217,8 @@ def test_worker_killed_mid_request_is_reported_not_rerun(routed, tmp_path, long_
 
 def test_restarted_daemon_is_rerouted(tmp_path, tiny_models):
     model = tiny_models["gpt2"]
-    d = start_daemon(tmp_path)
+    # Workers as threads of the daemon: they end with it all the same, and a dispatch starts no process.
+    d = start_daemon(tmp_path, in_process=True)
     conn = Connection(d.address)
     try:
         d.cli("load", model)
@@ -225,7 +226,7 @@ def test_restarted_daemon_is_rerouted(tmp_path, tiny_models):
         epoch = _info(conn, model).route.epoch
         before = _saved(conn.stream("Trace", _trace(model), timeout=60))
         assert d.stop() == 0  # its workers end with it
-        d = start_daemon(tmp_path, state_dir=d.state_dir)  # same socket; restores and re-dispatches
+        d = start_daemon(tmp_path, state_dir=d.state_dir, in_process=True)  # same socket; restores and re-dispatches
         assert _saved(conn.stream("Trace", _trace(model), timeout=120)) == before
         info = _info(conn, model)
         assert info.route.epoch != epoch and info.worker_requests == 1
@@ -239,7 +240,7 @@ def test_worker_socket_needs_the_daemons_token(tmp_path, tiny_models):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
-    d = start_daemon(tmp_path, "--token-file", str(token_file), token=TOKEN)
+    d = start_daemon(tmp_path, "--token-file", str(token_file), token=TOKEN, in_process=True)
     conn = Connection(d.address, token=TOKEN)
     try:
         conn.call("LoadModel", nnd_pb2.LoadModelRequest(model=model, dispatch=True), timeout=120)
@@ -261,7 +262,7 @@ def test_worker_socket_needs_the_daemons_token(tmp_path, tiny_models):
 
 def test_keep_alive_and_idle_time_see_direct_traffic(tmp_path, tiny_models):
     model = tiny_models["gpt2"]
-    d = start_daemon(tmp_path, "--keep-alive", "3s")
+    d = start_daemon(tmp_path, "--keep-alive", "3s", in_process=True)
     conn = Connection(d.address)
     try:
         d.cli("load", model)

@@ -9,12 +9,12 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
+import tinymodels
 import torch
 import transformers
-from daemonproc import Daemon, start_daemon
+from daemonproc import Daemon
 
 PROMPT = "The Eiffel Tower is in the city of"
 
@@ -62,15 +62,21 @@ trace("quiet")
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory) -> Iterator[Daemon]:
-    d = start_daemon(tmp_path_factory.mktemp("first-dispatch"))
-    yield d
-    d.stop()
+def served(daemon) -> Daemon:
+    # The shared in-process daemon: what is shown comes from the worker's Load stream, the same
+    # messages whether the worker is a process or a thread (and a dispatch then starts no process).
+    return daemon
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_models) -> float:
-    path = tiny_models["gpt2"]
+def gpt2(tiny_models, tmp_path_factory) -> str:
+    """A model of this module's own: its phases release it, which no other module may see."""
+    return tinymodels.private_copy(tiny_models["gpt2"], tmp_path_factory.mktemp("first-dispatch"))
+
+
+@pytest.fixture(scope="module")
+def expected(gpt2) -> float:
+    path = gpt2
     tok = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
@@ -78,10 +84,10 @@ def expected(tiny_models) -> float:
     return float(out.hidden_states[1].double().abs().sum())
 
 
-def _run(served, tiny_models, *, phases, keyword="", env=None) -> tuple[dict[str, str], dict]:
+def _run(served, gpt2, *, phases, keyword="", env=None) -> tuple[dict[str, str], dict]:
     code = SCRIPT.format(phases=phases, keyword=keyword, prompt=PROMPT)
     out = subprocess.run(
-        [sys.executable, "-c", code, tiny_models["gpt2"], served.address],
+        [sys.executable, "-c", code, gpt2, served.address],
         capture_output=True,
         text=True,
         env={**os.environ, **(env or {})},
@@ -95,8 +101,8 @@ def _run(served, tiny_models, *, phases, keyword="", env=None) -> tuple[dict[str
     return sections, json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_weights_loading_is_shown_on_a_first_trace_and_a_dispatch_unless_asked_not_to(served, tiny_models, expected):
-    shown, sums = _run(served, tiny_models, phases=DEFAULT_PHASES)
+def test_weights_loading_is_shown_on_a_first_trace_and_a_dispatch_unless_asked_not_to(served, gpt2, expected):
+    shown, sums = _run(served, gpt2, phases=DEFAULT_PHASES)
     # The first trace of a META model: the worker's count of tensors, as `nnd dispatch` shows it.
     first = shown["first trace"]
     assert "loading" in first and "tensors" in first and "weights loaded in" in first, shown
@@ -112,8 +118,8 @@ def test_weights_loading_is_shown_on_a_first_trace_and_a_dispatch_unless_asked_n
         assert value == pytest.approx(expected, rel=1e-6), name
 
 
-def test_quiet_by_the_handle_keyword(served, tiny_models, expected):
+def test_quiet_by_the_handle_keyword(served, gpt2, expected):
     # (NND_PROGRESS and dispatch(progress=False) take the same path: tests/client/test_progress.py)
-    shown, sums = _run(served, tiny_models, phases=QUIET_PHASES, keyword=", progress=False")
+    shown, sums = _run(served, gpt2, phases=QUIET_PHASES, keyword=", progress=False")
     assert "loading" not in shown["quiet"] and "weights loaded" not in shown["quiet"], shown
     assert sums["quiet"] == pytest.approx(expected, rel=1e-6)
