@@ -18,7 +18,9 @@ import nnd
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Iterator[Daemon]:
-    d = start_daemon(tmp_path_factory.mktemp("cli-models"))
+    # Workers and the helper as threads of the daemon: what is tested is the CLI, and a dispatch then
+    # starts no process.
+    d = start_daemon(tmp_path_factory.mktemp("cli-models"), in_process=True)
     yield d
     d.stop()
 
