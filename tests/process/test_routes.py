@@ -267,7 +267,8 @@ def test_keep_alive_and_idle_time_see_direct_traffic(tmp_path, tiny_models):
     try:
         d.cli("load", model)
         d.cli("dispatch", model)
-        pid = _info(conn, model).worker_pids[0]
+        # The worker's epoch, not its pid: these workers are threads of the daemon (the pid is the daemon's).
+        epoch = _info(conn, model).route.epoch
         _wait_for("an idle second", lambda: _info(conn, model).idle_s > 1.0)
         start = time.time()
         # Traffic that never passes through the daemon, for longer than the keep-alive:
@@ -275,7 +276,7 @@ def test_keep_alive_and_idle_time_see_direct_traffic(tmp_path, tiny_models):
         while time.time() - start < 5:
             assert _saved(conn.stream("Trace", _trace(model), timeout=60))
         info = _info(conn, model)
-        assert info.state == nnd_pb2.DISPATCHED and info.worker_pids[0] == pid
+        assert info.state == nnd_pb2.DISPATCHED and info.route.epoch == epoch
         assert info.idle_s <= time.time() - start  # idle since the last direct trace, not since dispatch
         assert "forwarding" not in d.log()
         # Once traffic stops, the keep-alive still ends it.
