@@ -98,7 +98,7 @@ class Gateway:
             )
             for method in contract.DATA_METHODS
         }
-        handlers["TraceOnce"] = grpc.unary_unary_rpc_method_handler(
+        handlers[contract.TRACE_ONCE] = grpc.unary_unary_rpc_method_handler(
             lambda raw, context: self.serve_once(raw, context, route=route),
             request_deserializer=None,
             response_serializer=_serialize,

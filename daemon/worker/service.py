@@ -99,7 +99,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         kind, steps = intake.kind_of(request), intake.steps_of(request)
         # Tell a client whose request must wait why nothing happens yet (its place in line). Its turn is then
         # announced by a message too (initial metadata has gone out with the first one).
-        ahead = self._run_lock.waiting() + self._run_lock.locked()
+        ahead = self._ahead()
         # A quiet one (`_quiet`) says nnd-queued all the same (whether it ran, if the worker dies), but
         # sends no Queued message.
         quiet = self._quiet(kind, ahead)
@@ -154,7 +154,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if self.model is None:
             raise errors.FailedPrecondition("worker has no model loaded")
         context.add_callback(stop.set)
-        ahead = self._run_lock.waiting() + self._run_lock.locked()
+        ahead = self._ahead()
         if ahead and not self._quiet("trace", ahead):
             raise errors.FailedPrecondition(
                 f"this trace would wait behind {ahead} request(s) held by a {self.holder or 'run'}; "
@@ -183,6 +183,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 trailers=((contract.ROUTE_KEY, contract.STREAM),),
             )
         return whole
+
+    def _ahead(self) -> int:
+        """Requests that run or wait before one arriving now."""
+        return self._run_lock.waiting() + self._run_lock.locked()
 
     def _quiet(self, kind: str, ahead: int) -> bool:
         """A trace behind a few other traces waits a few forwards: nothing a person needs to be told (with

@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from nnd.v1 import nnd_pb2
+from nnd.v1 import contract, nnd_pb2
 
 
 def _number(descriptor: Any, name: str) -> int:
@@ -107,7 +107,7 @@ class DataStub:
         self.Session = stream("Session", nnd_pb2.SessionRequest)
         # A Trace answered in one message (nnd.proto, TraceOnce): a results message, never a chunk.
         self.TraceOnce = channel.unary_unary(
-            "/nnd.v1.Nnd/TraceOnce",
+            f"/nnd.v1.Nnd/{contract.TRACE_ONCE}",
             request_serializer=nnd_pb2.TraceRequest.SerializeToString,
             response_deserializer=nnd_pb2.TraceResponse.FromString,
             _registered_method=True,
