@@ -33,6 +33,7 @@ log = logging.getLogger("nnd.identity")
 # The workers' copy of the key (never on a command line, which other users can read).
 KEY_ENV = "NND_WORKER_IDENTITY_KEY"
 TICKET_TTL_S = 7 * 24 * 3600
+_VERIFIED_MAX = 4096  # verified tickets kept (Tickets.verify); only valid ones, so one per user and week
 SUFFIX = ".who"
 
 
@@ -48,6 +49,9 @@ class Tickets:
 
     def __init__(self, key: bytes | None = None) -> None:
         self.key = key or os.urandom(32)
+        # Tickets already verified, with their user and expiry: a client sends the same ticket with every
+        # call, and each call is checked twice (who it is from as it opens, whose it is as it runs).
+        self._verified: dict[str, tuple[str, float]] = {}
 
     @classmethod
     def from_env(cls) -> Tickets | None:
@@ -65,16 +69,25 @@ class Tickets:
         return f"{body}|{self._mac(body)}"
 
     def verify(self, ticket: str | None) -> str | None:
-        if not ticket or ticket.count("|") != 2:
+        if not ticket:
+            return None
+        known = self._verified.get(ticket)
+        if known is not None:
+            return known[0] if known[1] >= time.time() else None
+        if ticket.count("|") != 2:
             return None
         user, expiry, mac = ticket.split("|")
         if not hmac.compare_digest(mac, self._mac(f"{user}|{expiry}")):
-            return None
+            return None  # a forged ticket is never kept: callers cannot fill the memo with junk
         try:
-            if float(expiry) < time.time():
-                return None
+            until = float(expiry)
         except ValueError:
             return None
+        if until < time.time():
+            return None
+        if len(self._verified) >= _VERIFIED_MAX:
+            self._verified.clear()
+        self._verified[ticket] = (user, until)
         return user
 
 

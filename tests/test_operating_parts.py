@@ -119,3 +119,22 @@ def test_the_who_socket_names_the_peers_uid_and_only_genuine_tickets_count(tmp_p
     assert identity.who(_Context("ipv4:10.0.0.7:51234"), tickets, token=True) == "token@10.0.0.7"
     assert identity.who(_Context("ipv6:[::1]:51234"), tickets) == "[::1]"
     assert not os.path.exists(server.path)  # closed: the socket is gone
+
+
+def test_a_verified_ticket_stops_counting_once_it_expires_and_a_forged_one_is_never_kept(monkeypatch):
+    """Tickets.verify keeps tickets it has checked (every call is verified twice): the memo must not
+    outlive a ticket's expiry, nor let a forged ticket in after the genuine one was seen."""
+    import time
+
+    from nnd_daemon import identity
+
+    tickets = identity.Tickets()
+    ticket = tickets.mint("carol", ttl_s=60)
+    assert tickets.verify(ticket) == tickets.verify(ticket) == "carol"
+    user, expiry, mac = ticket.split("|")
+    for forged in (f"mallory|{expiry}|{mac}", f"{user}|{int(expiry) + 10**6}|{mac}", f"{user}|{expiry}|{'0' * len(mac)}"):
+        assert tickets.verify(forged) is None
+        assert tickets.verify(forged) is None  # still not, the second time
+    now = time.time()
+    monkeypatch.setattr(identity.time, "time", lambda: now + 61)
+    assert tickets.verify(ticket) is None  # kept, but expired
