@@ -86,6 +86,7 @@ class Executor:
         self.constant = constant  # makes decoded constants fake in a Scan
         self.root = Frame(0, 0, plan.scope_nodes(0), plan)
         self.loops: dict[tuple[int, int], Frame] = {}
+        self._picked: dict[tuple[int, int], range | frozenset[int]] = {}  # selected()'s memo
         self.events: dict[HookKey, list[int]] = {}
         self.loop_events: dict[tuple[str, str], list[int]] = {}
         for node in plan.nodes.values():
@@ -138,7 +139,15 @@ class Executor:
         return [self.root, *(self.loops[k] for k in sorted(self.loops))]
 
     def selected(self, scope: int, step: int) -> bool:
-        return contract.selects(self.plan.scopes[scope - 1], self.total_steps, step)
+        """contract.selects for loop `scope` at `step`. Every hook of every step asks this of every
+        scope, so the steps a scope picks are worked out once per (scope, run length) and kept (a
+        scope's selector never changes once planned: a sync point's new graph only adds scopes)."""
+        total = max(self.total_steps, step + 1)
+        picked = self._picked.get((scope, total))
+        if picked is None:
+            steps = contract.steps_of(self.plan.scopes[scope - 1], total)
+            picked = self._picked[(scope, total)] = steps if isinstance(steps, range) else frozenset(steps)
+        return step in picked
 
     def begin_step(self, step: int) -> None:
         self.step = step
