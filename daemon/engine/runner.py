@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +44,7 @@ def run(
     cancelled: Callable[[], bool] = lambda: False,
     limits: EngineLimits | None = None,
     edits: Mapping[str, worker_pb2.EditStack] | None = None,
-    lend: Callable[[], None] | None = None,
+    lend: Callable[[Callable[[], contextlib.AbstractContextManager[Any]]], None] | None = None,
     interaction: Interaction | None = None,
 ) -> None:
     """Run `request.graph` on `model` and stream its results through `emit`.
@@ -192,7 +192,7 @@ def run_worker(
     emit: Callable[[nnd_pb2.TraceResponse], None],
     cancelled: Callable[[], bool] = lambda: False,
     limits: EngineLimits | None = None,
-    lend: Callable[[], None] | None = None,
+    lend: Callable[[Callable[[], contextlib.AbstractContextManager[Any]]], None] | None = None,
     interaction: Interaction | None = None,
 ) -> None:
     """Run what a worker is sent: a Trace, a Generate or a Session, with the edit graphs it carries.
@@ -269,7 +269,7 @@ def _run(
     limits: EngineLimits,
     edits: Mapping[str, worker_pb2.EditStack] | None = None,
     external: Mapping[int, Any] | None = None,
-    lend: Callable[[], None] | None = None,
+    lend: Callable[[Callable[[], contextlib.AbstractContextManager[Any]]], None] | None = None,
     interaction: Interaction | None = None,
 ) -> _Done:
     if mode not in MODES:
@@ -338,10 +338,14 @@ def _run(
                 between = None
                 if lend is not None:
 
-                    def between() -> None:
+                    @contextlib.contextmanager
+                    def set_aside() -> Iterator[None]:
                         # Whatever runs meanwhile must neither trip this request's hooks nor move its sampling.
                         with executor.hooks.suppressed(), generation.rng_kept():
-                            lend()
+                            yield
+
+                    def between() -> None:
+                        lend(set_aside)
 
                 result = generation.generate(model, tokenizer, placed, opts, emit, cancelled, between)
             else:

@@ -11,7 +11,7 @@ order. `Turns` is that lock made fair:
   calls it after each generated token): when anyone is waiting it hands the
   model to the first waiter and queues behind everyone waiting at that moment,
   so each of them gets one turn before the generation's next step. With no
-  waiter it returns at once, costing one uncontended mutex.
+  waiter it returns at once, without taking the mutex.
 
 The engine makes a lent turn invisible to the lender (its hooks are
 suppressed and its random-number state kept; engine/generation.py), so what a
@@ -21,7 +21,9 @@ generation computes does not depend on what ran between its steps.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
+from collections.abc import Callable
 from typing import Any
 
 
@@ -101,16 +103,23 @@ class Turns:
             else:
                 self._held = False
 
-    def lend(self) -> None:
-        """Between two steps of a long request (holding the turn): let every current waiter run first."""
-        with self._mutex:
-            if not self._queue:
-                return
-            ticket = _Ticket()
-            self._hand_over()
-            self._queue.append(ticket)
-            self.lent += 1
-        ticket.event.wait()
+    def lend(self, around: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
+        """Between two steps of a long request (holding the turn): let every current waiter run first.
+        `around` is entered just before the model is handed over and left once it is back (the lender
+        sets its hooks and random state aside there); with nobody waiting, the usual case, neither
+        happens: a generation asks this at every step."""
+        if not self._queue:  # a waiter that comes just after this read is let in at the next step
+            return
+        with contextlib.ExitStack() as lent:
+            with self._mutex:
+                if not self._queue:
+                    return
+                lent.enter_context(around())
+                ticket = _Ticket()
+                self._hand_over()
+                self._queue.append(ticket)
+                self.lent += 1
+            ticket.event.wait()
 
     def __enter__(self) -> Turns:
         self.acquire()

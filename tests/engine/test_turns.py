@@ -58,11 +58,19 @@ def test_lend_lets_every_current_waiter_run_first_and_nobody_later():
     for i, t in enumerate(waiters):
         t.start()
         _until(lambda i=i: turns.waiting() == i + 1, "waiters queued")
-    turns.lend()  # returns once a and b have had their turn
+    import contextlib
+
+    @contextlib.contextmanager
+    def set_aside():  # what the lender does while others hold the model (its hooks, its random state)
+        log.append("aside")
+        yield
+        log.append("back")
+
+    turns.lend(set_aside)  # returns once a and b have had their turn
     log.append("lender")
-    assert log == ["a", "b", "lender"] and turns.lent == 1
-    turns.lend()  # nobody waiting: returns at once
-    assert turns.lent == 1
+    assert log == ["aside", "a", "b", "back", "lender"] and turns.lent == 1
+    turns.lend(set_aside)  # nobody waiting: returns at once, nothing set aside
+    assert turns.lent == 1 and log[-1] == "lender"
     turns.release()
     assert not turns.locked()
 
