@@ -37,7 +37,12 @@ def check_nodes(graph: Any, what: str = "the request") -> None:
 
 
 def check_depth(message: Any, what: str = "the request") -> None:
-    """Refuse `message` if it nests messages (lists in lists...) more than MAX_DEPTH deep."""
+    """Refuse `message` if it nests messages (lists in lists...) more than MAX_DEPTH deep.
+
+    Every request is walked, so the walk visits only the fields a message has set (`ListFields`),
+    with each field's kind worked out once per field descriptor (`_kind`): walking every declared
+    field of every node, with its options read each time, cost 62 µs for a 2-node graph and 1.9 ms
+    for 100 nodes here."""
     stack = [(message, 1)]
     while stack:
         msg, depth = stack.pop()
@@ -47,16 +52,30 @@ def check_depth(message: Any, what: str = "the request") -> None:
             )
         if msg.DESCRIPTOR.full_name in _LEAVES:
             continue
-        for fd in msg.DESCRIPTOR.fields:
-            if fd.message_type is None:
-                continue
-            if fd.message_type.GetOptions().map_entry:
-                if fd.message_type.fields_by_name["value"].message_type is not None:
-                    stack.extend((v, depth + 2) for v in getattr(msg, fd.name).values())
-            elif _repeated(fd):
-                stack.extend((v, depth + 1) for v in getattr(msg, fd.name))
-            elif msg.HasField(fd.name):
-                stack.append((getattr(msg, fd.name), depth + 1))
+        for fd, value in msg.ListFields():
+            kind = _KINDS.get(fd)
+            if kind is None:
+                kind = _KINDS[fd] = _kind(fd)
+            if kind == _ONE:
+                stack.append((value, depth + 1))
+            elif kind == _MANY:
+                stack.extend((v, depth + 1) for v in value)
+            elif kind == _MAP:
+                stack.extend((v, depth + 2) for v in value.values())
+
+
+# What check_depth does with a field: nothing (a scalar, or a map of scalars), or walk one message,
+# each of a repeated field's, or each value of a map whose values are messages (an entry is a level).
+_SCALAR, _ONE, _MANY, _MAP = range(4)
+_KINDS: dict[Any, int] = {}
+
+
+def _kind(fd: Any) -> int:
+    if fd.message_type is None:
+        return _SCALAR
+    if fd.message_type.GetOptions().map_entry:
+        return _MAP if fd.message_type.fields_by_name["value"].message_type is not None else _SCALAR
+    return _MANY if _repeated(fd) else _ONE
 
 
 def _repeated(fd: Any) -> bool:

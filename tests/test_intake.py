@@ -88,3 +88,58 @@ def test_a_sessions_later_traces_are_checked_and_bring_their_edits():
     del later.request.invokes[:]
     with pytest.raises(errors.InvalidArgument, match="no input"):
         intake.prepare_continue(more, 0, run, LIMITS, rewrite=list, stacks=dict)
+
+
+def _declared_depth(msg, depth: int = 1) -> int:
+    """How deep `msg` nests, walking every declared field (no shortcuts): the reference for check_depth."""
+    if msg.DESCRIPTOR.full_name in intake._LEAVES:
+        return depth
+    deepest = depth
+    for fd in msg.DESCRIPTOR.fields:
+        if fd.message_type is None:
+            continue
+        if fd.message_type.GetOptions().map_entry:
+            if fd.message_type.fields_by_name["value"].message_type is not None:
+                for v in getattr(msg, fd.name).values():
+                    deepest = max(deepest, _declared_depth(v, depth + 2))
+        elif intake._repeated(fd):
+            for v in getattr(msg, fd.name):
+                deepest = max(deepest, _declared_depth(v, depth + 1))
+        elif msg.HasField(fd.name):
+            deepest = max(deepest, _declared_depth(getattr(msg, fd.name), depth + 1))
+    return deepest
+
+
+def _nest(value, levels: int) -> None:
+    """Make `value` (a values_pb2.Value in place: copying a deep one would hit protobuf's own parse
+    depth) a list of a list ... of an int, `levels` lists deep."""
+    for _ in range(levels):
+        value = value.list.items.add()
+    value.int = 1
+
+
+@pytest.mark.parametrize("where", ["op_arg", "op_kwarg", "invoke_kwarg"])
+def test_check_depth_refuses_exactly_the_requests_nested_past_the_limit(where):
+    """check_depth walks only the fields a message has set: it must refuse exactly what a walk over every
+    declared field finds too deep, through lists, repeated fields and maps of messages alike."""
+    seen = set()
+    for levels in range(intake.MAX_DEPTH // 2 - 6, intake.MAX_DEPTH // 2 + 2):  # a list level is 2 deep
+        request = nnd_pb2.TraceRequest(model="m")
+        invoke = request.invokes.add(text="x")
+        node = request.graph.nodes.add(id=1)
+        if where == "op_arg":
+            node.op.name = "add"
+            _nest(node.op.args.add().value, levels)
+        elif where == "op_kwarg":
+            node.op.name = "add"
+            _nest(node.op.kwargs["x"].value, levels)
+        else:
+            _nest(invoke.kwargs["x"], levels)
+        too_deep = _declared_depth(request) > intake.MAX_DEPTH
+        seen.add(too_deep)
+        if too_deep:
+            with pytest.raises(errors.InvalidArgument, match="levels deep"):
+                intake.check_depth(request)
+        else:
+            intake.check_depth(request)
+    assert seen == {True, False}  # the sweep crossed the limit
