@@ -5,13 +5,16 @@ collapsed stacks ("file:line func;... count") to $NND_BENCH_SAMPLE_DIR/<pid>.txt
 after a first line "# ticks T seconds S" (the real sampling period is S/T).
 Writing a new value into $NND_BENCH_SAMPLE_DIR/epoch starts the counts afresh.
 Stacks whose innermost frame waits (threading, queue, selectors) are idle and not kept.
+A sample is taken when the sampler gets the GIL, so samples gather where threads let it go (a
+torch op that releases it, a wait): read shares between nnd's own lines with that in mind, and use
+py-spy (which reads stacks without the GIL) for an unbiased profile.
 """
 
 from __future__ import annotations
 
 import collections
+import faulthandler
 import os
-import sys
 import threading
 import time
 
@@ -19,9 +22,31 @@ _DIR = os.environ.get("NND_BENCH_SAMPLE_DIR")
 _IDLE = ("threading.py", "queue.py", "selectors.py", "concurrent/futures/thread.py")
 
 
-def _frame_key(frame) -> str:  # noqa: ANN001
-    code = frame.f_code
-    return f"{code.co_filename}:{frame.f_lineno} {code.co_name}"
+def _stacks(fd: int) -> list[list[str]]:
+    """Every other thread's stack, outermost frame first, as "file:line function" strings.
+
+    Read with faulthandler's C dump of all threads rather than by walking `f_back` from
+    sys._current_frames(): that walk crashed the worker it sampled (SIGSEGV, after "'tuple' object has
+    no attribute 'f_code'", CPython 3.11.7), materialising frame objects of threads that run on."""
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.ftruncate(fd, 0)
+    faulthandler.dump_traceback(fd, all_threads=True)
+    size = os.lseek(fd, 0, os.SEEK_CUR)
+    os.lseek(fd, 0, os.SEEK_SET)
+    text = os.read(fd, size).decode("utf-8", "replace")
+    stacks: list[list[str]] = []
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith("Current thread "):  # this sampler
+            current = None
+        elif line.startswith("Thread "):
+            current = []
+            stacks.append(current)
+        elif current is not None and line.startswith('  File "'):
+            path, _, rest = line[len('  File "') :].partition('", line ')
+            lineno, _, function = rest.partition(" in ")
+            current.append(f"{path}:{lineno} {function}")
+    return [list(reversed(frames)) for frames in stacks if frames]
 
 
 def _epoch(folder: str) -> str:
@@ -33,7 +58,8 @@ def _epoch(folder: str) -> str:
 
 
 def _run(out: str, interval: float) -> None:
-    me = threading.get_ident()
+    fd = os.open(out + ".dump", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.unlink(out + ".dump")
     stacks: collections.Counter[str] = collections.Counter()
     epoch = _epoch(os.path.dirname(out))
     last_dump = started = time.monotonic()
@@ -41,16 +67,10 @@ def _run(out: str, interval: float) -> None:
     while True:
         time.sleep(interval)
         ticks += 1
-        for ident, frame in sys._current_frames().items():
-            if ident == me or frame is None:
+        for frames in _stacks(fd):
+            if frames[-1].partition(":")[0].endswith(_IDLE):
                 continue
-            if frame.f_code.co_filename.endswith(_IDLE):
-                continue
-            names = []
-            while frame is not None:
-                names.append(_frame_key(frame))
-                frame = frame.f_back
-            stacks[";".join(reversed(names))] += 1
+            stacks[";".join(frames)] += 1
         now = time.monotonic()
         if now - last_dump > 0.5:
             last_dump = now
