@@ -1,6 +1,6 @@
 """`nnd serve` with the in-process engine (nnd_daemon/inprocess.py): the daemon's workers and
 helper serve from threads of this one process. Run as `python inprocess_daemon.py serve ARGS`
-(the arguments of `nnd serve`); tests start it through tests/daemonproc.py."""
+(the arguments of `nnd serve`); tests start it through tests/support/daemonproc.py."""
 
 from __future__ import annotations
 
