@@ -94,3 +94,17 @@ def test_every_python_block_of_the_readme_runs(daemon, tmp_path_factory):
     env = {**os.environ, "NND_ADDRESS": daemon.address}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0 and "README-OK" in out.stdout, out.stderr[-4000:]
+
+
+def test_every_repository_file_the_docs_name_exists():
+    """Paths the README, CONTRIBUTING and docs/ point readers to (tests, daemon, client, bench, scripts
+    files) are where they say: moving a module without its mentions leaves readers at a dead end."""
+    docs = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    named = {
+        (doc.name, path)
+        for doc in docs
+        for path in re.findall(r"\b((?:tests|daemon|pyclient|bench|scripts)/[\w/.-]+\.(?:py|proto|md|sh))\b", doc.read_text())
+    }
+    assert named, "the pattern found no paths at all"
+    missing = sorted(f"{doc}: {path}" for doc, path in named if not (ROOT / path).exists())
+    assert not missing, "named in the docs but not in the repository:\n" + "\n".join(missing)
