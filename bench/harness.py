@@ -294,7 +294,9 @@ def worker_pid(d: Any) -> int:
     import psutil
 
     kids = [
-        p for p in psutil.Process(d.proc.pid).children(recursive=True) if "nnd_daemon.worker" in " ".join(p.cmdline())
+        p
+        for p in psutil.Process(d.proc.pid).children(recursive=True)
+        if "-m nnd_daemon.worker" in " ".join(p.cmdline())
     ]
     if len(kids) != 1:
         raise RuntimeError(f"expected one worker, found {len(kids)}")

@@ -126,4 +126,4 @@ class InProcessHelper(Helper):
         return 0.0
 
 
-PROCESSES = Processes(launcher=InProcessLauncher, helper=InProcessHelper)
+PROCESSES = Processes(launcher=InProcessLauncher, helper=InProcessHelper, forks=False)

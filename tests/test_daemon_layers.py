@@ -1,5 +1,5 @@
-"""The daemon's packages import along its layers only (docs/architecture.md): control, worker and
-helper never import one another (the in-process engine for tests, daemon/inprocess.py, is the one
+"""The daemon's packages import along its layers only (docs/architecture.md): control, worker,
+helper and the fork server never import one another (the in-process engine for tests, daemon/inprocess.py, is the one
 module that joins them), the engine imports none of them, and no daemon module imports the client's
 internals (only the contract, nnd.v1, `nnd.__version__` and the `nnd serve` flags, nnd.cli.serve_args)."""
 
@@ -9,7 +9,7 @@ import ast
 import pathlib
 
 DAEMON = pathlib.Path(__file__).resolve().parent.parent / "daemon"
-PROCESSES = ("control", "worker", "helper")
+PROCESSES = ("control", "worker", "helper", "forkserver")
 # Known crossings, each with its reason. An upload store built without the helper's check (tests
 # of the store alone) runs that check in-process; the daemon always passes the helper's.
 ALLOWED = {("control/uploads.py", "nnd_daemon.helper.checks")}

@@ -73,6 +73,7 @@ def settings_from_args(ns: argparse.Namespace) -> Settings:
         watchdog_misses=max(1, ns.watchdog_misses),
         restart_limit=max(0, ns.restart_limit),
         batch_window_ms=max(0.0, getattr(ns, "batch_window_ms", 2.0)),
+        worker_start=getattr(ns, "worker_start", "fork"),
         upload_idle_timeout_s=max(0.0, getattr(ns, "upload_idle_timeout", 60.0)),
         request_idle_timeout_s=max(0.0, getattr(ns, "request_idle_timeout", 5.0)),
         max_waiting_calls=max(0, getattr(ns, "max_waiting_calls", 32)),

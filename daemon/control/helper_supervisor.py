@@ -35,7 +35,7 @@ import psutil
 
 from nnd.v1 import contract, helper_pb2, helper_pb2_grpc
 from nnd_daemon import errors
-from nnd_daemon.control import admission, statedir
+from nnd_daemon.control import admission, forking, statedir
 from nnd_daemon.control.fairgate import FairGate
 
 log = logging.getLogger("nnd.helper")
@@ -73,6 +73,7 @@ class Helper:
         call_timeout_s: float = 600.0,
         cache: int = 8,
         name: str = "helper",
+        forks: forking.ForkServer | None = None,
     ) -> None:
         self.memory_bytes = memory_bytes
         self.cpu_s = cpu_s
@@ -87,7 +88,8 @@ class Helper:
         os.makedirs(self.cwd, mode=0o555, exist_ok=True)
         # One call at a time (see the module docstring), clients taking turns (fairgate.py).
         self._call_lock = FairGate()
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: subprocess.Popen[bytes] | forking.ForkedProcess | None = None
+        self._forks = forks  # the process forks from the daemon's fork server where it can (control/forking.py)
         self._ps: psutil.Process | None = None
         self._channel: grpc.Channel | None = None
         self._stub: helper_pb2_grpc.HelperStub | None = None
@@ -131,9 +133,7 @@ class Helper:
         cmd += ["--parent", str(os.getpid()), "--memory-bytes", str(self.memory_bytes), "--cache", str(self.cache)]
         with os.fdopen(statedir.open_log(self.log_path), "ab") as logf:  # never through a link (statedir.py)
             # No preexec_fn (unsafe in a threaded daemon): the helper sets its own rlimit.
-            self._proc = subprocess.Popen(
-                cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, close_fds=True, cwd=self.cwd
-            )
+            self._proc = forking.spawn(self._forks, cmd, env=None, cwd=self.cwd, logf=logf)
         threading.Thread(target=self._watch, args=(self._proc,), name="helper-watch", daemon=True).start()
         deadline = time.monotonic() + self.start_timeout_s
         while not os.path.exists(self.socket):
@@ -149,7 +149,7 @@ class Helper:
         self._ps = psutil.Process(self._proc.pid)
         return self._stub
 
-    def _watch(self, proc: subprocess.Popen[bytes]) -> None:
+    def _watch(self, proc: subprocess.Popen[bytes] | forking.ForkedProcess) -> None:
         """Reap the helper when it ends, and say so (a death is noticed here, not only by the next call)."""
         code = proc.wait()
         if not self._closed:

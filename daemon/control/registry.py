@@ -33,7 +33,18 @@ from typing import Any
 
 from nnd.v1 import helper_pb2, nnd_pb2, worker_pb2
 from nnd_daemon import errors, identity, loadoptions
-from nnd_daemon.control import budgets, events, gpus, metamodel, modelroots, statedir, statefile, tplaunch, uploads
+from nnd_daemon.control import (
+    budgets,
+    events,
+    forking,
+    gpus,
+    metamodel,
+    modelroots,
+    statedir,
+    statefile,
+    tplaunch,
+    uploads,
+)
 from nnd_daemon.control.helper_supervisor import Helper, Lanes
 from nnd_daemon.control.settings import Settings, parse_duration
 from nnd_daemon.control.supervisor import Launcher, WorkerFactory, WorkerHandle, WorkerOrder, log_name
@@ -163,6 +174,8 @@ class Processes:
 
     launcher: type[Launcher] = Launcher
     helper: type[Helper] = Helper
+    # Whether workers and the helper fork from a fork server (control/forking.py) when settings allow.
+    forks: bool = True
 
 
 class Registry:
@@ -217,6 +230,13 @@ class Registry:
         # What the metrics count as it happens (control/events.py), and the users' tickets (identity.py).
         self.events = events.Events()
         self.tickets = identity.Tickets()
+        # Started with the helper (`restore`); nothing forks from it when every process is a fake.
+        uses_processes = processes.forks and (start_worker is None or helper is None)
+        self.forks = (
+            forking.ForkServer(self.private_dir, self.log_dir, start_timeout_s=settings.worker_start_timeout_s)
+            if uses_processes and settings.worker_start == "fork"
+            else None
+        )
         # Meta builds, scans, tokenizing, edit and upload checks: never in this process (control/helper_supervisor.py).
         if helper is None:
             helper = Lanes(
@@ -227,6 +247,7 @@ class Registry:
                 cpu_s=settings.helper_cpu_s,
                 start_timeout_s=settings.worker_start_timeout_s,
                 call_timeout_s=settings.limits.default_deadline_s,
+                forks=self.forks,
             )
             for lane in (helper.heavy, helper.light):  # each lane's own calls (describe, ...) count too
                 events.count_helper_calls(lane, self.events)
@@ -249,6 +270,7 @@ class Registry:
             log_requests=settings.log_requests,
             log_format=settings.log_format,
             log_bytes=settings.worker_log_bytes,
+            forks=self.forks,
         )
         self._stop = threading.Event()
         if reap_every_s > 0:
@@ -996,6 +1018,8 @@ class Registry:
         """Start the helper, clear what interrupted uploads left, then load (and re-dispatch
         in the background) what the state file lists. Called once the socket is bound: a daemon that cannot
         bind exits without having started anything."""
+        if self.forks is not None:
+            self.forks.start()
         self.helper.start_soon()
         self.uploads.clean_partial()
         for rec in statefile.read(self.settings.state_file):
@@ -1030,6 +1054,8 @@ class Registry:
             t.start()
         for t in ends:
             t.join()
+        if self.forks is not None:
+            self.forks.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 

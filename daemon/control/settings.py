@@ -96,6 +96,9 @@ class Settings:
     # Workers gather concurrent compatible Traces this long (ms) and run them
     # as one batched forward (worker/batching.py). 0: every request alone.
     batch_window_ms: float = 2.0
+    # "fork": workers and the helper fork from a process that imported torch and transformers once
+    # (control/forking.py); "exec": each starts a fresh interpreter.
+    worker_start: str = "fork"
     # Uploads at once, per client (TCP host; the unix socket is one client) and in all;
     # an Upload that sends nothing for `upload_idle_timeout_s` is cancelled (0: never).
     max_uploads_per_client: int = 4

@@ -40,7 +40,7 @@ import psutil
 
 from nnd.v1 import contract, nnd_pb2, worker_pb2, worker_pb2_grpc
 from nnd_daemon import errors, identity, intake, shmreap, tpgroup
-from nnd_daemon.control import gpus, statedir, tplaunch
+from nnd_daemon.control import forking, gpus, statedir, tplaunch
 
 log = logging.getLogger("nnd.supervisor")
 _serial = itertools.count(1)
@@ -177,6 +177,8 @@ class Launcher:
     log_format: str = "text"
     # A worker log is rotated at this size (statedir.rotate_log); 0: never.
     log_bytes: int = 0
+    # Workers fork from the daemon's fork server where it can (control/forking.py); None: each execs.
+    forks: forking.ForkServer | None = None
 
     def __call__(self, order: WorkerOrder) -> Worker:
         worker = self.worker_class()(
@@ -195,6 +197,7 @@ class Launcher:
             identity_key=self.identity_key,
             log_args=(["--log-requests"] if self.log_requests else []) + ["--log-format", self.log_format],
             log_bytes=self.log_bytes,
+            forks=self.forks,
         )
         try:
             worker.start(self.start_timeout_s)
@@ -229,6 +232,7 @@ class Worker:
         identity_key: str = "",
         log_args: list[str] | None = None,
         log_bytes: int = 0,
+        forks: forking.ForkServer | None = None,
     ) -> None:
         self.name = name
         self._identity_key = identity_key
@@ -257,7 +261,8 @@ class Worker:
         self.log_path = os.path.join(log_dir, log_name(name))
         self._on_exit = on_exit
         self._stopping = False
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | forking.ForkedProcess | None = None
+        self._forks = forks
         self.channel: grpc.Channel | None = None
         self.stub: worker_pb2_grpc.WorkerStub | None = None
         self.exit_reason = ""
@@ -325,12 +330,12 @@ class Worker:
         }
         self.forward_interact = self.channel.stream_stream("/nnd.v1.Nnd/Interact")
 
-    def _spawn(self, cmd: list[str], env: dict[str, str], logf: Any) -> subprocess.Popen[bytes]:
-        """Start the worker's process (the in-process engine for tests, nnd_daemon/inprocess.py,
-        serves the same command line from threads of this process instead)."""
-        return subprocess.Popen(
-            cmd, stdout=logf, stderr=subprocess.STDOUT, close_fds=True, env=env, cwd=empty_dir(self.run_dir)
-        )
+    def _spawn(self, cmd: list[str], env: dict[str, str], logf: Any) -> subprocess.Popen[bytes] | forking.ForkedProcess:
+        """Start the worker's process: forked from the fork server where it can, else by exec; torchrun's
+        group always by exec (the in-process engine for tests, nnd_daemon/inprocess.py, serves the same
+        command line from threads of this process instead)."""
+        forks = self._forks if self.tp_size <= 1 else None
+        return forking.spawn(forks, cmd, env=env, cwd=empty_dir(self.run_dir), logf=logf)
 
     @property
     def address(self) -> str:

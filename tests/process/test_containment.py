@@ -237,7 +237,7 @@ def test_stacked_edits_are_bounded(stub, gpt2, contained):
 def _helper(daemon: Daemon) -> psutil.Process:
     # The heavy lane (Scans, meta builds); the light one (Tokenize, Decode) is helper-light.sock.
     (helper,) = [
-        p for p in psutil.Process(daemon.proc.pid).children()
+        p for p in psutil.Process(daemon.proc.pid).children(recursive=True)  # forked: the fork server's children
         if "nnd_daemon.helper" in p.cmdline() and any(a.endswith("/helper.sock") for a in p.cmdline())
     ]
     return helper

@@ -21,7 +21,7 @@ PROMPT = "Hello world"
 
 def _helpers(daemon) -> dict[str, psutil.Process]:
     out = {}
-    for p in psutil.Process(daemon.proc.pid).children():
+    for p in psutil.Process(daemon.proc.pid).children(recursive=True):  # forked: the fork server's children
         cmd = p.cmdline()
         if "nnd_daemon.helper" in cmd:
             sock = cmd[cmd.index("--socket") + 1]

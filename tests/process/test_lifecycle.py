@@ -33,7 +33,11 @@ def test_load_is_meta_and_dispatch_release_cycle(process_daemon, tiny_models, tm
     assert model["state"] == "DISPATCHED"
     pid = model["worker_pids"][0]
     worker = psutil.Process(pid)
-    assert worker.is_running() and worker.ppid() == d.proc.pid
+    # Forked from the daemon's fork server (control/forking.py), showing the command line exec would have.
+    assert worker.is_running() and worker.parent().ppid() == d.proc.pid
+    assert "nnd_daemon.forkserver" in worker.parent().cmdline()
+    assert worker.cmdline()[1:4] == ["-I", "-m", "nnd_daemon.worker"]
+    assert worker.name() == os.path.basename(sys.executable)[:15]
     assert int(model["worker_rss_bytes"]) > 0
     weights = {w["device"]: int(w["bytes"]) for w in model["weights"]}
     n_params = int(model["num_parameters"])

@@ -187,6 +187,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "forward (0: every request runs alone)",
     )
     p.add_argument(
+        "--worker-start",
+        choices=("fork", "exec"),
+        default="fork",
+        help="fork: workers and the helper fork from one process that imported torch and transformers "
+        "at start (a dispatch skips seconds of imports); exec: each starts a fresh interpreter",
+    )
+    p.add_argument(
         "--upload-idle-timeout",
         type=float,
         default=60.0,
