@@ -29,6 +29,7 @@ MODULES = {
     "generate": "bench_generate",
     "scan-8b": "bench_scan8b",
     "load-rss": "bench_load_rss",
+    "start": "bench_start",
     "transfer": "bench_transfer",
     "concurrency": "bench_concurrency",
     "fairness": "bench_fairness",
