@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterator
 
 import grpc
+import psutil
 import pytest
 import torch
 from daemonproc import Daemon, start_daemon
@@ -126,12 +127,16 @@ def test_a_killed_daemon_leaves_no_shared_memory(tmp_path: pathlib.Path, tiny_mo
         assert client.stdout is not None
         region = client.stdout.readline().strip()
         assert region and os.path.exists(f"/dev/shm/{region}")  # a result outstanding, in the client's region
+        family = psutil.Process(d.proc.pid).children(recursive=True)  # fork server, helper, worker
+        assert len(family) >= 3 and any("nnd_daemon.forkserver" in p.cmdline() for p in family)
         os.kill(d.proc.pid, signal.SIGKILL)
         d.proc.wait()
         deadline = time.monotonic() + 30
         while _shm.alive(pid, 0) and time.monotonic() < deadline:  # the worker follows its daemon
             time.sleep(0.1)
         assert not _shm.alive(pid, 0)
+        _, alive = psutil.wait_procs(family, timeout=30)  # and so does every process it started
+        assert not alive, [p.cmdline()[:4] for p in alive]
         d = start_daemon(tmp_path, state_dir=d.state_dir)
         assert not os.path.exists(old)  # removed at the start
         assert _segments(pid) == [] and _segments(d.proc.pid) == []

@@ -42,6 +42,8 @@ PRELOAD = (
     "nnd_daemon.helper.service",
 )
 MAX_MESSAGE = 1 << 20
+# A fork takes milliseconds; a fork server that has not answered in this long is stopped or stuck.
+REPLY_TIMEOUT_S = 30.0
 
 
 class ForkedProcess:
@@ -153,7 +155,11 @@ class ForkServer:
                 data = b""
             if not data:
                 break
-            message = json.loads(data)
+            try:
+                message = json.loads(data)
+            except ValueError:
+                log.error("the fork server sent %r, not JSON; it is stopped", data[:80])
+                break
             if "exit" in message:
                 with self._state:
                     child = self._children.pop(message["exit"], None)
@@ -173,6 +179,7 @@ class ForkServer:
                 self._state.notify_all()
         self._give_up("ended")
         if self._proc is not None:
+            self._proc.kill()  # stopped here for a bad message; long gone otherwise
             self._proc.wait()
         # Its children end with it (parentwatch.py); say so to whoever waits on them.
         with self._state:
@@ -208,7 +215,14 @@ class ForkServer:
                 self._give_up(f"could not be asked ({exc})")
                 return None
             with self._state:
-                self._state.wait_for(lambda: self._replies or self._ready is False)
+                if not self._state.wait_for(lambda: self._replies or self._ready is False, REPLY_TIMEOUT_S):
+                    # A late reply would start a worker nobody tracks: end it (and what it forked) now.
+                    self._ready = False
+                    self.why = f"it did not answer a spawn request within {REPLY_TIMEOUT_S:g} s"
+                    log.warning("the fork server %s; it is stopped and workers start by exec", self.why)
+                    if self._proc is not None:
+                        self._proc.kill()
+                    return None
                 if not self._replies:
                     return None
                 reply = self._replies.pop(0)

@@ -189,6 +189,9 @@ def main() -> None:
         pass
     sock = socket.socket(fileno=ns.control)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # torch.cuda.is_available() asks NVML instead of the CUDA driver, so an import that calls it does not
+    # load the driver here (a forked child could not use the GPU then); children get the daemon's env.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     try:
         first = sock.recv(MAX_MESSAGE)
     except ConnectionError:

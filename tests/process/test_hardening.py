@@ -269,10 +269,20 @@ def _workers(daemon_pid: int) -> list[Any]:
     return out
 
 
-def test_unload_during_an_auto_dispatch_leaves_no_worker(fresh_daemon, tiny_models):
+@pytest.fixture
+def exec_daemon(tmp_path: pathlib.Path) -> Iterator[Daemon]:
+    """A daemon whose workers start by exec: a fresh interpreter spends seconds importing torch before it
+    loads anything, the window in which a test stops a dispatch halfway (a forked worker is ready in
+    a fraction of a second)."""
+    d = start_daemon(tmp_path, "--worker-start", "exec")
+    yield d
+    d.stop()
+
+
+def test_unload_during_an_auto_dispatch_leaves_no_worker(exec_daemon, tiny_models):
     import psutil
 
-    d = fresh_daemon
+    d = exec_daemon
     model = tiny_models["gpt2"]
     channel, stub = _stub(d)
     outcomes: dict[str, tuple[grpc.StatusCode, str]] = {}
