@@ -76,6 +76,16 @@ def test_dispatch_puts_the_weights_on_the_device(daemon, gpt2, reference, device
     assert_close(torch.as_tensor(logits).to(device), expected, atol=1e-4, rtol=1e-4)
 
 
+def test_a_gpu_worker_forks_from_the_fork_server(daemon, gpt2):
+    """The fork server imports torch without loading the CUDA driver (it asks NVML), so a CUDA worker
+    forks from it and skips the imports; were the driver loaded there, it would say so and exec."""
+    import psutil
+
+    (pid,) = _ps(daemon)[gpt2.name]["worker_pids"]
+    parent = psutil.Process(pid).parent()
+    assert parent is not None and "nnd_daemon.forkserver" in " ".join(parent.cmdline()), daemon.log()[-2000:]
+
+
 def test_a_cpu_constant_meets_a_gpu_activation(gpt2, reference, device):
     """The reference page's device-mismatch case: a vector made on the CPU, added to a GPU activation."""
     steer = torch.randn(64, generator=torch.Generator().manual_seed(1))  # on the CPU, as a notebook makes it
