@@ -48,17 +48,22 @@ REPLY_TIMEOUT_S = 30.0
 
 class ForkedProcess:
     """A child of the fork server, as much of subprocess.Popen as the supervisors use. Signals go by
-    pidfd, so one can never reach another process that later took the same pid."""
+    pidfd, so one can never reach another process that later took the same pid; where pidfds are
+    refused (an old kernel, a seccomp filter), by pid until its exit is reported."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.returncode: int | None = None
         self._ended = threading.Event()
         self._lock = threading.Lock()
+        self._pidfd: int | None = None
+        self._by_pid = False  # no pidfds here: signal by pid (the fork server's child, unreaped until it ends)
         try:
-            self._pidfd: int | None = os.pidfd_open(pid)
-        except OSError:  # already gone (its exit report follows)
-            self._pidfd = None
+            self._pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # already gone: its exit report follows
+            pass
+        except OSError:
+            self._by_pid = True
 
     def _exited(self, code: int) -> None:
         with self._lock:
@@ -80,10 +85,17 @@ class ForkedProcess:
 
     def send_signal(self, sig: int) -> None:
         with self._lock:
-            if self._pidfd is None:
+            if self.returncode is not None:
                 return
             try:
-                signal.pidfd_send_signal(self._pidfd, sig)
+                if self._pidfd is not None:
+                    try:
+                        signal.pidfd_send_signal(self._pidfd, sig)
+                        return
+                    except PermissionError:  # a seccomp filter that allows pidfd_open but not this
+                        self._by_pid = True
+                if self._by_pid:
+                    os.kill(self.pid, sig)
             except ProcessLookupError:
                 pass
 

@@ -87,6 +87,19 @@ def test_a_signalled_child_reads_as_popen_would_and_a_module_error_is_logged(ser
     assert "missing.json" in (tmp_path / "child.log").read_text()
 
 
+def test_without_pidfds_a_child_is_signalled_by_pid(server, tmp_path, monkeypatch):
+    def refused(pid: int, flags: int = 0) -> int:
+        raise PermissionError(1, "Operation not permitted")  # as under a seccomp filter without pidfd_open
+
+    monkeypatch.setattr(os, "pidfd_open", refused)
+    with _log(tmp_path) as log:
+        sleeper = server.spawn("timeit", _timeit("import time; time.sleep(120)"), env={}, cwd=str(tmp_path),
+                               log_fd=log.fileno())
+    assert sleeper is not None
+    sleeper.terminate()
+    assert sleeper.wait(30) == -signal.SIGTERM
+
+
 def test_a_fork_server_that_cannot_serve_leaves_starts_to_exec(tmp_path):
     (tmp_path / "logs").mkdir()
     forks = forking.ForkServer(str(tmp_path), str(tmp_path / "logs"), preload=("no_such_module_here",))
