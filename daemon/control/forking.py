@@ -62,7 +62,7 @@ class ForkedProcess:
             self._pidfd = os.pidfd_open(pid)
         except ProcessLookupError:  # already gone: its exit report follows
             pass
-        except OSError:
+        except (OSError, AttributeError):  # refused, or a platform without pidfds
             self._by_pid = True
 
     def _exited(self, code: int) -> None:
@@ -134,8 +134,12 @@ class ForkServer:
 
     def start(self) -> None:
         """Start the fork server; it imports in the background while the daemon goes on."""
-        os.makedirs(self.cwd, mode=0o555, exist_ok=True)
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            os.makedirs(self.cwd, mode=0o555, exist_ok=True)
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except (OSError, AttributeError) as exc:  # no SOCK_SEQPACKET here: every start execs
+            self._give_up(f"could not start ({exc})")
+            return
         cmd = [sys.executable, "-I", "-m", "nnd_daemon.forkserver", "--control", str(theirs.fileno())]
         try:
             with os.fdopen(statedir.open_log(self.log_path), "ab") as logf:
