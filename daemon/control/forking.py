@@ -132,6 +132,11 @@ class ForkServer:
     def pid(self) -> int:
         return self._proc.pid if self._proc is not None else 0
 
+    @property
+    def serving(self) -> bool:
+        """Whether starts fork from it now (False while it imports, and for good once it cannot)."""
+        return bool(self._ready)
+
     def start(self) -> None:
         """Start the fork server; it imports in the background while the daemon goes on."""
         try:

@@ -114,6 +114,13 @@ class Collector:
         kills = CounterMetricFamily("nnd_helper_kills", "Helper processes killed (over a limit, or half-dead)")
         kills.add_metric([], getattr(reg.helper, "kills", 0))
         yield kills
+        forks = getattr(reg, "forks", None)
+        yield GaugeMetricFamily("nnd_forkserver_up", "1 while workers and the helper fork from the fork server, "
+                                "0 while they start by exec (turned off, not safe to fork, or it ended)",
+                                value=1 if forks is not None and forks.serving else 0)
+        forked = CounterMetricFamily("nnd_forked_processes", "Workers and helper processes forked from the fork server")
+        forked.add_metric([], forks.forked if forks is not None else 0)
+        yield forked
         yield from self._uploads()
         yield from self._gpus()
 

@@ -179,6 +179,8 @@ def test_metrics_and_logs_follow_loads_traces_a_generation_a_refusal_and_a_kille
     assert _value(m, "nnd_worker_deaths_total", model=path) == 0
     assert ("nnd_uploads_stored", ()) in m and ("nnd_helper_kills_total", ()) in m  # present, at 0 here
     assert _value(m, "nnd_uploads_stored") == 0 and _value(m, "nnd_helper_kills_total") == 0
+    # The helper and the worker forked from the fork server (control/forking.py), which still serves.
+    assert _value(m, "nnd_forkserver_up") == 1 and _value(m, "nnd_forked_processes_total") >= 2
     assert info.dispatched_by == ME and info.loaded_by == ME
 
     # The worker's log, through the daemon: one line per finished request, with the user.
