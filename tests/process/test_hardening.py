@@ -269,20 +269,10 @@ def _workers(daemon_pid: int) -> list[Any]:
     return out
 
 
-@pytest.fixture
-def exec_daemon(tmp_path: pathlib.Path) -> Iterator[Daemon]:
-    """A daemon whose workers start by exec: a fresh interpreter spends seconds importing torch before it
-    loads anything, the window in which a test stops a dispatch halfway (a forked worker is ready in
-    a fraction of a second)."""
-    d = start_daemon(tmp_path, "--worker-start", "exec")
-    yield d
-    d.stop()
-
-
-def test_unload_during_an_auto_dispatch_leaves_no_worker(exec_daemon, tiny_models):
+def test_unload_during_an_auto_dispatch_leaves_no_worker(fresh_daemon, tiny_models):
     import psutil
 
-    d = exec_daemon
+    d = fresh_daemon
     model = tiny_models["gpt2"]
     channel, stub = _stub(d)
     outcomes: dict[str, tuple[grpc.StatusCode, str]] = {}
@@ -292,18 +282,17 @@ def test_unload_during_an_auto_dispatch_leaves_no_worker(exec_daemon, tiny_model
         thread.start()
         return thread
 
+    # Hold the dispatch halfway, whatever the box's speed: the fork server the worker forks from is
+    # stopped, so the dispatch waits for its worker until the test lets it go (well within the daemon's
+    # 30 s for a spawn's answer, control/forking.py).
+    (forks,) = [p for p in psutil.Process(d.proc.pid).children() if "nnd_daemon.forkserver" in p.cmdline()]
     with channel:
         stub.LoadModel(nnd_pb2.LoadModelRequest(model=model), timeout=120)
-        first = run("first", lambda: list(stub.Trace(_trace(model), timeout=120)))
-        # Hold the dispatch: stop its worker as soon as it exists (it imports torch for seconds first).
-        worker = None
-        while worker is None:
-            found = _workers(d.proc.pid)
-            worker = found[0] if found else None
-            threading.Event().wait(0.005)  # a short nap: the box's CPUs are shared
-        worker.suspend()
+        forks.suspend()
         try:
-            assert stub.GetModel(nnd_pb2.GetModelRequest(model=model), timeout=10).state == nnd_pb2.DISPATCHING
+            first = run("first", lambda: list(stub.Trace(_trace(model), timeout=120)))
+            while stub.GetModel(nnd_pb2.GetModelRequest(model=model), timeout=10).state != nnd_pb2.DISPATCHING:
+                threading.Event().wait(0.01)
             second = run("second", lambda: list(stub.Trace(_trace(model), timeout=120)))
             unload = run("unload", lambda: stub.Unload(nnd_pb2.UnloadRequest(model=model), timeout=120))
             # Gone from `nnd ps` at once, while its dispatch is still held.
@@ -312,8 +301,9 @@ def test_unload_during_an_auto_dispatch_leaves_no_worker(exec_daemon, tiny_model
                     break
                 threading.Event().wait(0.05)
             assert not stub.ListModels(nnd_pb2.ListModelsRequest(), timeout=10).models
+            assert not _workers(d.proc.pid)  # held before its worker existed
         finally:
-            worker.resume()
+            forks.resume()
         for thread in (first, second, unload):
             thread.join(120)
     assert outcomes["unload"][0] == grpc.StatusCode.OK, outcomes
@@ -322,9 +312,12 @@ def test_unload_during_an_auto_dispatch_leaves_no_worker(exec_daemon, tiny_model
         assert (code == grpc.StatusCode.UNAVAILABLE and "was unloaded" in details) or (
             code == grpc.StatusCode.NOT_FOUND and "not loaded" in details
         ), (key, code, details)
-    # No worker is left behind: not the held one, and none started for the waiting request.
+    # No worker is left behind: the held one, forked once the fork server went on, was ended before the
+    # trace that asked for it heard "was unloaded" (registry: an orphaned dispatch); none was started for
+    # the waiting request.
     gone, alive = psutil.wait_procs(_workers(d.proc.pid), timeout=30)
     assert not alive, [p.cmdline() for p in alive]
+    assert "dispatched" not in d.log()
 
 
 # ---------------------------------------------------------------- the state directory
