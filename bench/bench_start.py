@@ -29,9 +29,9 @@ LOAD = "import sys, torch, transformers; transformers.AutoModelForCausalLM.from_
 
 
 def _dispatches(d: Any, path: str, repeats: int) -> tuple[list[float], list[int]]:
+    """`repeats` dispatches of a loaded model, each released again (a new worker every time)."""
     import psutil
 
-    d.cli("load", path, "--device", "cpu")
     walls, pss = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -58,6 +58,8 @@ def run(quick: bool) -> list[Row]:
     path = harness.model("gpt2", layers=layers, width=width)
     fresh = harness.subprocess_seconds([sys.executable, "-c", LOAD, path], repeats=repeats)
     with harness.daemon(NAME) as forked, harness.daemon(NAME + "-exec", "--worker-start", "exec") as execd:
+        for d in (forked, execd):
+            d.cli("load", path, "--device", "cpu")
         fork_walls, fork_pss, exec_walls, exec_pss = [], [], [], []
         for _ in range(repeats):  # interleaved: the box's moment weighs on both alike
             w, p = _dispatches(forked, path, 1)

@@ -7,16 +7,6 @@ import threading
 import time
 
 
-def parent_of(pid: int) -> int:
-    """`pid`'s parent (0 if it is gone), from /proc."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return 0
-    return int(stat.rpartition(")")[2].split()[1])
-
-
 def die_with_parent(parent: int) -> None:
     """End this process (a worker, the helper) once `parent`, the daemon, has gone: neither may
     outlive the daemon that supervises it. Polling rather than PR_SET_PDEATHSIG: that signal
@@ -25,10 +15,15 @@ def die_with_parent(parent: int) -> None:
     ends with the daemon."""
     if not parent:
         return
+    import psutil  # the worker and the helper import it anyway
+
     watched = parent
     ours = os.getppid()
-    if ours != parent and parent_of(ours) == parent:
-        watched = ours
+    try:
+        if ours != parent and psutil.Process(ours).ppid() == parent:
+            watched = ours
+    except psutil.Error:  # our parent is gone already: the loop below ends us
+        pass
 
     def watch() -> None:
         while os.getppid() == watched:

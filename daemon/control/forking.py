@@ -238,9 +238,7 @@ class ForkServer:
             with self._state:
                 if not self._state.wait_for(lambda: self._replies or self._ready is False, REPLY_TIMEOUT_S):
                     # A late reply would start a worker nobody tracks: end it (and what it forked) now.
-                    self._ready = False
-                    self.why = f"it did not answer a spawn request within {REPLY_TIMEOUT_S:g} s"
-                    log.warning("the fork server %s; it is stopped and workers start by exec", self.why)
+                    self._give_up(f"did not answer a spawn request within {REPLY_TIMEOUT_S:g} s")
                     if self._proc is not None:
                         self._proc.kill()
                     return None
