@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from typing import Any
 
 import pytest
 import torch
+import warmfork
 
 import nnd
 
@@ -28,9 +28,7 @@ def ref(tiny_models, tmp_path_factory) -> dict[str, Any]:
     """Every case of nnsight_fidelity.py, run once under nnsight."""
     out = tmp_path_factory.mktemp("fidelity") / "ref.pt"
     script = os.path.join(os.path.dirname(__file__), "support", "nnsight_fidelity.py")
-    res = subprocess.run(
-        [sys.executable, script, tiny_models["gpt2"], str(out)], capture_output=True, text=True, timeout=600
-    )
+    res = warmfork.run([sys.executable, script, tiny_models["gpt2"], str(out)], text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     return torch.load(out)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
-import subprocess
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import pytest
 import tinymodels
 import torch
+import warmfork
 
 import nnd
 
@@ -37,9 +37,7 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def ref(paths: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("loadopts-ref") / "ref.pt"
     script = os.path.join(os.path.dirname(__file__), "support", "nnsight_load_options.py")
-    res = subprocess.run(
-        [sys.executable, script, paths["options"], str(out)], capture_output=True, text=True, timeout=600
-    )
+    res = warmfork.run([sys.executable, script, paths["options"], str(out)], text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     return torch.load(out)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+import warmfork
 from nnsight_source_reference import PROMPT, SITES, envoy
 
 import nnd
@@ -26,7 +26,7 @@ def references(tiny_models, tmp_path_factory):
     out = tmp_path_factory.mktemp("nnsight_source") / "ref.pt"
     script = os.path.join(os.path.dirname(__file__), "support", "nnsight_source_reference.py")
     models = [f"{kind}={tiny_models[kind]}" for kind in SITES]
-    subprocess.run([sys.executable, script, str(out), *models], check=True, capture_output=True, timeout=600)
+    warmfork.run([sys.executable, script, str(out), *models], check=True, timeout=600)
     return torch.load(out)
 
 

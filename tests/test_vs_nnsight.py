@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+import warmfork
 
 import nnd
 
@@ -28,7 +28,7 @@ def pair(request, daemon, tiny_models, tmp_path_factory):
     path = tiny_models[kind]
     out = tmp_path_factory.mktemp("nnsight") / f"{kind}.pt"
     script = os.path.join(os.path.dirname(__file__), "support", "nnsight_reference.py")
-    subprocess.run([sys.executable, script, kind, path, str(out)], check=True, capture_output=True, timeout=600)
+    warmfork.run([sys.executable, script, kind, path, str(out)], check=True, timeout=600)
     ref = torch.load(out)
     ours = nnd.TransformersModel(path, address=daemon.address, device="cpu", dispatch=True)
     yield kind, ours, ref

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
+import warmfork
 
 import nnd
 
@@ -30,7 +30,7 @@ REFERENCE = os.path.join(os.path.dirname(__file__), "support", "nnsight_weights_
 
 def _reference(kind: str, path: str, folder) -> dict:
     out = folder / f"{kind}.pt"
-    subprocess.run([sys.executable, REFERENCE, kind, path, str(out)], check=True, capture_output=True, timeout=900)
+    warmfork.run([sys.executable, REFERENCE, kind, path, str(out)], check=True, timeout=900)
     return torch.load(out, weights_only=False)
 
 

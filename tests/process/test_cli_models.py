@@ -30,7 +30,7 @@ def _ps(d: Daemon) -> dict[str, dict]:
 
 
 def test_a_short_name_is_usable_everywhere_and_survives_a_restart(tmp_path, tiny_models):
-    d = start_daemon(tmp_path / "first")
+    d = start_daemon(tmp_path / "first", in_process=True)  # the CLI and the registry are tested, not processes
     try:
         out = d.cli("load", tiny_models["gpt2"], "--name", "tiny")
         assert out.stdout.startswith("tiny: META"), out.stdout
@@ -53,7 +53,7 @@ def test_a_short_name_is_usable_everywhere_and_survives_a_restart(tmp_path, tiny
         assert bad.returncode == 1 and "no '/'" in bad.stderr, bad.stderr
     finally:
         d.stop()
-    again = start_daemon(tmp_path / "second", state_dir=d.state_dir)
+    again = start_daemon(tmp_path / "second", state_dir=d.state_dir, in_process=True)
     try:
         assert "tiny" in _ps(again)
         assert "(transformer): GPT2Model" in again.cli("tree", "tiny").stdout

@@ -9,6 +9,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import warmfork
+
 _PROCESSES = ("-m", "nnd.cli")  # nnd serve itself
 _IN_PROCESS = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "inprocess_daemon.py"),)
 
@@ -19,7 +21,7 @@ class Daemon:
 
     address: str
     state_dir: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | warmfork.Forked
     log_path: str
     args: list[str] = field(default_factory=list)
 
@@ -82,14 +84,13 @@ def start_daemon(
     address = args[args.index("--address") + 1]
     log_path = str(tmp / "daemon.log")
     environ = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            [*prefix, sys.executable, *(_IN_PROCESS if in_process else _PROCESSES), *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=environ,
-            cwd=cwd,
-        )
+    command = [*prefix, sys.executable, *(_IN_PROCESS if in_process else _PROCESSES), *args]
+    proc: subprocess.Popen | warmfork.Forked
+    if in_process:  # its semantics are the test's subject, not its process start: fork it warm
+        proc = warmfork.popen(command, stdout=log_path, env=environ, cwd=cwd)
+    else:
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environ, cwd=cwd)
     d = Daemon(address=address, state_dir=state, proc=proc, log_path=log_path, args=args)
     answers = {"info": _info_answers, "health": _health_answers, "socket": _socket_exists}[ready]
     deadline = time.monotonic() + ready_timeout

@@ -26,12 +26,10 @@ def _plain(value):
 
 def results(blocks_module: str, path: str, folder: os.PathLike) -> dict:
     """nnsight 0.8.1's results of every block of `blocks_module` on the model at `path`."""
-    import subprocess
+    import warmfork
 
     out = os.path.join(folder, f"{blocks_module}.pt")
-    subprocess.run(
-        [sys.executable, os.path.abspath(__file__), blocks_module, path, out], check=True, capture_output=True, timeout=900
-    )
+    warmfork.run([sys.executable, os.path.abspath(__file__), blocks_module, path, out], check=True, timeout=900)
     return torch.load(out, weights_only=False)
 
 
