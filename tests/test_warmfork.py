@@ -33,6 +33,13 @@ sys.exit(int(sys.argv[2]))
 """
 
 
+@pytest.fixture(autouse=True)
+def warm():
+    state = warmfork._the_warm()
+    if not state.ready:  # the suite still runs, every subprocess exec'd (and slower)
+        pytest.skip(f"no warm process here: {state.why}")
+
+
 @pytest.fixture
 def probe(tmp_path):
     script = tmp_path / "scripts" / "probe.py"

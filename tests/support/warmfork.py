@@ -28,6 +28,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+# The daemon's Popen-like handle on a fork server's child: the same relation as ours to the warm process's.
+from nnd_daemon.control.forking import ForkedProcess as Forked
+
 _SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warmfork_server.py")
 # What the forked scripts import: nnsight's references, inprocess_daemon.py. nnsight itself is not
 # preloaded (its import patches torch, and daemons fork from here too); it adds 0.1 s to a reference.
@@ -46,50 +49,13 @@ PRELOAD = (
 _FREE = frozenset({"OMP_NUM_THREADS", "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"})
 
 
-class Forked:
-    """A child of the warm process, with the part of Popen's interface the suite uses."""
-
-    def __init__(self, warm: _Warm, pid: int, args: Sequence[str]) -> None:
-        self.pid = pid
-        self.args = list(args)
-        self.returncode: int | None = None
-        self._warm = warm
-        self._ended = threading.Event()
-
-    def _exited(self, code: int) -> None:
-        self.returncode = code
-        self._ended.set()
-
-    def poll(self) -> int | None:
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if not self._ended.wait(timeout):
-            raise subprocess.TimeoutExpired(self.args, timeout or 0)
-        assert self.returncode is not None
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.returncode is None:  # reaped pids may be reused: signal only a child not yet reported
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-
 class _Warm:
     def __init__(self) -> None:
         self.env = dict(os.environ)
         self.asking = threading.Lock()  # one spawn in flight: its reply is the next one read
         self.table = threading.Lock()  # children and early, shared with the reader
         self.replies: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
-        self.children: dict[int, Forked] = {}
+        self.children: dict[int, Forked] = {}  # reported by the warm process, which reaps them
         self.early: dict[int, int] = {}  # exits read before their spawn's reply was handed over
         self.next_id = 0
         self.proc = subprocess.Popen(
@@ -149,7 +115,7 @@ class _Warm:
             reply = self.replies.get(timeout=60)
             if "error" in reply:
                 raise OSError(reply["error"])
-            child = Forked(self, reply["pid"], argv)
+            child = Forked(reply["pid"])
             with self.table:
                 code = self.early.pop(child.pid, None)
                 if code is None:
