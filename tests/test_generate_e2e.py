@@ -155,3 +155,63 @@ def test_generating_past_learned_positions_is_refused_up_front(gpt2):
             pass
     text = str(info.value)
     assert "128 learned positions" in text and "at most" in text
+
+
+def _generation_on_the_wire(gpt2, monkeypatch, prompt, saves, **watch):
+    """The message kinds a generation's answer came in, its saves (`saves(step)` per step) and ids."""
+    from nnd.wire import _results
+
+    kinds: list[str] = []
+    real = _results.collect
+
+    def counting(responses, **kw):
+        def passing():
+            for msg in responses:
+                kinds.append(msg.WhichOneof("kind"))
+                yield msg
+
+        return real(passing(), **kw)
+
+    monkeypatch.setattr(_results, "collect", counting)
+    with gpt2.generate(prompt, max_new_tokens=6, min_new_tokens=6, **watch) as tracer:
+        got = [].save()
+        for step in tracer.iter[:]:
+            got.append(saves(step))
+        ids = tracer.result.save()
+    monkeypatch.setattr(_results, "collect", real)
+    return kinds, got, ids
+
+
+def test_a_generation_no_one_watches_comes_as_one_message_with_the_same_numbers(gpt2, monkeypatch):
+    def saves(step):
+        return gpt2.transformer.h[0].output[:, -1].save()
+
+    joined_kinds, joined, ids = _generation_on_the_wire(gpt2, monkeypatch, PROMPT, saves)
+    live: list = []
+    kinds, streamed, streamed_ids = _generation_on_the_wire(gpt2, monkeypatch, PROMPT, saves, on_token=live.append)
+    assert joined_kinds == ["results"]  # steps, saves and the end: one message
+    assert kinds.count("step") == 6 and len(live) == 6  # watched: each step as it comes
+    assert ids.tolist() == streamed_ids.tolist() and ids.shape[-1] == len(gpt2.tokenizer(PROMPT)["input_ids"]) + 6
+    assert len(joined) == len(streamed) == 6
+    for a, b in zip(joined, streamed, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_generation_too_big_for_one_message_streams_and_loses_nothing(gpt2, monkeypatch):
+    prompt = " ".join(["Hello world"] * 14)  # about 100 tokens: 16 x 100 x 64 floats saved at the prompt's pass
+
+    def saves(step):
+        h = gpt2.transformer.h[0].output
+        return [(h * k).save() for k in range(1, 17)]
+
+    kinds, got, ids = _generation_on_the_wire(gpt2, monkeypatch, prompt, saves)
+    live: list = []
+    _, streamed, streamed_ids = _generation_on_the_wire(gpt2, monkeypatch, prompt, saves, on_token=live.append)
+    assert "results" not in kinds and kinds.count("step") == 6 and kinds[-1] == "done"
+    assert ids.tolist() == streamed_ids.tolist()
+    assert got[0][0].shape[1] > 80
+    for a, b in zip(got, streamed, strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+    torch.testing.assert_close(got[0][2], 3 * got[0][0])
+    assert sum(x.numel() * 4 for x in got[0]) > 256 * 1024  # more than one message may hold

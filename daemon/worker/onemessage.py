@@ -1,4 +1,4 @@
-"""A whole Trace response as one message (TraceRequest.one_message).
+"""A whole Trace (or Generate) response as one message (TraceRequest.one_message).
 
 A server-streaming call writes each message on its own and waits for it (one
 batch, one wake-up of the serving thread per message) before the status goes
@@ -22,7 +22,7 @@ MAX_BYTES = 256 * 1024
 # A TraceOnce has no stream to fall back on: its answer is one message up to the transport's limit
 # (less room for the message's own framing).
 MAX_ONE = contract.MAX_MESSAGE - 2**20
-_KINDS = frozenset({"saved", "chunk", "done", "paused"})
+_KINDS = frozenset({"saved", "chunk", "step", "done", "paused"})
 _ENDS = frozenset({"done", "paused"})
 _TAG = bytes([nnd_pb2.TraceResponse.DESCRIPTOR.fields_by_name["results"].number << 3 | 2])
 

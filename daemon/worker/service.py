@@ -119,14 +119,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 self.holder = kind
 
             if kind != "trace" or ahead:  # a queued trace streams too: its turn is a message
-                join = kind == "trace" and request.request.one_message
-                stream = self._run_streaming(
-                    request, context, stop, started, on_error, announce_turn=bool(ahead), join=join
-                )
-                for item in stream:
+                # A Generate whose client watches no step live reads one message too: its steps'
+                # tokens and saves, otherwise two writes and two wake-ups a step on each end.
+                join = kind in ("trace", "generate") and request.request.one_message
+                def seen(item: Any) -> None:  # `nnd ps` shows a generation's step even while its steps wait
                     if isinstance(item, nnd_pb2.TraceResponse) and item.WhichOneof("kind") == "step":
                         tracked.step = item.step.step + 1
-                    yield item
+
+                yield from self._run_streaming(
+                    request, context, stop, started, on_error, announce_turn=bool(ahead), join=join, seen=seen
+                )
                 return
             # A Trace answers only when it is done, so it runs on this gRPC thread: no thread or
             # queue of its own (a per-request cost that bounds how many small traces a second fit).
@@ -222,12 +224,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         *,
         announce_turn: bool = False,
         join: bool = False,
+        seen: Callable[[Any], None] = lambda item: None,
     ) -> Iterator[Any]:
         """A Generate or a Session: responses (e.g. each step's tokens) go out while the run goes on.
-        `announce_turn`: say `Queued{running}` when the request gets the model. `join`: a queued Trace
-        whose client reads one message (TraceRequest.one_message): its results go out joined, at its end."""
+        `announce_turn`: say `Queued{running}` when the request gets the model. `join`: a client that
+        reads one message (TraceRequest.one_message: a queued Trace, a Generate): its results go out
+        joined, at its end, unless they outgrow one message (then what waited goes, and the rest streams).
+        `seen`: told of each response as the run makes it, whether it goes out now or waits."""
         out: queue.Queue[Any] = queue.Queue()
         held: list[Any] = []
+        size = 0
 
         def work() -> None:
             try:
@@ -253,8 +259,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 continue
             if isinstance(item, BaseException):
                 raise on_error(item)
+            seen(item)
             if join:
                 held.append(item)
+                size += item.ByteSize()
+                if size <= onemessage.MAX_BYTES:
+                    continue
+                join = False  # no longer one message: hold nothing more than a stream would
+                yield from held
+                held = []
                 continue
             yield item
 

@@ -95,9 +95,17 @@ def test_a_one_message_response_reads_as_the_stream_it_joins():
     assert one.WhichOneof("kind") == "results" and len(one.results.saved) == 2 and len(one.results.chunk) == 2
     res = _results.collect([one])
     assert torch.equal(res.saved[3], a) and res.saved[4] == 7 and res.compute_s == 0.25
-    # What must stream stays a stream: a step's tokens, an unfinished stream, results over the bound.
-    step = nnd_pb2.TraceResponse(step=nnd_pb2.StepTokens(step=0, ids=[1]))
-    assert onemessage.join([step, stream[-1]]) is None and onemessage.join(stream[:-1]) is None
+    # A Generate's steps join too, and reach the client's on_step in step order.
+    steps = [nnd_pb2.TraceResponse(step=nnd_pb2.StepTokens(step=i, ids=[10 + i], text=[f"t{i}"])) for i in range(3)]
+    both = nnd_pb2.TraceResponse.FromString(onemessage.join([stream[0], steps[0], *stream[1:3], *steps[1:], *stream[3:]]))
+    seen: list = []
+    res = _results.collect([both], on_step=seen.append)
+    streamed: list = []
+    _results.collect([*steps, stream[-1]], on_step=streamed.append)
+    assert seen == streamed and [t.step for t in seen] == [0, 1, 2] and seen[2].ids == (12,)
+    assert torch.equal(res.saved[3], a) and res.saved[4] == 7
+    # What must stream stays a stream: an unfinished stream, results over the bound.
+    assert onemessage.join(stream[:-1]) is None and onemessage.join(steps) is None
     big = nnd_pb2.TraceResponse(chunk=nnd_pb2.Chunk(blob=1, data=b"x" * onemessage.MAX_BYTES))
     assert onemessage.join([big, stream[-1]]) is None
 

@@ -144,14 +144,15 @@ class RemoteTrace(Backend):
             tracer.deliver(self.interaction.finish())
             return True
         request = tracer.request()
-        # A plain trace's small results come back as one message (one write fewer on both ends).
-        request.one_message = self.method == "Trace"
+        watch = tracer.options.get("on_token")  # generate(..., on_token=print): each step's tokens, live
+        # Small results come back as one message (fewer writes and wake-ups on both ends): a plain
+        # trace's, and a generation's when no one watches its steps as they come.
+        request.one_message = self.method == "Trace" or (self.method == "Generate" and watch is None)
         tracer.sent = request
         conn = tracer.model._conn
         # Into a region of this process's pool when one is free (_shm.py); `collect` settles the lease.
         lease = _shm.attach(request, conn.address) if request.shm else None
         stream = conn.stream(self.method, request, timeout=tracer.options.get("timeout"))
-        watch = tracer.options.get("on_token")  # generate(..., on_token=print): each step's tokens, live
 
         def on_step(token: Any) -> None:
             tracer.tokens.append(token)

@@ -631,16 +631,18 @@ class TraceDone(_message.Message):
     def __init__(self, compute_s: _Optional[float] = ...) -> None: ...
 
 class TraceResults(_message.Message):
-    __slots__ = ("saved", "chunk", "done", "paused")
+    __slots__ = ("saved", "chunk", "step", "done", "paused")
     SAVED_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     saved: _containers.RepeatedCompositeFieldContainer[Saved]
     chunk: _containers.RepeatedCompositeFieldContainer[Chunk]
+    step: _containers.RepeatedCompositeFieldContainer[StepTokens]
     done: TraceDone
     paused: Paused
-    def __init__(self, saved: _Optional[_Iterable[_Union[Saved, _Mapping]]] = ..., chunk: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., done: _Optional[_Union[TraceDone, _Mapping]] = ..., paused: _Optional[_Union[Paused, _Mapping]] = ...) -> None: ...
+    def __init__(self, saved: _Optional[_Iterable[_Union[Saved, _Mapping]]] = ..., chunk: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., step: _Optional[_Iterable[_Union[StepTokens, _Mapping]]] = ..., done: _Optional[_Union[TraceDone, _Mapping]] = ..., paused: _Optional[_Union[Paused, _Mapping]] = ...) -> None: ...
 
 class Queued(_message.Message):
     __slots__ = ("ahead", "running", "paused_by", "paused_for_at_most_s")

@@ -193,6 +193,9 @@ def collect(
                 take(msg.saved)
             elif kind == "results":  # the whole response in one message (TraceRequest.one_message)
                 whole = msg.results
+                if on_step is not None:
+                    for step in whole.step:
+                        on_step(StepToken(step.step, tuple(step.ids), tuple(step.text), step.trace))
                 for saved in whole.saved:
                     take(saved)
                 for chunk in whole.chunk:
