@@ -8,7 +8,8 @@ Python processes (bench/floor.py's echo server), measured in the same run; and
 the same block under nnsight 0.8.1 in-process. The CPU time one sync point adds, in
 the client and in the worker, beside the same trace without it (other processes'
 CPU times tick every 10 ms: many repeats). And a loop of 32 generated steps with
-one append each, nnd against nnsight 0.8.1 in-process.
+one append each, nnd against nnsight 0.8.1 in-process, and against nnd with the steps
+watched live (`on_token`: each step and save its own message instead of one at the end).
 """
 
 from __future__ import annotations
@@ -116,6 +117,13 @@ def _shape(d: Any, layers: int, width: int, repeats: int, *, loop: bool) -> list
                     hs.append(ours.transformer.h[0].output[:, -1].save())
             return hs
 
+        def loop_nnd_watched() -> list:  # on_token: the steps stream as they come, one message each
+            hs = []
+            with ours.generate(PROMPT, max_new_tokens=STEPS, min_new_tokens=STEPS, on_token=lambda t: None) as tracer:
+                for _ in tracer.iter[0:STEPS]:
+                    hs.append(ours.transformer.h[0].output[:, -1].save())
+            return hs
+
         def loop_nnsight() -> list:
             hs = []
             with lm.generate(PROMPT, max_new_tokens=STEPS, min_new_tokens=STEPS) as tracer:
@@ -126,7 +134,9 @@ def _shape(d: Any, layers: int, width: int, repeats: int, *, loop: bool) -> list
         a, b = loop_nnd(), loop_nnsight()
         assert len(a) == len(b) == STEPS
         torch.testing.assert_close(a[-1], b[-1], atol=1e-4, rtol=0)
-        g = harness.interleaved({"nnd": loop_nnd, "nnsight": loop_nnsight}, warmup=1, repeats=max(3, repeats // 4))
+        g = harness.interleaved(
+            {"nnd": loop_nnd, "watched": loop_nnd_watched, "nnsight": loop_nnsight}, warmup=1, repeats=max(3, repeats // 4)
+        )
         rows.append(
             Row(
                 f"generate {STEPS} steps, one append per step ({shape})",
@@ -135,6 +145,15 @@ def _shape(d: Any, layers: int, width: int, repeats: int, *, loop: bool) -> list
                 ms(g["nnd"]),
                 g["nnd"] / g["nnsight"],
                 raw={k + "_s": v for k, v in g.items()},
+            )
+        )
+        rows.append(
+            Row(
+                f"generate {STEPS} steps, one append per step, read at the end ({shape})",
+                "the same, its steps watched live (on_token: a message per step and save)",
+                ms(g["watched"]),
+                ms(g["nnd"]),
+                g["nnd"] / g["watched"],
             )
         )
     ours.release()
