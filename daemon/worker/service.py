@@ -122,6 +122,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 # A Generate whose client watches no step live reads one message too: its steps'
                 # tokens and saves, otherwise two writes and two wake-ups a step on each end.
                 join = kind in ("trace", "generate") and request.request.one_message
+
                 def seen(item: Any) -> None:  # `nnd ps` shows a generation's step even while its steps wait
                     if isinstance(item, nnd_pb2.TraceResponse) and item.WhichOneof("kind") == "step":
                         tracked.step = item.step.step + 1

@@ -9,9 +9,8 @@ A forked child is what `python SCRIPT ARGS` would be: the script's folder first 
 argv, environment, folder, stdout and stderr, non-daemon threads and atexit handlers run at its end,
 and its exit status as Popen reports it (-N for signal N). It is exec'd as before whenever forking
 could change what runs: a command that is not `sys.executable SCRIPT.py ...`, an environment that
-differs from the warm process's in anything but OMP_NUM_THREADS (applied with torch.set_num_threads)
-or PYTEST_CURRENT_TEST (the rest may be read at import time), or a warm process that did not start
-or is unsafe to fork.
+differs from the warm process's in anything but `_FREE` (the rest may be read at import time), or a
+warm process that did not start or is unsafe to fork.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -158,8 +156,11 @@ def popen(
     warm = _the_warm()
     if warm.forkable(argv, environ):
         return warm.spawn(argv, environ, cwd or os.getcwd(), stdout, stderr)
-    with open(stdout, "ab") as out, open(stderr or os.devnull, "ab") as err:
-        return subprocess.Popen(argv, stdout=out, stderr=err if stderr else subprocess.STDOUT, env=environ, cwd=cwd)
+    with open(stdout, "ab") as out:
+        if stderr is None:
+            return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=environ, cwd=cwd)
+        with open(stderr, "ab") as err:
+            return subprocess.Popen(argv, stdout=out, stderr=err, env=environ, cwd=cwd)
 
 
 def run(
@@ -170,12 +171,11 @@ def run(
     with tempfile.TemporaryDirectory(prefix="warmfork-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         proc = popen(argv, stdout=out, stderr=err, env=env, cwd=cwd)
-        deadline = time.monotonic() + timeout
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait(max(1.0, deadline - time.monotonic() + 10))
+            proc.wait(10)
             raise
         output: Any = open(out, "rb").read()
         errors: Any = open(err, "rb").read()

@@ -26,12 +26,13 @@ def _say(message: dict[str, Any]) -> None:
     os.write(1, (json.dumps(message) + "\n").encode())
 
 
-def _child(request: dict[str, Any], wake: tuple[int, int]) -> None:
+def _child(request: dict[str, Any], wake: tuple[int, int], sel: selectors.BaseSelector) -> None:
     """In the forked child: become `python SCRIPT ARGS`. Never returns."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        sel.close()  # the warm process's own descriptors are no child's business
         for fd in wake:
             os.close(fd)
         devnull = os.open(os.devnull, os.O_RDONLY)
@@ -127,7 +128,7 @@ def main() -> None:
                     _say({"id": request["id"], "error": f"fork failed: {exc}"})
                     continue
                 if pid == 0:
-                    _child(request, wake)
+                    _child(request, wake, sel)
                 children.add(pid)
                 _say({"id": request["id"], "pid": pid})
 
