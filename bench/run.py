@@ -55,11 +55,11 @@ def _child(name: str, quick: bool, out: str) -> int:
     return 0
 
 
-def _run_one(name: str, quick: bool, env: dict[str, str]) -> tuple[list[harness.Row], float]:
+def _run_one(name: str, quick: bool, env: dict[str, str], python: str) -> tuple[list[harness.Row], float]:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     t0 = time.perf_counter()
-    cmd = [sys.executable, __file__, "--child", name, "--child-out", out] + (["--quick"] if quick else [])
+    cmd = [python, __file__, "--child", name, "--child-out", out] + (["--quick"] if quick else [])
     res = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wall = time.perf_counter() - t0
     try:
@@ -74,27 +74,34 @@ def _run_one(name: str, quick: bool, env: dict[str, str]) -> tuple[list[harness.
         os.unlink(out)
 
 
-def _shim(src: str) -> str:
-    """A folder whose `nnd` and `nnd_daemon` point into the source tree `src`; on
-    PYTHONPATH it wins over the editable install (whose finder comes last)."""
+def _src_python(src: str) -> str:
+    """An interpreter that imports nnd and nnd_daemon from the source tree `src`: a virtual environment
+    (in the bench's temp folder) that sees this Python's packages, with `src` installed into it editable.
+    Workers run as `sys.executable -I -m nnd_daemon.worker`, and -I ignores PYTHONPATH: only an
+    interpreter of its own makes the daemon's workers run `src` too, not the installed nnd."""
     root = pathlib.Path(src).resolve()
     if not (root / "pyclient" / "nnd").is_dir() or not (root / "daemon").is_dir():
         raise SystemExit(f"--src {src}: not an nnd source tree (no pyclient/nnd or daemon/)")
-    shim = harness.workdir() / "src-shim"
-    shim.mkdir(parents=True, exist_ok=True)
-    for name, target in (("nnd", root / "pyclient" / "nnd"), ("nnd_daemon", root / "daemon")):
-        link = shim / name
-        if not link.exists():
-            link.symlink_to(target, target_is_directory=True)
-    return str(shim)
+    venv = harness.workdir() / "src-venv"
+    python = venv / "bin" / "python"
+    print(f"[src] an environment for {root} in {venv}...", file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", "-e", str(root)]
+    subprocess.run(pip, check=True)
+    where = subprocess.run(
+        [str(python), "-I", "-c", "import nnd_daemon; print(nnd_daemon.__file__)"], capture_output=True, text=True
+    ).stdout.strip()
+    if not where.startswith(str(root)):
+        raise SystemExit(f"--src {src}: a worker there would import nnd_daemon from {where or '?'}, not from {root}")
+    return str(python)
 
 
-def _nnd_source(env: dict[str, str]) -> str:
+def _nnd_source(env: dict[str, str], python: str) -> str:
     """Where the benchmarked nnd came from, and its git commit when that is a checkout."""
     code = (
         "import nnd, nnd_daemon, os; print(os.path.realpath(os.path.join(os.path.dirname(nnd.__file__), '..', '..')))"
     )
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    res = subprocess.run([python, "-I", "-c", code], env=env, capture_output=True, text=True)
     where = res.stdout.strip() or "?"
 
     def git(*args: str) -> str:
@@ -124,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         "--src",
         metavar="DIR",
         help="benchmark the nnd source tree in DIR (e.g. `git archive HEAD | tar -x -C DIR`) instead of the "
-        "installed one; the daemon and workers get it too",
+        "installed one: it is installed into a virtual environment of the run's own, whose Python runs the "
+        "client, the daemon and its workers",
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -140,16 +148,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(MODULES)}")
 
     env = {**os.environ, "NND_BENCH_WORKDIR": str(harness.workdir())}
-    if ns.src:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_shim(ns.src), env.get("PYTHONPATH")]))
-    source = _nnd_source(env)
+    python = _src_python(ns.src) if ns.src else sys.executable
+    source = _nnd_source(env, python)
     rows: list[harness.Row] = []
     walls: dict[str, float] = {}
     failed = False
     try:
         for name in names:
             print(f"[{name}] running{' (quick)' if ns.quick else ''}...", file=sys.stderr, flush=True)
-            got, walls[name] = _run_one(name, ns.quick, env)
+            got, walls[name] = _run_one(name, ns.quick, env, python)
             failed |= any(r.nnd.startswith("error:") for r in got)
             print(f"[{name}] {walls[name]:.0f} s", file=sys.stderr, flush=True)
             rows += got
