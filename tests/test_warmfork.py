@@ -38,6 +38,14 @@ def warm():
     state = warmfork._the_warm()
     if not state.ready:  # the suite still runs, every subprocess exec'd (and slower)
         pytest.skip(f"no warm process here: {state.why}")
+    return state
+
+
+def _env(warm, **changes: str) -> dict[str, str]:
+    """The warm process's own environment with `changes`: what these tests fork does not depend on what
+    earlier tests of this pytest process left in os.environ (a child whose environment differs is
+    exec'd, by design)."""
+    return {**warm.env, **changes}
 
 
 @pytest.fixture
@@ -48,9 +56,11 @@ def probe(tmp_path):
     return str(script)
 
 
-def test_a_forked_script_runs_as_python_would_run_it(probe, tmp_path):
+def test_a_forked_script_runs_as_python_would_run_it(warm, probe, tmp_path):
     marks = tmp_path / "marks"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = _env(warm, OMP_NUM_THREADS="1")
+    argv = [sys.executable, probe, str(marks), "3"]
+    assert not warm.why_not(argv, env), warm.why_not(argv, env)
     res = warmfork.run([sys.executable, probe, str(marks), "3"], timeout=60, text=True, env=env, cwd=str(tmp_path))
     report = json.loads(res.stdout)
     assert res.returncode == 3
@@ -68,8 +78,8 @@ def test_a_forked_script_runs_as_python_would_run_it(probe, tmp_path):
         warmfork.run([sys.executable, probe, str(marks), "4"], timeout=60, check=True, env=env)
 
 
-def test_an_environment_read_at_import_time_is_not_forked_but_exec(probe, tmp_path):
-    env = {**os.environ, "FLAVOUR": "changed"}
+def test_an_environment_read_at_import_time_is_not_forked_but_exec(warm, probe, tmp_path):
+    env = _env(warm, FLAVOUR="changed")
     res = warmfork.run([sys.executable, probe, str(tmp_path / "m"), "0"], timeout=120, text=True, env=env)
     report = json.loads(res.stdout)
     assert res.returncode == 0
@@ -77,12 +87,13 @@ def test_an_environment_read_at_import_time_is_not_forked_but_exec(probe, tmp_pa
     assert report["ppid"] == os.getpid()  # exec'd by this process, as subprocess.run would
 
 
-def test_a_signalled_child_reads_as_popen_reads_it(tmp_path):
+def test_a_signalled_child_reads_as_popen_reads_it(warm, tmp_path):
     script = tmp_path / "sleep.py"
     script.write_text("import time\nprint('up', flush=True)\ntime.sleep(60)\n")
     log = tmp_path / "log"
-    proc = warmfork.popen([sys.executable, str(script)], stdout=str(log))
-    assert isinstance(proc, warmfork.Forked)
+    argv, env = [sys.executable, str(script)], _env(warm)
+    proc = warmfork.popen(argv, stdout=str(log), env=env)
+    assert isinstance(proc, warmfork.Forked), warm.why_not(argv, env)
     deadline = time.monotonic() + 30
     while "up" not in (log.read_text() if log.exists() else ""):
         assert time.monotonic() < deadline
@@ -95,12 +106,12 @@ def test_a_signalled_child_reads_as_popen_reads_it(tmp_path):
     assert proc.poll() == -signal.SIGTERM
 
 
-def test_a_run_past_its_timeout_is_killed(tmp_path):
+def test_a_run_past_its_timeout_is_killed(warm, tmp_path):
     script = tmp_path / "hang.py"
     script.write_text("import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
     pidfile = tmp_path / "pid"
     with pytest.raises(subprocess.TimeoutExpired):
-        warmfork.run([sys.executable, str(script), str(pidfile)], timeout=3)
+        warmfork.run([sys.executable, str(script), str(pidfile)], timeout=3, env=_env(warm))
     pid = int(pidfile.read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # reaped by the warm process once killed

@@ -91,9 +91,16 @@ class _Warm:
             child._exited(-signal.SIGKILL)
 
     def forkable(self, argv: Sequence[str], env: Mapping[str, str]) -> bool:
-        if not self.ready or len(argv) < 2 or argv[0] != sys.executable or not argv[1].endswith(".py"):
-            return False
-        return all(env.get(k) == self.env.get(k) for k in (set(env) | set(self.env)) - _FREE)
+        return not self.why_not(argv, env)
+
+    def why_not(self, argv: Sequence[str], env: Mapping[str, str]) -> str:
+        """Why `argv` with `env` would be exec'd instead of forked ("" if it would be forked)."""
+        if not self.ready:
+            return f"the warm process is gone (exit status {self.proc.poll()})"
+        if len(argv) < 2 or argv[0] != sys.executable or not argv[1].endswith(".py"):
+            return "not `python SCRIPT.py ...`"
+        differ = sorted(k for k in (set(env) | set(self.env)) - _FREE if env.get(k) != self.env.get(k))
+        return f"its environment differs from the warm process's in {differ}" if differ else ""
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: str, stdout: str, stderr: str | None) -> Forked:
         request = {
@@ -131,6 +138,9 @@ class _Off:
 
     def forkable(self, argv: Sequence[str], env: Mapping[str, str]) -> bool:
         return False
+
+    def why_not(self, argv: Sequence[str], env: Mapping[str, str]) -> str:
+        return self.why
 
 
 _warm: _Warm | _Off | None = None
