@@ -36,6 +36,10 @@ sys.exit(int(sys.argv[2]))
 @pytest.fixture(autouse=True)
 def warm():
     state = warmfork._the_warm()
+    if isinstance(state, warmfork._Warm) and state.started and state.proc.poll() is not None:
+        # It started and has gone since (its reader may not have seen the end yet): every later reference
+        # run and in-process daemon of this pytest process execs, the suite slower for it.
+        pytest.fail(f"the warm process died (exit status {state.proc.returncode}); its output is in the log above")
     if not state.ready:  # the suite still runs, every subprocess exec'd (and slower)
         pytest.skip(f"no warm process here: {state.why}")
     return state

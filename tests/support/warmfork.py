@@ -66,6 +66,7 @@ class _Warm:
         assert self.proc.stdout is not None
         first = json.loads(self.proc.stdout.readline() or b'{"ready": false, "why": "it exited"}')
         self.ready: bool = first["ready"]
+        self.started = self.ready  # it came up (`ready` goes False again if it dies)
         self.why: str = first["why"]
         if self.ready:
             threading.Thread(target=self._read, name="warmfork", daemon=True).start()
