@@ -522,13 +522,15 @@ class Server:
                 self.waiting.leave(who)
 
 
+_TIMEOUT = getattr(asyncio, "timeout", None)  # 3.11+
+
+
 async def _within(seconds: float, awaitable: Any) -> Any:
     """`await awaitable`, TimeoutError after `seconds`. asyncio.timeout (3.11+) sets one timer on the
     running task; wait_for makes a task, a future and a timer per call (~30 µs a call here)."""
-    timeout = getattr(asyncio, "timeout", None)
-    if timeout is None:  # Python 3.10
+    if _TIMEOUT is None:  # Python 3.10
         return await asyncio.wait_for(awaitable, seconds)
-    async with timeout(seconds):
+    async with _TIMEOUT(seconds):
         return await awaitable
 
 

@@ -64,8 +64,9 @@ def test_a_forked_script_runs_as_python_would_run_it(warm, probe, tmp_path):
     marks = tmp_path / "marks"
     env = _env(warm, OMP_NUM_THREADS="1")
     argv = [sys.executable, probe, str(marks), "3"]
-    assert not warm.why_not(argv, env), warm.why_not(argv, env)
-    res = warmfork.run([sys.executable, probe, str(marks), "3"], timeout=60, text=True, env=env, cwd=str(tmp_path))
+    refused = warm.why_not(argv, env)
+    assert not refused, refused
+    res = warmfork.run(argv, timeout=60, text=True, env=env, cwd=str(tmp_path))
     report = json.loads(res.stdout)
     assert res.returncode == 3
     assert res.stderr == "to stderr\n"
