@@ -44,7 +44,7 @@ UNBOUNDED_PREFIXES = ("/grpc.health.v1.Health/",)
 Caller = tuple[str, str]  # (verified identity, the client's own name within it)
 
 
-class _Aborted(Exception):
+class Aborted(Exception):
     """A handler thread called `abort`: the loop sends the status."""
 
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
@@ -181,7 +181,7 @@ class Context:
                 log.exception("a call's end callback failed")
 
     def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        raise _Aborted(code, details)
+        raise Aborted(code, details)
 
     def set_trailing_metadata(self, metadata: Any) -> None:
         self._trailers = tuple(metadata)
@@ -307,7 +307,7 @@ class Context:
             yield message
 
 
-class _Lookup:
+class Lookup:
     """The synchronous handlers and interceptors, applied per call as the sync server would."""
 
     def __init__(self, interceptors: Sequence[grpc.ServerInterceptor]) -> None:
@@ -357,7 +357,7 @@ class Server:
         self.idle_s = idle_s
         self.waiting = Waiting(per_client, total)
         self._caller_of = caller_of
-        self._lookup = _Lookup(interceptors)
+        self._lookup = Lookup(interceptors)
         self._quick = quick
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
         self._quick_pool = concurrent.futures.ThreadPoolExecutor(
@@ -489,7 +489,7 @@ class Server:
                 response = await loop.run_in_executor(pool, run, behavior, request, context)
                 context.apply()
                 return response
-            except _Aborted as aborted:
+            except Aborted as aborted:
                 if context.is_active():
                     context.apply()
                     await call.abort(aborted.code, aborted.details)

@@ -843,7 +843,7 @@ class Registry:
         with self._lock:
             worker = entry.worker
             if entry.state == DISPATCHED and worker is not None and worker.public:
-                out.address, out.epoch = worker.address, worker.epoch
+                out.MergeFrom(_route_of(worker))  # `lost` (an earlier epoch's) stays
         return out
 
     def activity(self, entry: Entry, *, ask: bool) -> worker_pb2.WorkerStatus | None:
@@ -997,7 +997,7 @@ class Registry:
             out.worker_pids.extend(entry.worker.pids)  # a tensor-parallel group: every rank, then torchrun
             out.tp_size = entry.worker.tp_size
             if entry.state == DISPATCHED and entry.worker.public:
-                out.route.address, out.route.epoch = entry.worker.address, entry.worker.epoch
+                out.route.CopyFrom(_route_of(entry.worker))
         if status is not None:
             out.requests.extend(status.requests)
             out.worker_rss_bytes = status.rss_bytes
@@ -1160,3 +1160,8 @@ def _keep_alive_seconds(text: str) -> float | None:
         return parse_duration(text)
     except ValueError as exc:
         raise errors.InvalidArgument(f"keep_alive: {exc}") from None
+
+
+def _route_of(worker: Any) -> nnd_pb2.Route:
+    """A dispatched worker's route (nnd.proto, Route): its gRPC socket, epoch and fast socket."""
+    return nnd_pb2.Route(address=worker.address, epoch=worker.epoch, fast_address=worker.fast_address)

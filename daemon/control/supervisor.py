@@ -105,6 +105,9 @@ class WorkerHandle(Protocol):
     @property
     def address(self) -> str: ...
 
+    @property
+    def fast_address(self) -> str: ...
+
     def configure(self, config: worker_pb2.WorkerConfig) -> None: ...
 
     def load(self, request: worker_pb2.WorkerLoadRequest) -> Iterator[nnd_pb2.DispatchProgress]: ...
@@ -258,6 +261,8 @@ class Worker:
         # The route clients follow (nnd.proto, Route); empty: none. A tensor-parallel group's rank 0
         # serves it (worker/tp.py); a client that loses its call there learns why from `wait_exit`.
         self.public = os.path.join(public_dir, f"m{serial}.sock") if public_dir else ""
+        # Beside it, the route's fast socket (worker/fastroute.py); a tensor-parallel group has none.
+        self.fast = os.path.join(public_dir, f"m{serial}.fast.sock") if public_dir and self.tp_size <= 1 else ""
         self.log_path = os.path.join(log_dir, log_name(name))
         self._on_exit = on_exit
         self._stopping = False
@@ -278,7 +283,7 @@ class Worker:
         return [*self.rank_pids, self.proc.pid] if self.tp_size > 1 else [self.proc.pid]
 
     def start(self, timeout: float) -> None:
-        for path in (self.socket, self.public):
+        for path in (self.socket, self.public, self.fast):
             if path and os.path.exists(path):
                 os.unlink(path)
         statedir.rotate_log(self.log_path, self.log_bytes)
@@ -290,6 +295,8 @@ class Worker:
             idle, waiting = self.route_bounds
             args += ["--public", self.public, "--request-idle-timeout", repr(float(idle))]
             args += ["--max-waiting-calls", str(int(waiting))]
+            if self.fast:
+                args += ["--fast", self.fast]
         if self.batch_window_ms > 0 and self.tp_size <= 1:
             args += ["--batch-window-ms", str(self.batch_window_ms)]
         cmd = [*isolated_python(), "-m", "nnd_daemon.worker", *args]
@@ -341,6 +348,11 @@ class Worker:
     def address(self) -> str:
         """The route's gRPC target: the public socket."""
         return "unix://" + self.public if self.public else ""
+
+    @property
+    def fast_address(self) -> str:
+        """The route's fast socket (nnd.proto, Route.fast_address)."""
+        return "unix://" + self.fast if self.fast else ""
 
     def configure(self, config: worker_pb2.WorkerConfig, timeout: float = 30.0) -> None:
         """Push aliases or edits; a worker that is gone needs none."""
@@ -541,7 +553,7 @@ class Worker:
                 self.proc.kill()
                 self.proc.wait()
         self._kill_ranks()  # ranks torchrun did not get to end (its agent was killed)
-        for path in (self.socket, self.public):
+        for path in (self.socket, self.public, self.fast):
             if path and os.path.exists(path):
                 try:
                     os.unlink(path)

@@ -1,8 +1,9 @@
-"""A worker's two sockets: the private one only the daemon can reach (the
-Worker service, and the data methods for bytes the daemon forwards), and the
-public one clients reach by the model's route (the data methods only, behind
-the daemon's token when one is configured, in a directory of the daemon's
-group)."""
+"""A worker's sockets: the private one only the daemon can reach (the Worker
+service, and the data methods for bytes the daemon forwards), the public one
+clients reach by the model's route (the data methods only, behind the daemon's
+token when one is configured, in a directory of the daemon's group), and beside
+it the route's fast socket (fastroute.py: the same handlers and checks, framed
+messages instead of gRPC calls)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import grpc
 from nnd.v1 import contract
 from nnd_daemon import asyncserve, errors, identity, intake
 from nnd_daemon.bearer_tokens import TokenInterceptor
+from nnd_daemon.worker.fastroute import FastRoute
 from nnd_daemon.worker.gateway import Gateway
 
 # The daemon hands a worker its token here, not on the command line (which `ps` shows).
@@ -40,6 +42,7 @@ REQUEST_IDLE_S = 5.0
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--public", default="", help="unix socket clients reach by the model's route")
+    parser.add_argument("--fast", default="", help="unix socket of the route's fast path (framed calls)")
     parser.add_argument("--epoch", type=int, default=0, help="the route's epoch (the daemon's count of workers)")
     parser.add_argument("--queue-share", type=float, default=0.0, help="one user's share of the queue (0: none)")
     parser.add_argument("--request-idle-timeout", type=float, default=REQUEST_IDLE_S, help="cut off a call whose request has not arrived")
@@ -92,6 +95,22 @@ def start(
             os.umask(old)
         public.start()
         servers.append(public)
+    if ns.public and ns.fast:
+        fast = FastRoute(
+            ns.fast,
+            threads=RPC_THREADS,
+            interceptors=interceptors,
+            idle_s=ns.request_idle_timeout,
+            per_uid=ns.max_waiting_calls,
+            total=PUBLIC_CALLS,
+        )
+        fast.add_generic_rpc_handlers((gateway.handler(route=True),))
+        try:
+            fast.start(mode=0o660)
+        except OSError as exc:  # clients then take the gRPC route, as they do when they cannot connect
+            logging.getLogger("nnd.worker").warning("no fast route at %s: %s", ns.fast, exc)
+        else:
+            servers.append(fast)
     private = grpc.server(
         futures.ThreadPoolExecutor(max_workers=RPC_THREADS), options=contract.GRPC_OPTIONS, interceptors=[mapped]
     )

@@ -129,13 +129,16 @@ def test_a_route_out_of_reach_falls_back_to_the_daemon(routed, tiny_models):
     try:
         want = _saved(conn.stream("Trace", _trace(model), timeout=60))  # direct, opens the route
         before = _info(conn, model).worker_requests
-        sock = _path(_info(conn, model).route.address)
+        route = _info(conn, model).route
+        socks = [_path(route.address), _path(route.fast_address)]  # both out of sight, as in another namespace
         conn.router.close()  # an open connection would survive the move
-        os.rename(sock, sock + ".away")
+        for sock in socks:
+            os.rename(sock, sock + ".away")
         try:
             got = [_saved(conn.stream("Trace", _trace(model), timeout=60)) for _ in range(2)]
         finally:
-            os.rename(sock + ".away", sock)
+            for sock in socks:
+                os.rename(sock + ".away", sock)
         assert got == [want, want]
         assert conn.router.fallbacks == 1 and conn.router.direct_calls == 3  # 1 direct, 2 failed tries, then none
         assert f"forwarding Trace of {model}" in routed.log()

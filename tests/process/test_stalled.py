@@ -148,8 +148,12 @@ def test_one_identitys_waiting_calls_are_bounded_whatever_client_names_it_sends_
         model.lm_head.output.save()
 
 
-def test_stalled_calls_on_a_route_are_bounded_per_identity_and_the_client_falls_back(bounded):
+def test_stalled_calls_on_a_route_are_bounded_per_identity_and_the_client_falls_back(bounded, monkeypatch):
     d, model = bounded
+    # The route's gRPC socket is the subject: the client's calls take it, not the fast socket (whose own
+    # bounds tests/process/test_fast_route.py checks).
+    monkeypatch.setenv("NND_FAST", "0")
+    model._conn.router.close()
     with model.trace(PROMPT):
         want = model.lm_head.output.save()
     with grpc.insecure_channel(d.address) as channel:

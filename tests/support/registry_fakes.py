@@ -92,6 +92,10 @@ class FakeWorker:
     def address(self) -> str:
         return "unix://" + self.public
 
+    @property
+    def fast_address(self) -> str:
+        return ""
+
     def configure(self, config: worker_pb2.WorkerConfig) -> None:
         self.calls.append("configure")
 

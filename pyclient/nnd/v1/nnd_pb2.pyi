@@ -382,14 +382,48 @@ class RouteRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., failed_epoch: _Optional[int] = ...) -> None: ...
 
 class Route(_message.Message):
-    __slots__ = ("address", "epoch", "lost")
+    __slots__ = ("address", "epoch", "lost", "fast_address")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LOST_FIELD_NUMBER: _ClassVar[int]
+    FAST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     address: str
     epoch: int
     lost: str
-    def __init__(self, address: _Optional[str] = ..., epoch: _Optional[int] = ..., lost: _Optional[str] = ...) -> None: ...
+    fast_address: str
+    def __init__(self, address: _Optional[str] = ..., epoch: _Optional[int] = ..., lost: _Optional[str] = ..., fast_address: _Optional[str] = ...) -> None: ...
+
+class FastCall(_message.Message):
+    __slots__ = ("method", "metadata", "timeout_s")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    metadata: _containers.RepeatedCompositeFieldContainer[FastMetadata]
+    timeout_s: float
+    def __init__(self, method: _Optional[str] = ..., metadata: _Optional[_Iterable[_Union[FastMetadata, _Mapping]]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class FastMetadata(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: str
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+
+class FastReply(_message.Message):
+    __slots__ = ("initial_metadata", "end", "code", "details", "trailing_metadata")
+    INITIAL_METADATA_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    TRAILING_METADATA_FIELD_NUMBER: _ClassVar[int]
+    initial_metadata: _containers.RepeatedCompositeFieldContainer[FastMetadata]
+    end: bool
+    code: int
+    details: str
+    trailing_metadata: _containers.RepeatedCompositeFieldContainer[FastMetadata]
+    def __init__(self, initial_metadata: _Optional[_Iterable[_Union[FastMetadata, _Mapping]]] = ..., end: _Optional[bool] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., trailing_metadata: _Optional[_Iterable[_Union[FastMetadata, _Mapping]]] = ...) -> None: ...
 
 class Invoke(_message.Message):
     __slots__ = ("text", "tokens", "prompts", "args", "kwargs")

@@ -8,7 +8,10 @@ the daemon again and resends, once. A call the worker had accepted is never
 resent; it fails with UNAVAILABLE saying whether it had started, as the
 daemon says it. With no route (the model is not dispatched) the request goes
 to the daemon, which dispatches the model first; so does one whose fresh route
-cannot be reached (the daemon then forwards its bytes). (protos/nnd/v1/nnd.proto, Route.)
+cannot be reached (the daemon then forwards its bytes). Where the route offers
+a fast socket, Trace, TraceOnce, Generate and Session go there as framed
+messages (_fast.py), the same requests and answers without gRPC's per-call
+cost; Interact stays a gRPC stream. (protos/nnd/v1/nnd.proto, Route.)
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import grpc
 
 from nnd.errors import DaemonUnavailable
 from nnd.v1 import contract, nnd_pb2, nnd_pb2_grpc
-from nnd.wire import _chunks
+from nnd.wire import _chunks, _fast
 
 # gRPC's words when no connection could be made: the request never left the client.
 _NOT_CONNECTED = ("failed to connect", "No such file or directory", "Connection refused", "connections to all backends")
@@ -36,6 +39,7 @@ class Route:
     channel: grpc.Channel
     stub: _chunks.DataStub
     once: bool = True  # the worker serves TraceOnce (an older one answers UNIMPLEMENTED)
+    fast: _fast.FastChannel | None = None  # the route's fast socket; None: none, or it refused us
 
 
 class Router:
@@ -56,6 +60,7 @@ class Router:
         self._routes: dict[str, Route] = {}
         self.direct_calls = 0  # calls that went to a worker (tests and benchmarks read it)
         self.once_calls = 0  # ... of which answered as TraceOnce (one unary message)
+        self.fast_calls = 0  # ... of which went by the route's fast socket
         self.fallbacks = 0  # routes found unreachable, whose calls went through the daemon
         self._unreachable: set[tuple[str, int]] = set()  # (model, epoch): follow the daemon, not the route
 
@@ -95,9 +100,33 @@ class Router:
                 return
             meta = [*self._metadata(), (contract.EPOCH_KEY, str(route.epoch))]
             unary = once and route.once
-            call = None
+            call: Any = None
             answered = False  # a response came: the request had begun, whatever the metadata says
+            fast = route.fast if method in _FAST_METHODS else None
             try:
+                if fast is not None:
+                    try:
+                        sent = fast.call(contract.TRACE_ONCE if unary else method, argument().SerializeToString(), meta, left)
+                    except _fast.Unreachable:
+                        route.fast = None  # nothing was sent: this route's calls take gRPC from now on
+                        fast.close()
+                        continue
+                    self.direct_calls += 1
+                    self.fast_calls += 1
+                    if unary:
+                        try:
+                            response = _fast.unary(sent, nnd_pb2.TraceResponse.FromString)
+                        finally:
+                            sent.cancel()
+                        answered = True
+                        self.once_calls += 1
+                        yield response
+                        return
+                    call = sent
+                    for raw in sent:
+                        answered = True
+                        yield _chunks.response(raw)
+                    return
                 if unary:
                     self.direct_calls += 1
                     response = route.stub.TraceOnce(argument(), timeout=left, metadata=meta)
@@ -168,6 +197,9 @@ class Router:
                 return None
         channel = grpc.insecure_channel(answer.address, options=self._options)
         route = Route(answer.address, answer.epoch, channel, _chunks.DataStub(channel))
+        fast_path = answer.fast_address.removeprefix("unix://")
+        if fast_path and answer.fast_address.startswith("unix://") and _fast.enabled():
+            route.fast = _fast.FastChannel(fast_path)
         with self._lock:
             old = self._routes.get(model)
             if old is not None and old.epoch == route.epoch:
@@ -181,6 +213,8 @@ class Router:
             if self._routes.get(model) is route:
                 del self._routes[model]
         route.channel.close()
+        if route.fast is not None:
+            route.fast.close()
         if self._on_forget is not None:
             self._on_forget(model)
 
@@ -220,6 +254,12 @@ class Router:
             routes, self._routes = list(self._routes.values()), {}
         for route in routes:
             route.channel.close()
+            if route.fast is not None:
+                route.fast.close()
+
+
+# What the fast route serves (nnd.proto, Route.fast_address); Interact stays a gRPC stream.
+_FAST_METHODS = frozenset({"Trace", "Generate", "Session"})
 
 
 def _stream_instead(err: grpc.RpcError) -> bool:

@@ -1,0 +1,230 @@
+"""The fast route, client side (nnd.proto, Route.fast_address and FastCall).
+
+Where a model's route offers a fast socket, its TraceOnce, Trace, Generate and
+Session calls go there as framed messages instead of gRPC calls: a frame
+written and frames read on a connection kept open between calls (one per
+concurrent call, a few kept idle). Failures read as the gRPC call's would
+(`FastError` is a `grpc.RpcError` with a code, details and metadata), so the
+router treats both alike. A connection the worker refuses, or that cannot be
+made, raises `Unreachable` before anything was sent: the call takes the gRPC
+route. `NND_FAST=0` turns the fast route off in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from nnd.v1 import nnd_pb2
+
+_HEAD = struct.Struct("<I")
+_BODY = struct.Struct("<Q")
+_ADMITTED = b"\x01"
+_KEEP_IDLE = 4  # connections kept open between calls, per route
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def enabled() -> bool:
+    return os.environ.get("NND_FAST") != "0"
+
+
+class Unreachable(Exception):
+    """No connection could be made, or the worker refused it: nothing was sent."""
+
+
+class FastError(grpc.RpcError):
+    """A fast-route call that ended with a status other than OK, read as a gRPC call's error."""
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        details: str,
+        trailers: Sequence[tuple[str, str]] = (),
+        initial: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        super().__init__(details)
+        self._code = code
+        self._details = details
+        self._trailers = tuple(trailers)
+        self._initial = tuple(initial)
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._trailers
+
+    def initial_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._initial
+
+    def __str__(self) -> str:
+        return f"{self._code}: {self._details}"
+
+
+def _read_exact(sock: socket.socket, size: int, deadline: float | None) -> bytearray:
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError()
+            sock.settimeout(left)
+        n = sock.recv_into(view[got:])
+        if not n:
+            raise ConnectionResetError("the worker closed the connection")
+        got += n
+    return buf
+
+
+class FastCall:
+    """One call's replies: iterate for the response bodies; raises FastError for a failed status."""
+
+    def __init__(self, channel: FastChannel, sock: socket.socket, deadline: float | None) -> None:
+        self._channel = channel
+        self._sock: socket.socket | None = sock
+        self._deadline = deadline
+        self._initial: tuple[tuple[str, str], ...] = ()
+
+    def initial_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._initial
+
+    def cancel(self) -> None:
+        """End the call if it has not ended: the connection closes, and the worker cancels the call."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def __iter__(self) -> Iterator[bytearray]:
+        try:
+            while self._sock is not None:
+                header, body = self._frame(self._sock)
+                if header.initial_metadata:
+                    self._initial = tuple((m.key, m.value) for m in header.initial_metadata)
+                if header.end:
+                    sock, self._sock = self._sock, None
+                    self._channel.give_back(sock)
+                    if header.code:
+                        trailers = tuple((m.key, m.value) for m in header.trailing_metadata)
+                        code = _CODES.get(header.code, grpc.StatusCode.UNKNOWN)
+                        raise FastError(code, header.details, trailers, self._initial)
+                    return
+                if not header.initial_metadata:
+                    yield body
+        finally:
+            self.cancel()  # left before the end (an error, or the caller stopped reading): not reusable
+
+    def _frame(self, sock: socket.socket) -> tuple[nnd_pb2.FastReply, bytearray]:
+        try:
+            (size,) = _HEAD.unpack(_read_exact(sock, _HEAD.size, self._deadline))
+            header = nnd_pb2.FastReply.FromString(_read_exact(sock, size, self._deadline))
+            (size,) = _BODY.unpack(_read_exact(sock, _BODY.size, self._deadline))
+            body = _read_exact(sock, size, self._deadline)
+        except TimeoutError:
+            raise FastError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", (), self._initial) from None
+        except OSError as exc:
+            raise FastError(
+                grpc.StatusCode.UNAVAILABLE, f"the worker's fast route closed the connection ({exc})", (), self._initial
+            ) from None
+        return header, body
+
+
+class FastChannel:
+    """Connections to one worker's fast socket: a call takes one (an idle one, else a new one) and gives
+    it back when its reply has ended."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._idle: list[socket.socket] = []
+        self._pid = os.getpid()
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(10.0)
+            sock.connect(self.path)
+            if sock.recv(1) != _ADMITTED:
+                raise Unreachable(f"the worker's fast route at {self.path} refused the connection")
+        except OSError as exc:
+            sock.close()
+            raise Unreachable(f"cannot connect to {self.path}: {exc}") from None
+        except Unreachable:
+            sock.close()
+            raise
+        return sock
+
+    def _take(self) -> tuple[socket.socket, bool]:
+        """A connection, and whether it was open before (it may have been closed by the worker since)."""
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: its parent's connections are not its own
+                self._idle, self._pid = [], os.getpid()
+            while self._idle:
+                sock = self._idle.pop()
+                # An idle connection has nothing to read: readable means the worker closed it.
+                if not select.select([sock], [], [], 0)[0]:
+                    return sock, True
+                sock.close()
+        return self._connect(), False
+
+    def give_back(self, sock: socket.socket) -> None:
+        with self._lock:
+            if self._pid == os.getpid() and len(self._idle) < _KEEP_IDLE:
+                sock.settimeout(None)
+                self._idle.append(sock)
+                return
+        sock.close()
+
+    def call(
+        self, method: str, request: bytes, metadata: Sequence[tuple[str, str]], timeout: float | None
+    ) -> FastCall:
+        """Send the call; raises Unreachable if it could not be sent whole (then nothing ran)."""
+        header = nnd_pb2.FastCall(
+            method=method,
+            metadata=[nnd_pb2.FastMetadata(key=k, value=v) for k, v in metadata],
+            timeout_s=timeout or 0.0,
+        ).SerializeToString()
+        frame = [_HEAD.pack(len(header)), header, _BODY.pack(len(request)), request]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for _ in range(2):
+            sock, reused = self._take()
+            try:
+                sock.settimeout(None if timeout is None else max(timeout, 0.001))
+                sock.sendall(b"".join(frame) if len(request) < 1 << 16 else frame[0] + frame[1] + frame[2])
+                if len(request) >= 1 << 16:
+                    sock.sendall(request)
+            except OSError as exc:
+                sock.close()
+                if reused:  # the worker closed it while it sat idle: a fresh one
+                    continue
+                raise Unreachable(f"cannot send to {self.path}: {exc}") from None
+            return FastCall(self, sock, deadline)
+        raise Unreachable(f"cannot send to {self.path}")
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
+
+
+def unary(call: FastCall, parse: Callable[[bytearray], Any]) -> Any:
+    """The one response of a unary call (TraceOnce)."""
+    response = None
+    for body in call:
+        response = parse(body)
+    if response is None:
+        raise FastError(grpc.StatusCode.INTERNAL, "the worker ended the call without a response")
+    return response
