@@ -43,7 +43,24 @@ class Batch:
 
 
 def input_device(model: torch.nn.Module) -> torch.device:
-    """Where the model wants its inputs: its input embeddings, else its first parameter."""
+    """Where the model wants its inputs: its input embeddings, else its first parameter (worked out once
+    per model: its placement is fixed for its life, a dispatch loads a new one)."""
+    try:
+        return _input_devices[model]
+    except (KeyError, TypeError):
+        pass
+    device = _input_device(model)
+    try:
+        _input_devices[model] = device
+    except TypeError:  # not weakly referenceable
+        pass
+    return device
+
+
+_input_devices: weakref.WeakKeyDictionary[torch.nn.Module, torch.device] = weakref.WeakKeyDictionary()
+
+
+def _input_device(model: torch.nn.Module) -> torch.device:
     get = getattr(model, "get_input_embeddings", None)
     if callable(get):
         try:
