@@ -11,6 +11,10 @@ whole within `idle_s`; connections are bounded per uid (the kernel's SO_PEERCRED
 refused gets a 0 byte before anything runs, so the client takes the gRPC route instead. A complete
 call runs on a pool thread, which writes its own replies. A connection that closes mid-call cancels
 the call (its context's callbacks run: the request's Stop), as a cancelled gRPC call does.
+
+Interact, whose client sends more after its first message, reads its later frames from the same
+connection as they come (at most INBOX frames ahead of the run, which a lock-step client never
+nears); its handler writes and reads them itself (`Context.post`, `exchange`), as on asyncserve.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import queue
 import select
 import selectors
 import socket
@@ -36,7 +41,9 @@ from nnd_daemon import asyncserve
 log = logging.getLogger("nnd.worker.fastroute")
 
 _SERVICE = "/nnd.v1.Nnd/"
-METHODS = frozenset({contract.TRACE_ONCE, *contract.DATA_METHODS})
+METHODS = frozenset({contract.TRACE_ONCE, *contract.DATA_METHODS, "Interact"})
+# Later frames of a streaming call read ahead of its handler; a client that sends more is not lock-step.
+INBOX = 4
 MAX_HEADER = 1 << 20  # a FastCall: metadata and a method name
 _HEAD = struct.Struct("<I")
 _BODY = struct.Struct("<Q")
@@ -48,6 +55,19 @@ WRITE_TIMEOUT_S = 60.0
 
 class _Ended(Exception):
     """The connection closed (the client went away, or the worker is stopping)."""
+
+
+class _CallEnded(grpc.RpcError):
+    """Raised to a handler writing or reading a call that has ended (its client went away)."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.CANCELLED
+
+    def details(self) -> str:
+        return "the call ended"
+
+
+_GONE = object()  # what a streaming call's inbox holds once its connection closed
 
 
 class _Details(grpc.HandlerCallDetails):
@@ -82,8 +102,13 @@ class _Conn:
 class Context:
     """The servicer context the handlers see (the part of grpc.ServicerContext nnd uses)."""
 
-    def __init__(self, conn: _Conn, metadata: tuple[tuple[str, str], ...], timeout_s: float) -> None:
+    def __init__(
+        self, conn: _Conn, metadata: tuple[tuple[str, str], ...], timeout_s: float, streaming: bool = False
+    ) -> None:
         self._conn = conn
+        # A streaming call's later frames (bodies), grpc.aio.EOF once the client said it sends no more.
+        self.inbox: queue.SimpleQueue[Any] | None = queue.SimpleQueue() if streaming else None
+        self.pending = 0  # frames in the inbox (the loop adds, the handler takes)
         self._metadata = metadata
         self._deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
         self._lock = threading.Lock()
@@ -120,6 +145,8 @@ class Context:
                 return
             self._done = True
             callbacks, self._callbacks = self._callbacks, []
+        if self.inbox is not None:
+            self.inbox.put(_GONE)  # wakes a handler waiting for the client's next message
         for callback in callbacks:
             try:
                 callback()
@@ -140,7 +167,56 @@ class Context:
 
     def send_initial_metadata(self, metadata: Any) -> None:
         self._initial = tuple(metadata)
-        _write(self._conn, _reply(nnd_pb2.FastReply(initial_metadata=_pairs(self._initial))), b"")
+        self._send(_reply(nnd_pb2.FastReply(initial_metadata=_pairs(self._initial))), b"")
+
+    # -- a stream its handler drives (Interact: the run writes and reads its own stream) ----------
+    def _send(self, header: bytes, body: Any) -> None:
+        try:
+            _write(self._conn, header, body)
+        except _Ended:
+            raise _CallEnded() from None
+
+    def post(self, message: Any = None, *, initial_metadata: Any = None) -> None:
+        """Write `message` (or send `initial_metadata`)."""
+        if self._done:
+            raise _CallEnded()
+        if initial_metadata is not None:
+            self.send_initial_metadata(initial_metadata)
+        else:
+            self._send(_EMPTY, _serialized(message))
+
+    def flush(self) -> None:
+        """Everything posted is written already."""
+
+    def exchange(self, timeout: float, message: Any = None) -> Any:
+        """Write `message` (if given), then the stream's next request: its bytes, grpc.aio.EOF once the
+        client sends no more, None when none came within `timeout` seconds. Raises grpc.RpcError
+        (CANCELLED) when the call has ended."""
+        if message is not None:
+            self.post(message)
+        return self._next(timeout)
+
+    def _next(self, timeout: float | None) -> Any:
+        assert self.inbox is not None
+        if self._done:
+            raise _CallEnded()
+        try:
+            item = self.inbox.get(timeout=None if timeout is None else max(0.0, timeout))
+        except queue.Empty:
+            return None
+        if item is _GONE:
+            raise _CallEnded()
+        self.pending -= 1
+        return item
+
+    def requests(self, first: bytes) -> Iterator[Any]:
+        """A stream's requests: `first`, then the later frames as they come."""
+        yield first
+        while True:
+            item = self._next(None)
+            if item is grpc.aio.EOF:
+                return
+            yield item
 
 
 def _pairs(metadata: Any) -> list[nnd_pb2.FastMetadata]:
@@ -149,6 +225,10 @@ def _pairs(metadata: Any) -> list[nnd_pb2.FastMetadata]:
 
 def _reply(header: nnd_pb2.FastReply) -> bytes:
     return header.SerializeToString()
+
+
+def _serialized(message: Any) -> Any:
+    return message if isinstance(message, (bytes, bytearray, memoryview)) else message.SerializeToString()
 
 
 def _write(conn: _Conn, header: bytes, body: Any) -> None:
@@ -357,7 +437,7 @@ class FastRoute:
         conn.sock.close()
 
     def _readable(self, conn: _Conn) -> None:
-        if conn.call is not None:
+        if conn.call is not None and conn.call.inbox is None:
             # Mid-call a client sends nothing: this is its end (EOF) or a second call before the first
             # ended. Either way the call is cancelled and the connection closed.
             try:
@@ -412,15 +492,25 @@ class FastRoute:
         self._start(conn, header, conn.body, len(conn.body))
 
     def _start(self, conn: _Conn, header: bytes, body: bytearray | None, size: int) -> None:
-        """A whole frame came: its call runs on a pool thread."""
+        """A whole frame came: its call runs on a pool thread (a streaming call's later frame goes to it)."""
         conn.reset()
         try:
             call = nnd_pb2.FastCall.FromString(header)
         except Exception:  # noqa: BLE001 - not a FastCall: the client speaks something else
             log.info("a fast-route frame's header is not a FastCall; closed")
             raise _Ended() from None
+        running = conn.call
+        if running is not None:  # a later frame of a streaming call (its header empty, or half_close)
+            if body is None or call.method or running.pending >= INBOX:
+                log.info("a fast-route client (uid %d) sent a frame its call does not take; closed", conn.uid)
+                raise _Ended()
+            running.pending += 1
+            running.inbox.put(grpc.aio.EOF if call.half_close else bytes(body))  # type: ignore[union-attr]
+            return
+        if call.half_close and not call.method:  # a streaming call's last word, after its end: nothing to do
+            return
         metadata = tuple((m.key, m.value) for m in call.metadata)
-        context = Context(conn, metadata, call.timeout_s)
+        context = Context(conn, metadata, call.timeout_s, streaming=call.method == "Interact")
         conn.call = context
         try:
             self._pool.submit(self._serve, conn, context, call.method, body, size)
@@ -437,12 +527,18 @@ class FastRoute:
                     f"the request is {size} bytes, over this socket's {self.max_body}; nothing ran",
                 )
             handler = self._lookup(_Details(_SERVICE + method, context.invocation_metadata()))
-            if method not in METHODS or handler is None or handler.request_streaming:
+            streaming = context.inbox is not None
+            if method not in METHODS or handler is None or handler.request_streaming != streaming:
                 raise asyncserve.Aborted(grpc.StatusCode.UNIMPLEMENTED, f"the fast route does not serve {method!r}")
-            request = bytes(body) if handler.request_deserializer is None else handler.request_deserializer(bytes(body))
+            deserialize = handler.request_deserializer or bytes
+            request: Any = deserialize(bytes(body))
             serialize = handler.response_serializer or (lambda m: m)
+            if streaming:
+                requests = (r if i == 0 else deserialize(r) for i, r in enumerate(context.requests(request)))
+                request = requests
             if handler.response_streaming:
-                responses: Iterator[Any] = handler.unary_stream(request, context)
+                behavior = handler.stream_stream if streaming else handler.unary_stream
+                responses: Iterator[Any] = behavior(request, context)
                 try:
                     for response in responses:
                         _write(conn, _EMPTY, serialize(response))
@@ -456,7 +552,7 @@ class FastRoute:
                 code, details = context._code, context._details
         except asyncserve.Aborted as aborted:
             code, details = aborted.code, aborted.details
-        except _Ended:
+        except (_Ended, _CallEnded):
             context.finish()
             return
         except Exception:  # noqa: BLE001 - what no interceptor mapped: a status, never a dead connection

@@ -167,6 +167,35 @@ def test_traces_generations_and_sessions_take_the_fast_socket_with_the_grpc_rout
     assert len(fast[1]) == 4
 
 
+def test_sync_points_take_the_fast_socket_with_the_grpc_routes_numbers(fastd, monkeypatch):
+    d, model = fastd
+    router = model._conn.router
+
+    def run() -> tuple[float, torch.Tensor, float]:
+        seen: list[float] = []
+        with model.trace(PROMPT):
+            first = model.transformer.h[0].output[0, -1, 0].item()  # a sync point: the run pauses here
+            seen.append(first)
+            if first > 0:  # Python on a real value, then more edits at later hooks
+                model.transformer.h[1].output[:] *= 2
+            else:
+                model.transformer.h[1].output[:] *= -1
+            logits = model.lm_head.output.save()
+            seen.append(model.lm_head.output[0, -1].argmax().item())  # a second pause, in the same run
+        return seen[0], logits, seen[1]
+
+    before = router.fast_calls
+    fast = run()
+    assert router.fast_calls == before + 1  # one Interact call, both pauses on it
+    again = run()  # the connection is reused after the stream ended
+    assert router.fast_calls == before + 2
+    with _over_grpc(model, monkeypatch):
+        slow = run()
+    for ours, other, theirs in zip(fast, again, slow, strict=True):
+        torch.testing.assert_close(torch.as_tensor(ours), torch.as_tensor(theirs), rtol=0, atol=0)
+        torch.testing.assert_close(torch.as_tensor(other), torch.as_tensor(theirs), rtol=0, atol=0)
+
+
 def test_the_fast_socket_is_guarded_as_the_grpc_route_is(fastd):
     d, model = fastd
     route = _route(d, model.name)

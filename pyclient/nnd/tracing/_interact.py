@@ -29,6 +29,49 @@ if TYPE_CHECKING:
 _END: Any = object()
 
 
+class _Requests:
+    """An Interact stream's messages: the start, then what the block puts in `outbox` until _END.
+    Iterating waits for each (gRPC's request thread does); `ready()` takes what is there without
+    waiting, for a caller that writes them itself before it reads (the fast route: no thread)."""
+
+    def __init__(self, start: nnd_pb2.InteractRequest, outbox: queue.SimpleQueue[Any]) -> None:
+        self._first: nnd_pb2.InteractRequest | None = start
+        self._outbox = outbox
+        self.ended = False
+
+    def __iter__(self) -> _Requests:
+        return self
+
+    def __next__(self) -> nnd_pb2.InteractRequest:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        if self.ended:
+            raise StopIteration
+        msg = self._outbox.get()
+        if msg is _END:
+            self.ended = True
+            raise StopIteration
+        return msg  # type: ignore[no-any-return]
+
+    def ready(self) -> list[nnd_pb2.InteractRequest]:
+        """The messages put so far and not taken; `ended` says whether _END came after them."""
+        out: list[nnd_pb2.InteractRequest] = []
+        if self._first is not None:
+            out.append(self._first)
+            self._first = None
+        while not self.ended:
+            try:
+                msg = self._outbox.get_nowait()
+            except queue.Empty:
+                break
+            if msg is _END:
+                self.ended = True
+            else:
+                out.append(msg)
+        return out
+
+
 class Interaction:
     """The running request of one block (or session), paused at its latest sync point."""
 
@@ -49,16 +92,7 @@ class Interaction:
         self.outbox.put(_END)
         self.outbox = outbox = queue.SimpleQueue()
         assert self.start is not None
-        return self._read(self.start, outbox)
-
-    @staticmethod
-    def _read(start: nnd_pb2.InteractRequest, outbox: queue.SimpleQueue[Any]) -> Iterator[nnd_pb2.InteractRequest]:
-        yield start
-        while True:
-            msg = outbox.get()
-            if msg is _END:
-                return
-            yield msg
+        return _Requests(self.start, outbox)
 
     def _new_nodes(self) -> graph_pb2.Graph:
         graph = self.tracer.graph

@@ -394,14 +394,16 @@ class Route(_message.Message):
     def __init__(self, address: _Optional[str] = ..., epoch: _Optional[int] = ..., lost: _Optional[str] = ..., fast_address: _Optional[str] = ...) -> None: ...
 
 class FastCall(_message.Message):
-    __slots__ = ("method", "metadata", "timeout_s")
+    __slots__ = ("method", "metadata", "timeout_s", "half_close")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    HALF_CLOSE_FIELD_NUMBER: _ClassVar[int]
     method: str
     metadata: _containers.RepeatedCompositeFieldContainer[FastMetadata]
     timeout_s: float
-    def __init__(self, method: _Optional[str] = ..., metadata: _Optional[_Iterable[_Union[FastMetadata, _Mapping]]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    half_close: bool
+    def __init__(self, method: _Optional[str] = ..., metadata: _Optional[_Iterable[_Union[FastMetadata, _Mapping]]] = ..., timeout_s: _Optional[float] = ..., half_close: _Optional[bool] = ...) -> None: ...
 
 class FastMetadata(_message.Message):
     __slots__ = ("key", "value")

@@ -1,9 +1,11 @@
 """The fast route, client side (nnd.proto, Route.fast_address and FastCall).
 
-Where a model's route offers a fast socket, its TraceOnce, Trace, Generate and
-Session calls go there as framed messages instead of gRPC calls: a frame
-written and frames read on a connection kept open between calls (one per
-concurrent call, a few kept idle). Failures read as the gRPC call's would
+Where a model's route offers a fast socket, its TraceOnce, Trace, Generate,
+Session and Interact calls go there as framed messages instead of gRPC calls: a
+frame written and frames read on a connection kept open between calls (one per
+concurrent call, a few kept idle). An Interact call's later messages go out
+from the reading thread itself, before each read (the block puts them before it
+waits for the answer), or from a thread of the call's own for a plain iterator. Failures read as the gRPC call's would
 (`FastError` is a `grpc.RpcError` with a code, details and metadata), so the
 router treats both alike. A connection the worker refuses, or that cannot be
 made, raises `Unreachable` before anything was sent: the call takes the gRPC
@@ -92,8 +94,18 @@ def _read_exact(sock: socket.socket, size: int, deadline: float | None) -> bytea
 class FastCall:
     """One call's replies: iterate for the response bodies; raises FastError for a failed status."""
 
-    def __init__(self, channel: FastChannel, sock: socket.socket, deadline: float | None) -> None:
+    def __init__(
+        self,
+        channel: FastChannel,
+        sock: socket.socket,
+        deadline: float | None,
+        reusable: bool = True,
+        more: Any = None,
+    ) -> None:
         self._channel = channel
+        # Not when a thread of its own writes the client's later messages: it may still be writing.
+        self._reusable = reusable
+        self._more = more  # later messages this thread writes before each read (`ready()`)
         self._sock: socket.socket | None = sock
         self._deadline = deadline
         self._initial: tuple[tuple[str, str], ...] = ()
@@ -110,12 +122,16 @@ class FastCall:
     def __iter__(self) -> Iterator[bytearray]:
         try:
             while self._sock is not None:
+                if self._more is not None:
+                    self._send_ready(self._sock)
                 header, body = self._frame(self._sock)
                 if header.initial_metadata:
                     self._initial = tuple((m.key, m.value) for m in header.initial_metadata)
                 if header.end:
-                    sock, self._sock = self._sock, None
-                    self._channel.give_back(sock)
+                    # Reused only when the client has said all it will: nothing of this call can follow.
+                    if self._reusable and (self._more is None or self._more.ended):
+                        sock, self._sock = self._sock, None
+                        self._channel.give_back(sock)
                     if header.code:
                         trailers = tuple((m.key, m.value) for m in header.trailing_metadata)
                         code = _CODES.get(header.code, grpc.StatusCode.UNKNOWN)
@@ -125,6 +141,16 @@ class FastCall:
                     yield body
         finally:
             self.cancel()  # left before the end (an error, or the caller stopped reading): not reusable
+
+    def _send_ready(self, sock: socket.socket) -> None:
+        for message in self._more.ready():
+            body = message.SerializeToString()
+            try:
+                sock.sendall(_HEAD.pack(0) + _BODY.pack(len(body)) + body)
+            except OSError as exc:
+                raise FastError(
+                    grpc.StatusCode.UNAVAILABLE, f"the worker's fast route closed the connection ({exc})", (), self._initial
+                ) from None
 
     def _frame(self, sock: socket.socket) -> tuple[nnd_pb2.FastReply, bytearray]:
         try:
@@ -188,9 +214,16 @@ class FastChannel:
         sock.close()
 
     def call(
-        self, method: str, request: bytes, metadata: Sequence[tuple[str, str]], timeout: float | None
+        self,
+        method: str,
+        request: bytes,
+        metadata: Sequence[tuple[str, str]],
+        timeout: float | None,
+        more: Iterator[Any] | None = None,
     ) -> FastCall:
-        """Send the call; raises Unreachable if it could not be sent whole (then nothing ran)."""
+        """Send the call; raises Unreachable if it could not be sent whole (then nothing ran). `more`: a
+        streaming call's later messages: written before each read where it has `ready()` (see FastCall),
+        else by a thread of their own as they come, then the half-close."""
         header = nnd_pb2.FastCall(
             method=method,
             metadata=[nnd_pb2.FastMetadata(key=k, value=v) for k, v in metadata],
@@ -210,7 +243,11 @@ class FastChannel:
                 if reused:  # the worker closed it while it sat idle: a fresh one
                     continue
                 raise Unreachable(f"cannot send to {self.path}: {exc}") from None
-            return FastCall(self, sock, deadline)
+            if more is not None and hasattr(more, "ready"):
+                return FastCall(self, sock, deadline, more=more)
+            if more is not None:
+                threading.Thread(target=_pump, args=(sock, more), name="nnd-fast-send", daemon=True).start()
+            return FastCall(self, sock, deadline, reusable=more is None)
         raise Unreachable(f"cannot send to {self.path}")
 
     def close(self) -> None:
@@ -218,6 +255,21 @@ class FastChannel:
             idle, self._idle = self._idle, []
         for sock in idle:
             sock.close()
+
+
+_HALF_CLOSE = nnd_pb2.FastCall(half_close=True).SerializeToString()
+
+
+def _pump(sock: socket.socket, more: Iterator[Any]) -> None:
+    """A streaming call's later messages, each a frame with an empty header, then the half-close. Ends
+    quietly when the call has (its connection closed under a write)."""
+    try:
+        for message in more:
+            body = message.SerializeToString()
+            sock.sendall(_HEAD.pack(0) + _BODY.pack(len(body)) + body)
+        sock.sendall(_HEAD.pack(len(_HALF_CLOSE)) + _HALF_CLOSE + _BODY.pack(0))
+    except (OSError, ValueError):
+        return
 
 
 def unary(call: FastCall, parse: Callable[[bytearray], Any]) -> Any:

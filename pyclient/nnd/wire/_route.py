@@ -9,9 +9,9 @@ resent; it fails with UNAVAILABLE saying whether it had started, as the
 daemon says it. With no route (the model is not dispatched) the request goes
 to the daemon, which dispatches the model first; so does one whose fresh route
 cannot be reached (the daemon then forwards its bytes). Where the route offers
-a fast socket, Trace, TraceOnce, Generate and Session go there as framed
-messages (_fast.py), the same requests and answers without gRPC's per-call
-cost; Interact stays a gRPC stream. (protos/nnd/v1/nnd.proto, Route.)
+a fast socket, Trace, TraceOnce, Generate, Session and Interact go there as
+framed messages (_fast.py), the same requests and answers without gRPC's
+per-call cost. (protos/nnd/v1/nnd.proto, Route.)
 """
 
 from __future__ import annotations
@@ -106,7 +106,13 @@ class Router:
             try:
                 if fast is not None:
                     try:
-                        sent = fast.call(contract.TRACE_ONCE if unary else method, argument().SerializeToString(), meta, left)
+                        if method == "Interact":  # the start now; the block's later messages as it sends them
+                            messages = argument()
+                            first = next(messages).SerializeToString()
+                            sent = fast.call(method, first, meta, left, more=messages)
+                        else:
+                            name = contract.TRACE_ONCE if unary else method
+                            sent = fast.call(name, argument().SerializeToString(), meta, left)
                     except _fast.Unreachable:
                         route.fast = None  # nothing was sent: this route's calls take gRPC from now on
                         fast.close()
@@ -258,8 +264,8 @@ class Router:
                 route.fast.close()
 
 
-# What the fast route serves (nnd.proto, Route.fast_address); Interact stays a gRPC stream.
-_FAST_METHODS = frozenset({"Trace", "Generate", "Session"})
+# What the fast route serves (nnd.proto, Route.fast_address).
+_FAST_METHODS = frozenset({"Trace", "Generate", "Session", "Interact"})
 
 
 def _stream_instead(err: grpc.RpcError) -> bool:
