@@ -100,7 +100,40 @@ class Waiting:
         return self._counts.get(who, 0)
 
 
-class Context:
+class CallState:
+    """What a servicer context knows of its call's life: its deadline, whether it has ended, and the
+    callbacks its end runs once (`add_callback`; the subclass's `finish` ends it). This module's
+    Context and the fast route's (worker/fastroute.py) share it."""
+
+    def __init__(self, deadline: float | None) -> None:
+        self._deadline = deadline
+        self._lock = threading.Lock()
+        self._done = False
+        self._callbacks: list[Callable[[], None]] = []
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def is_active(self) -> bool:
+        return not self._done
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        with self._lock:
+            if self._done:
+                return False
+            self._callbacks.append(callback)
+            return True
+
+    @staticmethod
+    def run_callbacks(callbacks: list[Callable[[], None]]) -> None:
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - one callback's failure must not skip the others
+                log.exception("a call's end callback failed")
+
+
+class Context(CallState):
     """The synchronous servicer context handlers see (the part of grpc.ServicerContext nnd uses),
     over a grpc.aio call; called from pool threads, it reaches the loop where it must."""
 
@@ -108,19 +141,16 @@ class Context:
         # Pool threads never touch the aio call object itself (it is not thread-safe: its core call
         # may be freed on the loop under a thread reading it, a segfault): what they read is copied
         # here, on the loop, and what they set is applied on the loop (`apply`, or via the loop).
+        remaining = call.time_remaining()
+        super().__init__(None if remaining is None else time.monotonic() + remaining)
         self._call = call
         self._loop = loop
         self.caller = caller
         self._metadata = tuple(call.invocation_metadata() or ())
         self._peer = call.peer() or ""
-        remaining = call.time_remaining()
-        self._deadline = None if remaining is None else time.monotonic() + remaining
         self._trailers: tuple[Any, ...] | None = None
         self._code: grpc.StatusCode | None = None
         self._details: str | None = None
-        self._done = False
-        self._callbacks: list[Callable[[], None]] = []
-        self._lock = threading.Lock()
         self._read: concurrent.futures.Future[Any] | None = None
         # The last write `post` handed the loop: at most one is in flight, so a run never queues more
         # than one message ahead of what the client takes.
@@ -134,20 +164,7 @@ class Context:
     def peer(self) -> str:
         return self._peer
 
-    def time_remaining(self) -> float | None:
-        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-
-    def is_active(self) -> bool:
-        return not self._done
-
     # -- how it ends ------------------------------------------------------------------------
-    def add_callback(self, callback: Callable[[], None]) -> bool:
-        with self._lock:
-            if self._done:
-                return False
-            self._callbacks.append(callback)
-            return True
-
     def cancel(self) -> None:
         """End the call now (CANCELLED to the client); a handler blocked reading it wakes."""
         self._loop.call_soon_threadsafe(self._cancel_on_loop)
@@ -174,11 +191,7 @@ class Context:
             read = self._read
         if read is not None:
             read.cancel()
-        for callback in callbacks:
-            try:
-                callback()
-            except Exception:  # noqa: BLE001 - one callback's failure must not skip the others
-                log.exception("a call's end callback failed")
+        self.run_callbacks(callbacks)
 
     def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         raise Aborted(code, details)

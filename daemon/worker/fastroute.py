@@ -30,7 +30,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -99,21 +99,18 @@ class _Conn:
         self.since = None
 
 
-class Context:
+class Context(asyncserve.CallState):
     """The servicer context the handlers see (the part of grpc.ServicerContext nnd uses)."""
 
     def __init__(
         self, conn: _Conn, metadata: tuple[tuple[str, str], ...], timeout_s: float, streaming: bool = False
     ) -> None:
+        super().__init__(time.monotonic() + timeout_s if timeout_s > 0 else None)
         self._conn = conn
         # A streaming call's later frames (bodies), grpc.aio.EOF once the client said it sends no more.
         self.inbox: queue.SimpleQueue[Any] | None = queue.SimpleQueue() if streaming else None
         self.pending = 0  # frames in the inbox (the loop adds, the handler takes)
         self._metadata = metadata
-        self._deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
-        self._lock = threading.Lock()
-        self._done = False
-        self._callbacks: list[Callable[[], None]] = []
         self._trailers: tuple[Any, ...] = ()
         self._code: grpc.StatusCode | None = None
         self._details = ""
@@ -125,19 +122,6 @@ class Context:
     def peer(self) -> str:
         return f"unix:fast-route uid {self._conn.uid}"
 
-    def time_remaining(self) -> float | None:
-        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-
-    def is_active(self) -> bool:
-        return not self._done
-
-    def add_callback(self, callback: Callable[[], None]) -> bool:
-        with self._lock:
-            if self._done:
-                return False
-            self._callbacks.append(callback)
-            return True
-
     def finish(self) -> None:
         """The call is over (ended, or its client went away): run the callbacks once."""
         with self._lock:
@@ -147,11 +131,7 @@ class Context:
             callbacks, self._callbacks = self._callbacks, []
         if self.inbox is not None:
             self.inbox.put(_GONE)  # wakes a handler waiting for the client's next message
-        for callback in callbacks:
-            try:
-                callback()
-            except Exception:  # noqa: BLE001 - one callback's failure must not skip the others
-                log.exception("a call's end callback failed")
+        self.run_callbacks(callbacks)
 
     def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         raise asyncserve.Aborted(code, details)
