@@ -19,6 +19,8 @@ plus the daemon's and the worker's for nnd.
 
 from __future__ import annotations
 
+import os
+
 import harness
 from harness import PROMPT, Row, ms
 
@@ -150,13 +152,31 @@ def _run_shape(layers: int, width: int, quick: bool) -> list[Row]:
                 h = ours.transformer.h[mid].output.save()
             return h
 
+        # The same client code on a connection of its own whose route has no fast socket (NND_FAST=0 as
+        # it fetches the route): its traces are gRPC calls to the worker, as before the fast socket.
+        os.environ["NND_FAST"] = "0"
+        try:
+            grpc_route = nnd.TransformersModel(path, address=_path_of(d.address), device="cpu")
+
+            def with_nnd_grpc() -> torch.Tensor:
+                with grpc_route.trace(PROMPT):
+                    h = grpc_route.transformer.h[mid].output.save()
+                return h
+
+            with_nnd_grpc()
+        finally:
+            del os.environ["NND_FAST"]
+        assert grpc_route._conn.router.fast_calls == 0 and grpc_route._conn.router.direct_calls == 1
+
         torch.testing.assert_close(with_nnd(), with_nnsight(), atol=1e-4, rtol=0)  # same work on both sides
         torch.testing.assert_close(with_floor(), with_nnd(), atol=1e-4, rtol=0)
-        fns = {"plain": plain, "nnsight": with_nnsight, "nnd": with_nnd, "floor": with_floor}
+        torch.testing.assert_close(with_nnd_grpc(), with_nnd(), atol=0, rtol=0)
+        fns = {"plain": plain, "nnsight": with_nnsight, "nnd": with_nnd, "nnd_grpc": with_nnd_grpc, "floor": with_floor}
         t = harness.interleaved(fns, warmup=warmup, repeats=repeats)
         # The same in CPU time, counting the daemon and the worker for nnd.
         # (CPU times tick every 10 ms: enough calls that a process's share of ~0.3 ms shows.)
-        pids = {"nnd": {"daemon": d.proc.pid, "worker": harness.worker_pid(d)}, "floor": {"server": floor.proc.pid}}
+        ours_pids = {"daemon": d.proc.pid, "worker": harness.worker_pid(d)}
+        pids = {"nnd": ours_pids, "nnd_grpc": ours_pids, "floor": {"server": floor.proc.pid}}
         per = harness.interleaved_cpu(fns, repeats=max(repeats, 40), pids=pids)
         split = per["nnd"]
         cpu = {k: sum(v.values()) for k, v in per.items()}
@@ -173,6 +193,7 @@ def _run_shape(layers: int, width: int, quick: bool) -> list[Row]:
     over_floor, cpu_floor = t["floor"] - t["plain"], cpu["floor"] - cpu["plain"]
     floor_ratio = over_nnd / over_floor if over_floor > 0 else None
     floor_cpu_ratio = cpu_nnd / cpu_floor if cpu_floor > 0 else None
+    over_grpc, cpu_grpc = t["nnd_grpc"] - t["plain"], cpu["nnd_grpc"] - cpu["plain"]
     return [
         Row(
             f"trace ({shape}), vs plain forward",
@@ -221,4 +242,16 @@ def _run_shape(layers: int, width: int, quick: bool) -> list[Row]:
             floor_cpu_ratio,
             target=harness.target("≤ 1.5", None if floor_cpu_ratio is None else floor_cpu_ratio <= 1.5),
         ),
+        Row(
+            f"trace overhead over plain forward ({shape}): the worker's fast socket vs its gRPC route",
+            "the same client, gRPC calls on the route",
+            harness.plus_ms(over_grpc) + f" (CPU {harness.plus_ms(cpu_grpc)})",
+            harness.plus_ms(over_nnd) + f" (CPU {harness.plus_ms(cpu_nnd)})",
+            over_nnd / over_grpc if over_grpc > 0 else None,
+        ),
     ]
+
+
+def _path_of(address: str) -> str:
+    """A unix address as a bare socket path: the same daemon, through a connection of its own."""
+    return address[len("unix://") :] if address.startswith("unix://") else address
