@@ -288,7 +288,11 @@ def test_seeded_sampling_matches(tp2, tp1):
     # unseeded: rank 0 picks one seed for all ranks, so the ranks agree and nothing hangs
     with tp2.generate(PROMPT, max_new_tokens=4, do_sample=True, temperature=1.5) as tracer:
         ids = tracer.result.save()
-    assert ids.shape[-1] == len(tp2.tokenizer(PROMPT)["input_ids"]) + 4
+    prompt = len(tp2.tokenizer(PROMPT)["input_ids"])
+    new = ids[0, prompt:].tolist()
+    # Unseeded, a sampled end-of-sequence token may end it early (random weights, temperature 1.5): then
+    # that is its last token. Four steps otherwise.
+    assert 1 <= len(new) <= 4 and (len(new) == 4 or new[-1] == tp2.tokenizer.eos_token_id), new
 
 
 def test_generation_with_per_step_reads(tp2, tp1):
