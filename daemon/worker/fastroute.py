@@ -331,10 +331,15 @@ class FastRoute:
                     return
                 raise
             for key, _ in events:
-                if key.data is None:
-                    self._accept()
-                else:
-                    self._readable(key.data)
+                try:
+                    if key.data is None:
+                        self._accept()
+                    else:
+                        self._readable(key.data)
+                except Exception:  # noqa: BLE001 - one connection's trouble must not end the socket's loop
+                    log.exception("fast route: a connection failed; closed")
+                    if key.data is not None:
+                        self._close(key.data)
             self._sweep()
 
     def _sweep_after(self) -> float | None:
@@ -459,7 +464,11 @@ class FastRoute:
                 header = bytes(conn.head[_HEAD.size : _HEAD.size + conn.header_len])
                 self._start(conn, header, None, size)
                 return
-            conn.body = bytearray(size)
+            try:  # untouched pages cost nothing: memory grows as the body arrives, as gRPC's buffers do
+                conn.body = bytearray(size)
+            except MemoryError:
+                log.info("fast route: no memory for a %d-byte request; its connection closed", size)
+                raise _Ended() from None
             conn.got = 0
         if conn.got < len(conn.body):
             n = conn.sock.recv_into(memoryview(conn.body)[conn.got :])

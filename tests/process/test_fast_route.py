@@ -298,6 +298,15 @@ def test_a_frame_sent_in_part_is_cut_off_and_a_bad_one_at_once(fastd):
         assert _closed(sock)
     finally:
         sock.close()
+    sock, _ = _connect(path)
+    try:  # a request of a TiB, announced: refused as over the message limit, before any of it is read
+        call = nnd_pb2.FastCall(method="TraceOnce").SerializeToString()
+        sock.sendall(struct.pack("<I", len(call)) + call + struct.pack("<Q", 1 << 40))
+        header, _ = _reply(sock)
+        assert header.end and header.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], header
+        assert "nothing ran" in header.details
+    finally:
+        sock.close()
     with model.trace(PROMPT):  # the worker serves on
         assert model.lm_head.output.save() is not None
 
