@@ -109,7 +109,6 @@ class Context(asyncserve.CallState):
         self._conn = conn
         # A streaming call's later frames (bodies), grpc.aio.EOF once the client said it sends no more.
         self.inbox: queue.SimpleQueue[Any] | None = queue.SimpleQueue() if streaming else None
-        self.pending = 0  # frames in the inbox (the loop adds, the handler takes)
         self._metadata = metadata
         self._trailers: tuple[Any, ...] = ()
         self._code: grpc.StatusCode | None = None
@@ -186,7 +185,6 @@ class Context(asyncserve.CallState):
             return None
         if item is _GONE:
             raise _CallEnded()
-        self.pending -= 1
         return item
 
     def requests(self, first: bytes) -> Iterator[Any]:
@@ -247,7 +245,7 @@ def _peer_uid(sock: socket.socket) -> int:
 
 
 class FastRoute:
-    """Serves `add_generic_rpc_handlers`' unary-request methods (METHODS) on a unix socket at `path`.
+    """Serves METHODS of `add_generic_rpc_handlers`' handlers on a unix socket at `path`.
     `per_uid`, `total`: connections open at once (0: unbounded); `idle_s`: how long a frame may take to
     arrive whole (0: for ever), as asyncserve.Server's bounds on calls waiting for their request."""
 
@@ -277,7 +275,7 @@ class FastRoute:
         self._stopping = False
         self._name = name
         self._thread: threading.Thread | None = None
-        self.refused = 0  # connections turned away at a bound (tests read it)
+        self.refused = 0  # connections turned away at a bound
 
     def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
         self._lookup.generic.extend(handlers)
@@ -490,10 +488,9 @@ class FastRoute:
             raise _Ended() from None
         running = conn.call
         if running is not None:  # a later frame of a streaming call (its header empty, or half_close)
-            if body is None or call.method or running.pending >= INBOX:
+            if body is None or call.method or running.inbox.qsize() >= INBOX:  # type: ignore[union-attr]
                 log.info("a fast-route client (uid %d) sent a frame its call does not take; closed", conn.uid)
                 raise _Ended()
-            running.pending += 1
             running.inbox.put(grpc.aio.EOF if call.half_close else bytes(body))  # type: ignore[union-attr]
             return
         if call.half_close and not call.method:  # a streaming call's last word, after its end: nothing to do
