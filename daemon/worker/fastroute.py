@@ -259,9 +259,14 @@ class FastRoute:
         per_uid: int = 32,
         total: int = 256,
         max_body: int = contract.MAX_MESSAGE,
+        max_reading: int = 0,
         name: str = "fast",
     ) -> None:
         self.path = path
+        # Bytes of request bodies being read at once, all connections (0: no bound): the worker's
+        # max_inflight_bytes, so many connections announcing big requests cannot grow it past that.
+        self.max_reading = max_reading
+        self._reading = 0
         self.idle_s = idle_s
         self.per_uid = per_uid
         self.total = total
@@ -399,6 +404,9 @@ class FastRoute:
         if conn.closed:
             return
         conn.closed = True
+        if conn.body is not None:  # a body it was sending: no longer being read
+            self._reading -= len(conn.body)
+            conn.body = None
         if conn in self._conns:
             self._conns.discard(conn)
             left = self._per_uid.get(conn.uid, 1) - 1
@@ -458,15 +466,24 @@ class FastRoute:
                     raise _Ended()
                 return
             (size,) = _BODY.unpack_from(conn.head, _HEAD.size + conn.header_len)
+            refusal = ""
             if size > self.max_body:
+                refusal = f"the request is {size} bytes, over this socket's {self.max_body}; nothing ran"
+            elif self.max_reading and self._reading + size > self.max_reading:
+                refusal = (
+                    f"the worker is reading {self._reading} bytes of other requests; with this one's {size} that is "
+                    f"over its limit max_inflight_bytes={self.max_reading}; nothing ran, retry shortly"
+                )
+            if refusal:
                 header = bytes(conn.head[_HEAD.size : _HEAD.size + conn.header_len])
-                self._start(conn, header, None, size)
+                self._start(conn, header, None, size, refusal)
                 return
             try:  # untouched pages cost nothing: memory grows as the body arrives, as gRPC's buffers do
                 conn.body = bytearray(size)
             except MemoryError:
                 log.info("fast route: no memory for a %d-byte request; its connection closed", size)
                 raise _Ended() from None
+            self._reading += size
             conn.got = 0
         if conn.got < len(conn.body):
             n = conn.sock.recv_into(memoryview(conn.body)[conn.got :])
@@ -476,9 +493,10 @@ class FastRoute:
         if conn.got < len(conn.body):
             return
         header = bytes(conn.head[_HEAD.size : _HEAD.size + conn.header_len])
+        self._reading -= len(conn.body)
         self._start(conn, header, conn.body, len(conn.body))
 
-    def _start(self, conn: _Conn, header: bytes, body: bytearray | None, size: int) -> None:
+    def _start(self, conn: _Conn, header: bytes, body: bytearray | None, size: int, refusal: str = "") -> None:
         """A whole frame came: its call runs on a pool thread (a streaming call's later frame goes to it)."""
         conn.reset()
         try:
@@ -499,19 +517,16 @@ class FastRoute:
         context = Context(conn, metadata, call.timeout_s, streaming=call.method == "Interact")
         conn.call = context
         try:
-            self._pool.submit(self._serve, conn, context, call.method, body, size)
+            self._pool.submit(self._serve, conn, context, call.method, body, refusal)
         except RuntimeError:  # shutting down
             raise _Ended() from None
 
     # -- a pool thread --------------------------------------------------------------------------
-    def _serve(self, conn: _Conn, context: Context, method: str, body: bytearray | None, size: int) -> None:
+    def _serve(self, conn: _Conn, context: Context, method: str, body: bytearray | None, refusal: str) -> None:
         code, details = grpc.StatusCode.OK, ""
         try:
             if body is None:
-                raise asyncserve.Aborted(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"the request is {size} bytes, over this socket's {self.max_body}; nothing ran",
-                )
+                raise asyncserve.Aborted(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
             handler = self._lookup(_Details(_SERVICE + method, context.invocation_metadata()))
             streaming = context.inbox is not None
             if method not in METHODS or handler is None or handler.request_streaming != streaming:

@@ -103,6 +103,7 @@ def start(
             idle_s=ns.request_idle_timeout,
             per_uid=ns.max_waiting_calls,
             total=PUBLIC_CALLS,
+            max_reading=int(limits.max_inflight_bytes),
         )
         fast.add_generic_rpc_handlers((gateway.handler(route=True),))
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import stat
 import struct
@@ -358,5 +359,35 @@ def test_the_fast_socket_needs_the_daemons_token(tmp_path, tiny_models):
         finally:
             sock.close()
         assert header.end and header.code == grpc.StatusCode.UNAUTHENTICATED.value[0]
+    finally:
+        d.stop()
+
+
+def test_request_bodies_being_read_are_held_to_the_workers_inflight_budget(tmp_path, tiny_models):
+    """Connections that announce big requests and send them slowly cannot make the worker hold more
+    than max_inflight_bytes of them: one over the budget is refused before any of it is read."""
+    d = start_daemon(tmp_path, "--max-inflight-bytes", "1MiB", "--request-idle-timeout", "300", in_process=True)
+    try:
+        model = nnd.TransformersModel(tiny_models["gpt2"], address=d.address, device="cpu", dispatch=True)
+        path = _path(model._conn.call("GetRoute", nnd_pb2.RouteRequest(model=model.name), timeout=60).fast_address)
+        call = nnd_pb2.FastCall(method="TraceOnce").SerializeToString()
+        announce = struct.pack("<I", len(call)) + call + struct.pack("<Q", 700_000)
+        socks = [_connect(path)[0], _connect(path)[0]]
+        try:
+            # 700 kB announced on each, 1 kB of it sent: whichever the worker reads first holds room for
+            # its body, and the other is over the 1 MiB budget. Only the refused one answers.
+            for sock in socks:
+                sock.sendall(announce + b"\0" * 1000)
+            answered, _, _ = select.select(socks, [], [], 30)
+            assert len(answered) == 1, answered
+            header, _ = _reply(answered[0])
+            assert header.end and header.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], header
+            assert "max_inflight_bytes" in header.details and "nothing ran" in header.details
+        finally:
+            for sock in socks:
+                sock.close()
+        with model.trace(PROMPT):  # the room comes back with the slow connection's end
+            assert model.lm_head.output.save() is not None
+        assert model._conn.router.fast_calls >= 1
     finally:
         d.stop()
