@@ -5,7 +5,7 @@ Session and Interact calls go there as framed messages instead of gRPC calls: a
 frame written and frames read on a connection kept open between calls (one per
 concurrent call, a few kept idle). An Interact call's later messages go out
 from the reading thread itself, before each read (the block puts them before it
-waits for the answer), or from a thread of the call's own for a plain iterator. Failures read as the gRPC call's would
+waits for the answer). Failures read as the gRPC call's would
 (`FastError` is a `grpc.RpcError` with a code, details and metadata), so the
 router treats both alike. A connection the worker refuses, or that cannot be
 made, raises `Unreachable` before anything was sent: the call takes the gRPC
@@ -74,6 +74,20 @@ class FastError(grpc.RpcError):
         return f"{self._code}: {self._details}"
 
 
+def _send_frame(sock: socket.socket, header: bytes, body: bytes) -> None:
+    """One frame (nnd.proto, FastCall): the header's length, the header, the body's length, the body."""
+    prefix = _HEAD.pack(len(header)) + header + _BODY.pack(len(body))
+    if len(body) < 1 << 16:
+        sock.sendall(prefix + body)
+    else:  # not copied into one buffer first
+        sock.sendall(prefix)
+        sock.sendall(body)
+
+
+def _closed(exc: OSError, initial: tuple[tuple[str, str], ...]) -> FastError:
+    return FastError(grpc.StatusCode.UNAVAILABLE, f"the worker's fast route closed the connection ({exc})", (), initial)
+
+
 def _read_exact(sock: socket.socket, size: int, deadline: float | None) -> bytearray:
     buf = bytearray(size)
     view = memoryview(buf)
@@ -99,12 +113,9 @@ class FastCall:
         channel: FastChannel,
         sock: socket.socket,
         deadline: float | None,
-        reusable: bool = True,
         more: Any = None,
     ) -> None:
         self._channel = channel
-        # Not when a thread of its own writes the client's later messages: it may still be writing.
-        self._reusable = reusable
         self._more = more  # later messages this thread writes before each read (`ready()`)
         self._sock: socket.socket | None = sock
         self._deadline = deadline
@@ -129,7 +140,7 @@ class FastCall:
                     self._initial = tuple((m.key, m.value) for m in header.initial_metadata)
                 if header.end:
                     # Reused only when the client has said all it will: nothing of this call can follow.
-                    if self._reusable and (self._more is None or self._more.ended):
+                    if self._more is None or self._more.ended:
                         sock, self._sock = self._sock, None
                         self._channel.give_back(sock)
                     if header.code:
@@ -144,13 +155,10 @@ class FastCall:
 
     def _send_ready(self, sock: socket.socket) -> None:
         for message in self._more.ready():
-            body = message.SerializeToString()
             try:
-                sock.sendall(_HEAD.pack(0) + _BODY.pack(len(body)) + body)
+                _send_frame(sock, b"", message.SerializeToString())  # a later message: an empty header
             except OSError as exc:
-                raise FastError(
-                    grpc.StatusCode.UNAVAILABLE, f"the worker's fast route closed the connection ({exc})", (), self._initial
-                ) from None
+                raise _closed(exc, self._initial) from None
 
     def _frame(self, sock: socket.socket) -> tuple[nnd_pb2.FastReply, bytearray]:
         try:
@@ -161,9 +169,7 @@ class FastCall:
         except TimeoutError:
             raise FastError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", (), self._initial) from None
         except OSError as exc:
-            raise FastError(
-                grpc.StatusCode.UNAVAILABLE, f"the worker's fast route closed the connection ({exc})", (), self._initial
-            ) from None
+            raise _closed(exc, self._initial) from None
         return header, body
 
 
@@ -219,35 +225,28 @@ class FastChannel:
         request: bytes,
         metadata: Sequence[tuple[str, str]],
         timeout: float | None,
-        more: Iterator[Any] | None = None,
+        more: Any = None,
     ) -> FastCall:
         """Send the call; raises Unreachable if it could not be sent whole (then nothing ran). `more`: a
-        streaming call's later messages: written before each read where it has `ready()` (see FastCall),
-        else by a thread of their own as they come, then the half-close."""
+        streaming call's later messages, whose `ready()` gives those put since (and `ended` says whether
+        the client has said all): the call writes them before each read (see FastCall)."""
         header = nnd_pb2.FastCall(
             method=method,
             metadata=[nnd_pb2.FastMetadata(key=k, value=v) for k, v in metadata],
             timeout_s=timeout or 0.0,
         ).SerializeToString()
-        frame = [_HEAD.pack(len(header)), header, _BODY.pack(len(request)), request]
         deadline = None if timeout is None else time.monotonic() + timeout
         for _ in range(2):
             sock, reused = self._take()
             try:
                 sock.settimeout(None if timeout is None else max(timeout, 0.001))
-                sock.sendall(b"".join(frame) if len(request) < 1 << 16 else frame[0] + frame[1] + frame[2])
-                if len(request) >= 1 << 16:
-                    sock.sendall(request)
+                _send_frame(sock, header, request)
             except OSError as exc:
                 sock.close()
                 if reused:  # the worker closed it while it sat idle: a fresh one
                     continue
                 raise Unreachable(f"cannot send to {self.path}: {exc}") from None
-            if more is not None and hasattr(more, "ready"):
-                return FastCall(self, sock, deadline, more=more)
-            if more is not None:
-                threading.Thread(target=_pump, args=(sock, more), name="nnd-fast-send", daemon=True).start()
-            return FastCall(self, sock, deadline, reusable=more is None)
+            return FastCall(self, sock, deadline, more=more)
         raise Unreachable(f"cannot send to {self.path}")
 
     def close(self) -> None:
@@ -255,21 +254,6 @@ class FastChannel:
             idle, self._idle = self._idle, []
         for sock in idle:
             sock.close()
-
-
-_HALF_CLOSE = nnd_pb2.FastCall(half_close=True).SerializeToString()
-
-
-def _pump(sock: socket.socket, more: Iterator[Any]) -> None:
-    """A streaming call's later messages, each a frame with an empty header, then the half-close. Ends
-    quietly when the call has (its connection closed under a write)."""
-    try:
-        for message in more:
-            body = message.SerializeToString()
-            sock.sendall(_HEAD.pack(0) + _BODY.pack(len(body)) + body)
-        sock.sendall(_HEAD.pack(len(_HALF_CLOSE)) + _HALF_CLOSE + _BODY.pack(0))
-    except (OSError, ValueError):
-        return
 
 
 def unary(call: FastCall, parse: Callable[[bytearray], Any]) -> Any:
