@@ -207,6 +207,37 @@ def test_per_step_condition_on_the_step_number(gpt2, reference):
     assert ids.tolist() == want.tolist()
 
 
+def test_a_module_first_named_after_a_pause_binds_the_call_running_now(gpt2, reference):
+    # Block 1 is named only at step 2, after that step's pause: its calls at steps 0 and 1 ran while
+    # the graph did not name it, so only the worker's count of every module's calls says which call
+    # is step 2's. The value must be step 2's output, not the first call's.
+    with gpt2.generate(PROMPT, max_new_tokens=3, min_new_tokens=3) as tracer:
+        for step in tracer.iter[:]:
+            gpt2.transformer.h[0].output[:, -1].norm().item()
+            if step == 2:
+                late = gpt2.transformer.h[1].output.save()
+
+    outs: list[torch.Tensor] = []
+
+    def hook(module, args, output):
+        outs.append((output[0] if isinstance(output, tuple) else output).clone())
+
+    handle = reference.transformer.h[1].register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            reference.generate(
+                **reference_tokens(reference, PROMPT),
+                max_new_tokens=3,
+                min_new_tokens=3,
+                do_sample=False,
+                pad_token_id=1,
+            )
+    finally:
+        handle.remove()
+    assert len(outs) == 3
+    assert torch.allclose(late, outs[2], atol=1e-5)
+
+
 def test_sync_inside_a_generation_step_edits_that_step(gpt2, reference):
     # Per step: read block 0's norm (a sync, paused inside that step), zero block 1's output when it is
     # above the prompt step's norm. The decision is Python's, on real values, at every step.
