@@ -153,13 +153,13 @@ def _started_slow(d: Daemon, model: str) -> Any:
     return call
 
 
-
 def _queued(d: Daemon, requests: list[Any]) -> list[Any]:
     """`requests` sent together while a slow trace holds the model: they queue, and run merged after it."""
     slow = _started_slow(d, requests[0].model)
     out = _concurrently(d, requests)
     assert wire_results.collect(slow)[53].shape == ()
     return out
+
 
 def _same(a: dict[int, Any], b: dict[int, Any]) -> None:
     assert sorted(a) == sorted(b)
@@ -432,3 +432,69 @@ def test_members_claimed_into_a_run_never_take_the_model_themselves() -> None:
     assert merged_runs == [4] and all(m.finished.is_set() and m.error is None for m in members)
     assert run_lock.taken == 2  # this test's own turn, and the one run's: none by the merged members
     assert not run_lock.locked() and run_lock.waiting() == 0
+
+
+def test_a_request_that_takes_the_model_from_a_run_waits_for_that_runs_clients() -> None:
+    """Clients in a loop used to split into two cohorts taking turns (each forward half of them): the
+    request that takes the model from a run that just ended now waits, up to the window, for that
+    run's clients to send again, and one forward carries them all. The window here is long; the wait
+    ends when they are back, so the test takes no time, and the interleaving is forced, not timed."""
+    from nnd.v1 import worker_pb2
+    from nnd_daemon.worker import batching
+    from nnd_daemon.worker.stop import Stop
+    from nnd_daemon.worker.turns import Turns
+
+    merged_runs: list[int] = []
+    first_may_end = threading.Event()
+
+    def run_merged(merged: Any, emit: Callable[[Any], None], cancelled: Callable[[], bool]) -> None:
+        merged_runs.append(len(merged.invokes))
+        assert first_may_end.wait(30)
+        emit(nnd_pb2.TraceResponse(done=nnd_pb2.TraceDone()))
+
+    def run_alone(*_: Any) -> None:
+        raise AssertionError("the request that took the model ran alone instead of waiting for the others")
+
+    run_lock = Turns()
+    batcher = batching.Batcher(run_lock, run_merged, run_alone, window_s=60)
+    waiting = threading.Event()
+    await_returning = batcher._await_returning
+
+    def spied() -> None:
+        waiting.set()
+        await_returning()
+
+    batcher._await_returning = spied  # type: ignore[method-assign]
+
+    def submit(i: int) -> threading.Thread:
+        request = worker_pb2.WorkerRunRequest(request=nnd_pb2.TraceRequest(model="m"))
+        request.request.invokes.add().tokens.ids.extend([i, i + 1])
+        trace = batching.prepare(request, None)
+        assert trace is not None
+        member = batching.Member(request, trace, lambda r: None, lambda: False, lambda: None, stop=Stop())
+        thread = threading.Thread(target=batcher.submit, args=(member,))
+        thread.start()
+        return thread
+
+    def until(done: Callable[[], bool]) -> None:
+        while not done():
+            threading.Event().wait(0.01)
+
+    # A run of two, queued behind a busy model; it holds the model until told to end.
+    assert run_lock.acquire()
+    first = [submit(0), submit(2)]
+    until(lambda: run_lock.waiting() == 2)
+    run_lock.release()
+    until(lambda: merged_runs == [2])
+    # One more request queues behind that run; when the run ends it takes the model, and waits...
+    taker = submit(4)
+    until(lambda: run_lock.waiting() == 1)
+    first_may_end.set()
+    assert waiting.wait(30), "the request that took the model did not wait for the last run's clients"
+    # ...for the run's two clients, who come back now: one forward carries all three.
+    back = [submit(6), submit(8)]
+    threads = [*first, taker, *back]
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert merged_runs == [2, 3]
