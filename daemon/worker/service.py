@@ -464,8 +464,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 if item is _END:
                     return
                 if item is _STARTED:
-                    tracked.running = True
-                    context.send_initial_metadata(((contract.STARTED_KEY, "1"),))
+                    tracked.running = True  # no header: an Interact never says nnd-queued (_interact_alone)
                     continue
                 if isinstance(item, BaseException):
                     raise on_error(item)
@@ -513,7 +512,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         emit = onemessage.Joiner(put) if _one_message(run) else put
         def started() -> None:
             tracked.running = True
-            context.post(initial_metadata=((contract.STARTED_KEY, "1"),))
 
         try:
             self._interact_alone(run, emit, stop, interaction, started)
@@ -528,7 +526,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         started: Callable[[], None],
     ) -> None:
         """An Interact run with the model held by it alone (a paused run must not hold other clients'
-        rows); `started` says it has the model; a one-message client's last joined message goes out."""
+        rows); `started` says it has the model; a one-message client's last joined message goes out.
+        No header says it started: an Interact never says nnd-queued, so a client or daemon that
+        sees it fail takes it to have run either way (contract.started_from), and a header would be
+        one more write and read before every sync block's first value."""
         self._turn(stop)
         self.holder = "interact"
         try:
