@@ -449,9 +449,12 @@ class FastRoute:
             self._close(conn)
 
     def _read(self, conn: _Conn) -> None:
+        """Read what has arrived of the connection's frame. Each part (length, header, body) whose bytes
+        are all there leads straight to the next: a small frame is read in one wake-up of the loop, not
+        one per part (a recv that finds nothing raises BlockingIOError, which `_readable` takes)."""
         if conn.since is None:
             conn.since = time.monotonic()
-        if conn.body is None:
+        while conn.body is None:
             need = _HEAD.size if conn.header_len < 0 else _HEAD.size + conn.header_len + _BODY.size
             data = conn.sock.recv(need - len(conn.head))
             if not data:
@@ -464,7 +467,7 @@ class FastRoute:
                 if conn.header_len > MAX_HEADER:
                     log.info("a fast-route frame's header of %d bytes is over %d; closed", conn.header_len, MAX_HEADER)
                     raise _Ended()
-                return
+                continue
             (size,) = _BODY.unpack_from(conn.head, _HEAD.size + conn.header_len)
             refusal = ""
             if size > self.max_body:
