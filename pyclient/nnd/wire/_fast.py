@@ -88,21 +88,53 @@ def _closed(exc: OSError, initial: tuple[tuple[str, str], ...]) -> FastError:
     return FastError(grpc.StatusCode.UNAVAILABLE, f"the worker's fast route closed the connection ({exc})", (), initial)
 
 
-def _read_exact(sock: socket.socket, size: int, deadline: float | None) -> bytearray:
-    buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
-    while got < size:
-        if deadline is not None:
-            left = deadline - time.monotonic()
+_READ_AHEAD = 1 << 16  # what one recv may take of a reply's bytes beyond the part being read
+
+
+class _Reader:
+    """A connection's incoming bytes: one recv takes whatever has arrived (a whole small frame, often
+    with the next), so a reply costs one syscall instead of one per part (length, header, length,
+    body). A part bigger than the read-ahead goes straight into its own buffer."""
+
+    def __init__(self, sock: socket.socket, deadline: float | None) -> None:
+        self._sock = sock
+        self._deadline = deadline
+        self._buf = bytearray()
+
+    def take(self, size: int) -> bytearray:
+        buf = self._buf
+        while len(buf) < size and size - len(buf) <= _READ_AHEAD:
+            buf += self._recv(_READ_AHEAD)
+        if len(buf) >= size:
+            part = buf[:size]
+            del buf[:size]  # from the front: CPython moves the start, not the bytes
+            return part
+        part = bytearray(size)
+        got = len(buf)
+        part[:got] = buf
+        buf.clear()
+        view = memoryview(part)
+        while got < size:
+            self._wait()
+            n = self._sock.recv_into(view[got:])
+            if not n:
+                raise ConnectionResetError("the worker closed the connection")
+            got += n
+        return part
+
+    def _recv(self, size: int) -> bytes:
+        self._wait()
+        data = self._sock.recv(size)
+        if not data:
+            raise ConnectionResetError("the worker closed the connection")
+        return data
+
+    def _wait(self) -> None:
+        if self._deadline is not None:
+            left = self._deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError()
-            sock.settimeout(left)
-        n = sock.recv_into(view[got:])
-        if not n:
-            raise ConnectionResetError("the worker closed the connection")
-        got += n
-    return buf
+            self._sock.settimeout(left)
 
 
 class FastCall:
@@ -118,7 +150,7 @@ class FastCall:
         self._channel = channel
         self._more = more  # later messages this thread writes before each read (`ready()`)
         self._sock: socket.socket | None = sock
-        self._deadline = deadline
+        self._reader = _Reader(sock, deadline)
         self._initial: tuple[tuple[str, str], ...] = ()
 
     def initial_metadata(self) -> tuple[tuple[str, str], ...]:
@@ -161,11 +193,12 @@ class FastCall:
                 raise _closed(exc, self._initial) from None
 
     def _frame(self, sock: socket.socket) -> tuple[nnd_pb2.FastReply, bytearray]:
+        read = self._reader.take
         try:
-            (size,) = _HEAD.unpack(_read_exact(sock, _HEAD.size, self._deadline))
-            header = nnd_pb2.FastReply.FromString(_read_exact(sock, size, self._deadline))
-            (size,) = _BODY.unpack(_read_exact(sock, _BODY.size, self._deadline))
-            body = _read_exact(sock, size, self._deadline)
+            (size,) = _HEAD.unpack(read(_HEAD.size))
+            header = nnd_pb2.FastReply.FromString(read(size))
+            (size,) = _BODY.unpack(read(_BODY.size))
+            body = read(size)
         except TimeoutError:
             raise FastError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", (), self._initial) from None
         except OSError as exc:
