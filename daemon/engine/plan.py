@@ -21,6 +21,7 @@ computed later in the backward pass.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,6 +116,23 @@ class Plan:
         added = self.builder.extend(graph)
         self.has_stop = self.has_stop or any(n.kind == "stop" for n in added)
         return added
+
+    def fork(self) -> Plan:
+        """A copy that `extend` may add to while this plan stays as it is (a cached plan handed to a
+        run that may pause: its sync points add nodes). The nodes themselves are shared: nothing
+        changes a node once it is planned."""
+        builder = copy.copy(self.builder)
+        builder.nodes = dict(self.nodes)
+        builder.scopes = list(self.scopes)
+        builder.paths = set(self.paths)
+        builder.ops = dict(self.ops)
+        builder.grads = {b: {t: list(ids) for t, ids in of.items()} for b, of in self.grads.items()}
+        builder.grad_sources = set(self.grad_sources)
+        builder._depends = dict(builder._depends)
+        return Plan(
+            builder.nodes, builder.scopes, builder.paths, self.has_stop, builder.grads, builder.grad_sources, builder,
+            builder.ops,
+        )
 
     @property
     def backwards(self) -> int:

@@ -7,10 +7,10 @@ is already known, so a plan is kept per (model, graph bytes, edit graphs'
 bytes, number of invokes) and handed out again.
 
 A plan is reused only when running it cannot change it: not when it holds
-values of earlier traces (a session's), not for an interactive run (sync
-points add nodes to it), and not when a constant is a tensor (an in-place op
-on it would change the next run's constant). Those are planned afresh, as
-before.
+values of earlier traces (a session's), and not when a constant is a tensor
+(an in-place op on it would change the next run's constant). Those are planned
+afresh. A run that may pause (sync points add nodes to its plan) gets a fork of
+the cached plan (`Plan.fork`: its own tables, the planned nodes shared).
 """
 
 from __future__ import annotations
@@ -43,8 +43,10 @@ def build(
     max_constant_bytes: int = 0,
     *,
     edits: Sequence[graph_pb2.Graph] = (),
+    pausable: bool = False,
 ) -> plan.Plan:
-    """`plan.build`, reusing the plan of an identical earlier request (see the module's docstring)."""
+    """`plan.build`, reusing the plan of an identical earlier request (see the module's docstring).
+    `pausable`: the run may add nodes to the plan it gets (sync points), so it gets a fork."""
     graph_bytes = graph.SerializeToString(deterministic=True)
     if len(graph_bytes) > _MAX_GRAPH_BYTES:
         return plan.build(graph, model, n_invokes, max_constant_bytes, edits=edits)
@@ -54,7 +56,7 @@ def build(
         if found is not None and found[0]() is model:
             _plans.move_to_end(key)
             hits[0] += 1
-            return found[1]
+            return found[1].fork() if pausable else found[1]
     the_plan = plan.build(graph, model, n_invokes, max_constant_bytes, edits=edits)
     with _lock:
         hits[1] += 1
@@ -62,6 +64,8 @@ def build(
             _plans[key] = (weakref.ref(model), the_plan)
             while len(_plans) > _SIZE:
                 _plans.popitem(last=False)
+            if pausable:
+                return the_plan.fork()
     return the_plan
 
 

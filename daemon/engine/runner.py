@@ -280,9 +280,10 @@ def _run(
         request.invokes,
         max_sequence_length=limits.max_sequence_length,
     )
-    if external is None and interaction is None:  # a plan nothing will add to: reused when seen before
+    if external is None:  # reused when seen before (a fork of it where sync points may add nodes)
         the_plan = plancache.build(
-            request.graph, model, len(request.invokes), limits.max_constant_bytes, edits=_edit_graphs(request, edits)
+            request.graph, model, len(request.invokes), limits.max_constant_bytes, edits=_edit_graphs(request, edits),
+            pausable=interaction is not None,
         )
     else:
         the_plan = plan.build(

@@ -4,11 +4,13 @@ plan never changes a result: each run matches plain PyTorch hooks."""
 from __future__ import annotations
 
 import torch
-from graphs import Graph, S, idx
+import wire_results
+from graphs import Graph, N, S, idx
 from reference import capture, forward
 from torch.testing import assert_close
 
-from nnd_daemon.engine import plancache
+from nnd.v1 import graph_pb2, nnd_pb2
+from nnd_daemon.engine import interact, plancache
 
 PROMPTS = ["The Eiffel Tower is in the city of", "Hello world", "A third prompt, longer than the others"]
 
@@ -58,3 +60,42 @@ def test_a_tensor_constant_changed_in_place_is_planned_afresh(gpt2):
     forward(gpt2.model, gpt2.tokenizer, [PROMPTS[0]], transformer__h__0=capture(store, "h"))
     for out in outs:
         assert_close(out, store["h"][0, -1])
+
+
+def _sync_block(g: Graph) -> tuple[N, graph_pb2.Graph, N]:
+    """`h0.sum().item()` at a sync point, then, after it, `h1.save()` sent as the client's next nodes."""
+    total = g.op("sum", g.module("transformer.h.0"))
+    later = Graph()
+    later.next = 100
+    saved = later.save(later.module("transformer.h.1"))
+    return total, later.g, saved
+
+
+def test_a_paused_run_adds_its_nodes_to_its_own_copy_of_a_cached_plan(gpt2):
+    """A sync block repeated over prompts reuses its plan; the nodes each pause adds stay that run's:
+    the next run (paused or not) starts from the plan as first planned."""
+    plancache.clear()
+    before = list(plancache.hits)
+    for prompt in PROMPTS:
+        g = Graph()
+        total, more, saved = _sync_block(g)
+        start = nnd_pb2.InteractStart(request=g.request(prompt), want=[total.id])
+
+        def receive(_timeout: float, more: graph_pb2.Graph = more) -> nnd_pb2.InteractContinue:
+            return nnd_pb2.InteractContinue(graph=more, finish=True)
+
+        out = gpt2.stream(g.request(prompt), interaction=interact.Interaction(start, receive))
+        paused = wire_results.collect(out)
+        store: dict = {}
+        forward(
+            gpt2.model, gpt2.tokenizer, [prompt], transformer__h__0=capture(store, "h0"), transformer__h__1=capture(store, "h1")
+        )
+        assert_close(paused[total.id], store["h0"].sum())
+        assert_close(paused[saved.id], store["h1"])
+    assert plancache.hits[1] - before[1] == 1  # planned once
+    assert plancache.hits[0] - before[0] == len(PROMPTS) - 1  # then reused, each run extending a copy
+
+    g = Graph()
+    _sync_block(g)
+    cached = plancache.build(g.request(PROMPTS[0]).graph, gpt2.model, 1)  # as first planned: nothing added
+    assert sorted(cached.nodes) == [n.id for n in g.g.nodes]
