@@ -288,14 +288,21 @@ def _mount_counter() -> None:
         counting = _counting
         if not counting:
             return inner(module, *args, **kwargs)
-        if len(counting) == 1:  # the usual case: one paused run
+        if len(counting) == 1:  # the usual case, one pausable run: count_enter and count_leave inlined
             hooks = counting[0]
-            if not hooks.count_enter(module):
+            path = hooks._counted.get(module)
+            if path is None or hooks.suppress:
                 return inner(module, *args, **kwargs)
+            calls = hooks.calls
+            call = calls[path]
+            calls[path] = call + 1
+            active = hooks.active[path]
+            active.append(call)
             try:
                 return inner(module, *args, **kwargs)
             finally:
-                hooks.count_leave(module)
+                if module in hooks._counted:  # else watched meanwhile: its own post hook popped the call
+                    active.pop()
         entered = [h for h in counting if h.count_enter(module)]
         try:
             return inner(module, *args, **kwargs)
