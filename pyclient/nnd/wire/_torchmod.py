@@ -17,6 +17,7 @@ from types import ModuleType
 KINDS = ("torch", "numpy", "auto")
 _installed: bool | None = None
 _kind: str | None = None
+_from_env: str | None = None  # NND_TENSORS, as first read
 
 
 def loaded() -> ModuleType | None:
@@ -47,12 +48,15 @@ def set_tensor_type(kind: str) -> None:
 
 def tensor_type() -> str:
     """The current setting (see `set_tensor_type`)."""
+    global _from_env
     if _kind is not None:
         return _kind
-    env = os.environ.get("NND_TENSORS", "torch").strip().lower() or "torch"
-    if env not in KINDS:
-        raise ValueError(f"NND_TENSORS must be one of {', '.join(KINDS)}, not {env!r}")
-    return env
+    if _from_env is None:  # a start-up setting: read once (a lookup that misses costs a KeyError each time)
+        env = os.environ.get("NND_TENSORS", "torch").strip().lower() or "torch"
+        if env not in KINDS:
+            raise ValueError(f"NND_TENSORS must be one of {', '.join(KINDS)}, not {env!r}")
+        _from_env = env
+    return _from_env
 
 
 def available() -> ModuleType | None:
