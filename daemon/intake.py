@@ -24,7 +24,7 @@ MAX_DEPTH = 90
 # unrolled loops); every node costs the daemon and the engine work in Python,
 # so millions of them (a few MB of request) must not reach either.
 MAX_GRAPH_NODES = 200_000
-# Messages that hold no recursive fields: never walked into.
+# Messages that hold no recursive fields: one level, whatever they hold (`_height`), so never walked into.
 _LEAVES = {"nnd.v1." + n for n in ("Tensor", "Slice", "Empty", "Shape", "SourceLocation", "ModuleValue", "TokenIds")}
 
 
@@ -51,8 +51,6 @@ def check_depth(message: Any, what: str = "the request") -> None:
             raise errors.InvalidArgument(
                 f"{what} nests values more than {MAX_DEPTH} levels deep (lists in lists...); flatten it"
             )
-        if msg.DESCRIPTOR.full_name in _LEAVES:
-            continue
         for fd, value in msg.ListFields():
             info = _KINDS.get(fd)
             if info is None:
