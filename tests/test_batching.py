@@ -459,9 +459,13 @@ def test_a_request_that_takes_the_model_from_a_run_waits_for_that_runs_clients()
     batcher = batching.Batcher(run_lock, run_merged, run_alone, window_s=60)
     waiting = threading.Event()
     await_returning = batcher._await_returning
+    taker_thread: list[threading.Thread] = []
 
     def spied() -> None:
-        waiting.set()
+        # Only the taker's wait: the first run's leader waits too (for nobody), and a signal from it
+        # would let the returning requests arrive before that run has counted whom to expect.
+        if threading.current_thread() in taker_thread:
+            waiting.set()
         await_returning()
 
     batcher._await_returning = spied  # type: ignore[method-assign]
@@ -488,6 +492,7 @@ def test_a_request_that_takes_the_model_from_a_run_waits_for_that_runs_clients()
     until(lambda: merged_runs == [2])
     # One more request queues behind that run; when the run ends it takes the model, and waits...
     taker = submit(4)
+    taker_thread.append(taker)  # before the first run ends: the taker cannot wait for anyone until then
     until(lambda: run_lock.waiting() == 1)
     first_may_end.set()
     assert waiting.wait(30), "the request that took the model did not wait for the last run's clients"
