@@ -19,6 +19,7 @@ handled there; nodes for hooks already passed are an out-of-order error.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from typing import Any
 
@@ -86,16 +87,21 @@ class Executor:
         self.constant = constant  # makes decoded constants fake in a Scan
         self.root = Frame(0, 0, plan.scope_nodes(0), plan)
         self.loops: dict[tuple[int, int], Frame] = {}
+        # Every frame, root first, then loops by (scope, step): run_ready's order; and the loop frames by step.
+        self._frames: list[Frame] = [self.root]
+        self._at_step: dict[int, list[Frame]] = {}
         self._picked: dict[tuple[int, int], range | frozenset[int]] = {}  # selected()'s memo
+        self._selecting: tuple[tuple[int, int], dict[int, list[int]]] | None = None  # _scopes_at's index
         self.events: dict[HookKey, list[int]] = {}
-        self.loop_events: dict[tuple[str, str], list[int]] = {}
+        # A loop node's hook, by its call within the step and its scope: (path, hook) -> {call: {scope: ids}}.
+        self.loop_events: dict[tuple[str, str], dict[int, dict[int, list[int]]]] = {}
         for node in plan.nodes.values():
             if node.target is None:
                 continue
             if node.scope == 0:
                 self.events.setdefault((node.target.path, node.hook, node.target.call), []).append(node.id)
             else:
-                self.loop_events.setdefault((node.target.path, node.hook), []).append(node.id)
+                self._index_loop_node(node)
         self.completed: set[HookKey] = set()
         self.current: HookKey | None = None
         self.skips: dict[str, Any] = {}
@@ -136,7 +142,35 @@ class Executor:
     # ------------------------------------------------------------ frames and steps
 
     def frames(self) -> list[Frame]:
-        return [self.root, *(self.loops[k] for k in sorted(self.loops))]
+        """The root frame, then the loops' by (scope, step). Not to be changed by the caller."""
+        return self._frames
+
+    def _add_loop(self, scope: int, step: int, ids: list[int]) -> Frame:
+        frame = self.loops[(scope, step)] = Frame(scope, step, ids, self.plan)
+        bisect.insort(self._frames, frame, lo=1, key=lambda f: (f.scope, f.step))
+        bisect.insort(self._at_step.setdefault(step, []), frame, key=lambda f: f.scope)
+        return frame
+
+    def _index_loop_node(self, node: PlanNode) -> None:
+        assert node.target is not None
+        by_call = self.loop_events.setdefault((node.target.path, node.hook), {})
+        by_call.setdefault(node.target.call, {}).setdefault(node.scope, []).append(node.id)
+
+    def _scopes_at(self, step: int) -> list[int]:
+        """The loop scopes that select `step`, from an index built once per run length and number of
+        scopes (every step of a generation asks; a sync point's new graph only adds scopes)."""
+        total = max(self.total_steps, step + 1)
+        key = (len(self.plan.scopes), total)
+        if step >= self.total_steps:  # past the planned length (not indexed: the index would grow per step)
+            return [s for s in range(1, key[0] + 1) if self.selected(s, step)]
+        if self._selecting is None or self._selecting[0] != key:
+            index: dict[int, list[int]] = {}
+            for scope in range(1, key[0] + 1):
+                self.selected(scope, 0)  # fills _picked for (scope, total)
+                for s in self._picked[(scope, total)]:
+                    index.setdefault(s, []).append(scope)
+            self._selecting = (key, index)
+        return self._selecting[1].get(step, [])
 
     def selected(self, scope: int, step: int) -> bool:
         """contract.selects for loop `scope` at `step`. Every hook of every step asks this of every
@@ -152,9 +186,9 @@ class Executor:
     def begin_step(self, step: int) -> None:
         self.step = step
         added = False
-        for scope in range(1, len(self.plan.scopes) + 1):
-            if (scope, step) not in self.loops and self.selected(scope, step):
-                self.loops[(scope, step)] = Frame(scope, step, self.plan.scope_nodes(scope), self.plan)
+        for scope in self._scopes_at(step):
+            if (scope, step) not in self.loops:
+                self._add_loop(scope, step, self.plan.scope_nodes(scope))
                 added = True
         if added:  # a loop's nodes that need only top-level values run now
             self.run_ready()
@@ -166,14 +200,16 @@ class Executor:
             raise errors.Cancelled("the request was cancelled")
 
     def collect(self, path: str, hook: str, call: int) -> list[tuple[Frame, PlanNode]]:
-        found = [(self.root, self.plan.nodes[i]) for i in self.events.get((path, hook, call), ())]
-        for i in self.loop_events.get((path, hook), ()):
-            node = self.plan.nodes[i]
-            assert node.target is not None
-            frame = self.loops.get((node.scope, call - node.target.call))
-            if frame is not None:
-                found.append((frame, node))
-        return sorted(found, key=lambda fn: fn[1].id)
+        nodes = self.plan.nodes
+        found = [(self.root, nodes[i]) for i in self.events.get((path, hook, call), ())]
+        by_call = self.loop_events.get((path, hook))
+        if by_call:  # the frames of the step each loop node's call falls in, and their scope's nodes there
+            for within, by_scope in by_call.items():
+                for frame in self._at_step.get(call - within, ()):
+                    found.extend((frame, nodes[i]) for i in by_scope.get(frame.scope, ()))
+        if len(found) > 1:
+            found.sort(key=lambda fn: fn[1].id)
+        return found
 
     def at_pre(self, path: str, call: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.poll()
@@ -331,7 +367,7 @@ class Executor:
                 raise errors.InvalidArgument(f"a sync point asks for node {i}, which is not a value of the request")
 
     def frames_of(self, scope: int) -> list[Frame]:
-        return [self.root] if scope == 0 else [f for (s, _), f in sorted(self.loops.items()) if s == scope]
+        return [self.root] if scope == 0 else [f for f in self._frames if f.scope == scope]
 
     def has_value(self, node_id: int) -> bool:
         node = self.plan.nodes.get(node_id)
@@ -367,13 +403,13 @@ class Executor:
                 late += self.attach_to(self.root, node, key)
                 continue
             if node.target is not None:
-                self.loop_events.setdefault((node.target.path, node.hook), []).append(node.id)
+                self._index_loop_node(node)
             # Steps that have begun already run it from now on; later steps pick it up in begin_step.
             for step in range(self.step + 1):
                 if self.selected(node.scope, step):
                     frame = self.loops.get((node.scope, step))
                     if frame is None:
-                        frame = self.loops[(node.scope, step)] = Frame(node.scope, step, [], self.plan)
+                        frame = self._add_loop(node.scope, step, [])
                     late += self.attach_to(frame, node, key)
         return late
 
@@ -451,6 +487,8 @@ class Executor:
         if node.invoke is None:
             return value
         start, stop = self.rows[node.invoke]
+        if start == 0 and stop == self.batch_size:  # the invoke owns the whole batch: its view is the value
+            return value
         return rows.rows(value, start, stop, self.batch_size)
 
     def read_pre(self, node: PlanNode, state: list[Any]) -> Any:
@@ -555,7 +593,9 @@ class Executor:
         progress = True
         while progress:
             progress = False
-            for frame in self.frames():
+            for frame in tuple(self._frames):
+                if not frame.runnable:
+                    continue
                 for nid in list(frame.runnable):
                     if nid not in frame.runnable:  # run meanwhile, by a run_ready nested in a backward pass
                         continue

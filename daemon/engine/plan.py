@@ -102,6 +102,7 @@ class Plan:
     builder: Any = None
     # Operations inside a forward the graph names: internal path -> (module path, operation name).
     ops: dict[str, tuple[str, str]] = field(default_factory=dict)
+    _by_scope: tuple[int, dict[int, list[int]]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def extend(self, graph: graph_pb2.Graph, max_constant_bytes: int = 0) -> list[PlanNode]:
         """Validate and plan nodes added to a running request (after a sync point)."""
@@ -145,7 +146,15 @@ class Plan:
         return bool(self.grads) or (self.backwards > 0 and any(n.kind == "param" for n in self.nodes.values()))
 
     def scope_nodes(self, scope: int) -> list[int]:
-        return [i for i, n in self.nodes.items() if n.scope == scope]
+        """`scope`'s node ids in plan order, grouped once per plan size: every step of a generation
+        asks for its loops' nodes, and nodes are only ever added (`extend`)."""
+        memo = self._by_scope
+        if memo is None or memo[0] != len(self.nodes):
+            by: dict[int, list[int]] = {}
+            for i, n in self.nodes.items():
+                by.setdefault(n.scope, []).append(i)
+            memo = self._by_scope = (len(self.nodes), by)
+        return list(memo[1].get(scope, ()))
 
 
 IdMap = Callable[[int], int]
