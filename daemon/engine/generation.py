@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,6 +127,25 @@ def options(msg: nnd_pb2.GenerateOptions, limits: EngineLimits) -> Options:
     return Options(n, kwargs, seed, msg.stream_text)
 
 
+_TOKEN_TEXTS = 1 << 16  # per tokenizer: about a vocabulary
+_token_texts: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
+
+
+def token_text(tokenizer: Any, token: int) -> str:
+    """`tokenizer.decode([token])`, remembered: every step of every generation decodes its new tokens,
+    and one decode costs as much as a small model's hook."""
+    try:
+        texts = _token_texts.setdefault(tokenizer, {})
+    except TypeError:  # not weakly referenceable: no memo
+        return str(tokenizer.decode([token]))
+    text = texts.get(token)
+    if text is None:
+        text = str(tokenizer.decode([token]))
+        if len(texts) < _TOKEN_TEXTS:
+            texts[token] = text
+    return text
+
+
 class StepStreamer(BaseStreamer):
     """Emits one StepTokens per generation step (HF first `put`s the prompt, which is skipped)."""
 
@@ -150,12 +170,11 @@ class StepStreamer(BaseStreamer):
         if self.step < 0:
             self.step = 0
             return
-        flat = value.reshape(value.shape[0], -1)[:, -1].tolist()
+        # A step's new tokens, one per row (transformers puts them as a 1-d tensor; a 2-d one: the last column).
+        flat = value.tolist() if value.dim() == 1 else value.reshape(value.shape[0], -1)[:, -1].tolist()
         ids = [int(flat[start]) for start, _ in self.rows]
-        msg = nnd_pb2.StepTokens(step=self.step, ids=ids)
-        if self.stream_text and self.tokenizer is not None:
-            msg.text.extend(self.tokenizer.decode([i]) for i in ids)
-        self.emit(nnd_pb2.TraceResponse(step=msg))
+        text = [token_text(self.tokenizer, i) for i in ids] if self.stream_text and self.tokenizer is not None else ()
+        self.emit(nnd_pb2.TraceResponse(step=nnd_pb2.StepTokens(step=self.step, ids=ids, text=text)))
         self.step += 1
         if self.cancelled():
             raise errors.Cancelled("the request was cancelled")
