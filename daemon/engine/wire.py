@@ -149,7 +149,9 @@ def tensor_view(t: torch.Tensor) -> memoryview:
     No copy for a contiguous CPU tensor: a big result's bytes are copied once,
     into the messages that carry them, not first into a `bytes` of their own
     (fresh memory, which costs a page fault per 4 KiB)."""
-    t = t.detach().to("cpu").contiguous()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.to("cpu").contiguous()
+    t = t.detach()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
     elif t.dtype == torch.bool:
@@ -157,11 +159,25 @@ def tensor_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")
 
 
+_device_names: dict[torch.device, str] = {}
+
+
+def _device_name(device: torch.device) -> str:
+    name = _device_names.get(device)
+    if name is None:
+        name = _device_names[device] = str(device)
+    return name
+
+
 def is_meta(t: torch.Tensor) -> bool:
     """True for tensors without data: meta or fake tensors (a Scan)."""
+    if t.device.type == "meta":
+        return True
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:  # the usual case: no subclass to ask about
+        return False
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return t.device.type == "meta" or isinstance(t, FakeTensor)
+    return isinstance(t, FakeTensor)
 
 
 @dataclass
@@ -192,12 +208,9 @@ class Encoder:
             )
 
     def tensor(self, t: torch.Tensor) -> values_pb2.Tensor:
-        msg = values_pb2.Tensor(dtype=from_torch_dtype(t.dtype), shape=list(t.shape))
         if is_meta(t):
-            msg.meta = True
-            msg.device = "meta"
-            return msg
-        msg.device = str(t.device)
+            return values_pb2.Tensor(dtype=from_torch_dtype(t.dtype), shape=t.shape, meta=True, device="meta")
+        msg = values_pb2.Tensor(dtype=from_torch_dtype(t.dtype), shape=t.shape, device=_device_name(t.device))
         sink = blob_sink.get()
         nbytes = t.numel() * t.element_size()
         self.count(nbytes)
