@@ -341,66 +341,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
         if self.model is None:
             raise errors.FailedPrecondition("worker has no model loaded")
-        # What the client sent and the run has not read yet: (message, bytes counted in `inflight`). At most
-        # INBOX_SIZE continuations are read off the stream ahead of the run; beyond that the reader waits
-        # and gRPC's flow control holds the client back, so a queued stream cannot grow the worker.
-        inbox: queue.Queue[Any] = queue.Queue()
-        slots = threading.Semaphore(INBOX_SIZE)
-        closed = threading.Event()
-
-        def gone() -> None:
-            stop.set()
-            inbox.put((interact.GONE, 0))  # wakes a paused run at once
-
-        context.add_callback(gone)
-
-        def read() -> None:
-            pending = iter(messages)
-            try:
-                while True:
-                    while not slots.acquire(timeout=0.5):  # no room: wait for the run to read one
-                        if closed.is_set():
-                            return
-                    msg = next(pending, None)
-                    if msg is None or closed.is_set():
-                        break
-                    n = msg.ByteSize() if isinstance(msg, worker_pb2.WorkerInteractContinue) else 0
-                    if inflight is not None and n:
-                        try:
-                            inflight.acquire(n, "a continuation of this Interact stream")
-                        except errors.NndError as err:  # the paused run fails with it
-                            inbox.put((err, 0))
-                            return
-                    inbox.put((msg, n))
-                    if closed.is_set():  # the run ended as this arrived: give its bytes back too
-                        close()
-                        return
-            except Exception:  # noqa: BLE001 - the stream broke: same as the client going away
-                pass
-            inbox.put((interact.GONE, 0))
-
-        def receive(timeout: float) -> Any:
-            try:
-                msg, n = inbox.get(timeout=timeout)
-            except queue.Empty:
-                return None
-            if n and inflight is not None:
-                inflight.release(n)
-            if isinstance(msg, worker_pb2.WorkerInteractContinue):
-                slots.release()
-            return msg
-
-        def close() -> None:
-            """The run is over: stop reading, and give back what it never read."""
-            closed.set()
-            while True:
-                try:
-                    msg, n = inbox.get_nowait()
-                except queue.Empty:
-                    return
-                if n and inflight is not None:
-                    inflight.release(n)
-
         client = _client(context)
         held: list[activity.Request] = []  # the tracked request, once it is
 
@@ -430,11 +370,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             assert parse is not None
             return parse(raw)
 
+        # A stream its handler cannot read where the run pauses (gRPC's, without `exchange`) is read ahead.
+        ahead = None if here else _ReadAhead(messages, inflight)
+        context.add_callback(stop.set if ahead is None else lambda: ahead.gone(stop))
         interaction = interact.Interaction(
-            start, receive_here if here else receive, caps=interact.PauseCaps(**(caps or {})), on_pause=on_pause
+            start, receive_here if ahead is None else ahead.receive, caps=interact.PauseCaps(**(caps or {})),
+            on_pause=on_pause,
         )
         kind, steps = intake.kind_of(run), intake.steps_of(run)
-        if here:
+        if ahead is None:
             who_here = dict(user=self._user(context), rows=max(1, len(run.request.invokes)))
             with self.activity.track(kind, client, steps, **who_here) as tracked, _log_if_cancelled(stop, tracked):
                 held.append(tracked)
@@ -452,12 +396,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
                 out.put(exc)
             finally:
-                close()
+                ahead.close()
 
         who = dict(user=self._user(context), rows=max(1, len(run.request.invokes)))
         with self.activity.track(kind, client, steps, **who) as tracked, _log_if_cancelled(stop, tracked):
             held.append(tracked)
-            self._spares.run(read, "interact-read")
+            self._spares.run(ahead.read, "interact-read")
             self._spares.run(work, "interact")
             while True:
                 item = out.get()
@@ -572,6 +516,75 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             status.devices.update(loader.devices(self.model))
         return status
 
+
+class _ReadAhead:
+    """An Interact stream's later messages read on a thread of their own, for a run that cannot read its
+    stream where it pauses (a gRPC stream without `exchange`): (message, bytes counted in `inflight`).
+    At most INBOX_SIZE continuations are read off the stream ahead of the run; beyond that the reader
+    waits and gRPC's flow control holds the client back, so a queued stream cannot grow the worker."""
+
+    def __init__(self, messages: Iterator[Any], inflight: Any) -> None:
+        from nnd_daemon.engine import interact
+
+        self._gone = interact.GONE
+        self._messages = messages
+        self._inflight = inflight
+        self._inbox: queue.Queue[Any] = queue.Queue()
+        self._slots = threading.Semaphore(INBOX_SIZE)
+        self._closed = threading.Event()
+
+    def gone(self, stop: Stop) -> None:
+        """The client went away: the run stops, and a paused one wakes at once."""
+        stop.set()
+        self._inbox.put((self._gone, 0))
+
+    def read(self) -> None:
+        pending = iter(self._messages)
+        inflight = self._inflight
+        try:
+            while True:
+                while not self._slots.acquire(timeout=0.5):  # no room: wait for the run to read one
+                    if self._closed.is_set():
+                        return
+                msg = next(pending, None)
+                if msg is None or self._closed.is_set():
+                    break
+                n = msg.ByteSize() if isinstance(msg, worker_pb2.WorkerInteractContinue) else 0
+                if inflight is not None and n:
+                    try:
+                        inflight.acquire(n, "a continuation of this Interact stream")
+                    except errors.NndError as err:  # the paused run fails with it
+                        self._inbox.put((err, 0))
+                        return
+                self._inbox.put((msg, n))
+                if self._closed.is_set():  # the run ended as this arrived: give its bytes back too
+                    self.close()
+                    return
+        except Exception:  # noqa: BLE001 - the stream broke: same as the client going away
+            pass
+        self._inbox.put((self._gone, 0))
+
+    def receive(self, timeout: float) -> Any:
+        try:
+            msg, n = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if n and self._inflight is not None:
+            self._inflight.release(n)
+        if isinstance(msg, worker_pb2.WorkerInteractContinue):
+            self._slots.release()
+        return msg
+
+    def close(self) -> None:
+        """The run is over: stop reading, and give back what it never read."""
+        self._closed.set()
+        while True:
+            try:
+                msg, n = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if n and self._inflight is not None:
+                self._inflight.release(n)
 
 @contextlib.contextmanager
 def _log_if_cancelled(stop: Stop, tracked: activity.Request) -> Iterator[None]:
