@@ -28,6 +28,7 @@ class Batch:
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
     lengths: list[int] = field(default_factory=list)  # unpadded token counts (text/token invokes)
+    positions: list[list[int]] = field(default_factory=list)  # per row, what position_ids would be (text/tokens)
 
     def to(self, device: torch.device | str) -> Batch:
         def move(x: Any) -> Any:
@@ -188,6 +189,9 @@ def _tokens(invokes: Sequence[nnd_pb2.Invoke], tokenizer: Any, max_len: int) -> 
     # not four small tensor writes per row on every request.
     ids = torch.tensor([[pad] * (longest - len(seq)) + list(seq) for seq in seqs], dtype=torch.long)
     mask = torch.tensor([[0] * (longest - len(seq)) + [1] * len(seq) for seq in seqs], dtype=torch.long)
+    # What the mask's running count minus one gives, clamped at 0 (pads at 0, each row's tokens from 0),
+    # as a list: one tensor, not three small ops on the mask. Used when the model takes positions (build).
+    positions = [[0] * (longest - len(seq)) + list(range(len(seq))) for seq in seqs]
     kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
     spans: list[tuple[int, int]] = []
     for rows in per_invoke:
@@ -198,7 +202,7 @@ def _tokens(invokes: Sequence[nnd_pb2.Invoke], tokenizer: Any, max_len: int) -> 
     if clash:
         raise errors.InvalidArgument(f"{', '.join(sorted(clash))} come from the invokes' tokens, not Invoke.kwargs")
     kwargs.update(extra)
-    return Batch(len(seqs), spans, (), kwargs, [len(s) for s in seqs])
+    return Batch(len(seqs), spans, (), kwargs, [len(s) for s in seqs], positions)
 
 
 def _tensors(invokes: Sequence[nnd_pb2.Invoke]) -> Batch:
@@ -247,8 +251,7 @@ def build(
             raise errors.InvalidArgument("invokes with tensor args cannot be mixed with text or token invokes")
         return _tensors(invokes)
     batch = _tokens(invokes, tokenizer, max_sequence_length)
-    mask = batch.kwargs["attention_mask"]
     if accepts(model, "position_ids") and "position_ids" not in batch.kwargs:  # the caller's own win
         # Left padding shifts every row; without explicit positions GPT-2 would number the pads.
-        batch.kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+        batch.kwargs["position_ids"] = torch.tensor(batch.positions, dtype=torch.long)
     return batch
