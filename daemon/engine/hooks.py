@@ -27,6 +27,7 @@ override `__call__` and call up are counted too.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 from . import source
+from .modules import paths as module_paths
 from .modules import table as module_table
 
 PreHandler = Callable[[str, int, tuple[Any, ...], dict[str, Any]], "tuple[tuple[Any, ...], dict[str, Any]] | None"]
@@ -69,11 +71,14 @@ class HookSet:
         self.take_skip = take_skip
         counted = modules if count_all else paths
         self.calls: dict[str, int] = dict.fromkeys(counted, 0)
-        self.active: dict[str, list[int]] = {p: [] for p in counted}
+        # Per path, the calls running now (innermost last); a list made at a path's first call.
+        self.active: dict[str, list[int]] = collections.defaultdict(list)
         # Modules counted only (count_all), by identity: the global hooks see every module of the process.
-        self._counted: dict[torch.nn.Module, str] = (
-            {m: p for p, m in modules.items() if p not in self.modules} if count_all else {}
-        )
+        self._counted: dict[torch.nn.Module, str] = {}
+        if count_all:
+            self._counted = dict(module_paths(model))
+            for module in self.modules.values():
+                self._counted.pop(module, None)
         self._count_all = count_all
         self._installed = False
         self.suppress = 0

@@ -16,6 +16,7 @@ import torch
 
 _tables: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.nn.Module]] = weakref.WeakKeyDictionary()
 _containers: weakref.WeakKeyDictionary[torch.nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
+_paths: weakref.WeakKeyDictionary[torch.nn.Module, dict[torch.nn.Module, str]] = weakref.WeakKeyDictionary()
 _params: weakref.WeakKeyDictionary[torch.nn.Module, frozenset[str] | None] = weakref.WeakKeyDictionary()
 
 
@@ -24,6 +25,15 @@ def table(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     found = _tables.get(model)
     if found is None:
         found = _tables[model] = dict(model.named_modules())
+    return found
+
+
+def paths(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
+    """Each module of `model` -> its path in `table` (named_modules lists a module shared by two
+    parents once, so each has one path). Not to be changed by the caller."""
+    found = _paths.get(model)
+    if found is None:
+        found = _paths[model] = {m: p for p, m in table(model).items()}
     return found
 
 
