@@ -124,7 +124,9 @@ class Interaction:
         # ended is already in the session's request, so none is added again.
         ended = self.session is not None and tracer in self.session.blocks
         if self.responses is None:
-            start = nnd_pb2.InteractStart(want=[ref])
+            first = nnd_pb2.InteractRequest()
+            start = first.start  # filled in place: the request is copied once, not again into its message
+            start.want.append(ref)
             if self.session is not None:
                 start.session.CopyFrom(self.session.request())
                 if not ended:
@@ -139,7 +141,7 @@ class Interaction:
             timeout = tracer.options.get("pause_timeout")
             if timeout is not None:
                 start.pause_timeout_s = float(timeout)
-            self.start = nnd_pb2.InteractRequest(start=start)
+            self.start = first
             model = start.session.model if self.session is not None else start.request.model
             self.responses = tracer.model._conn.bidi(
                 "Interact", model, self._requests, timeout=tracer.options.get("timeout")
