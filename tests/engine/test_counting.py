@@ -1,0 +1,69 @@
+"""The wrapper that counts every module call of a pausable run: mounted by such a run, taken off
+again after a run of requests that count nothing, and exact again once a pausable run remounts it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import wire_results
+from graphs import Graph
+from reference import capture, forward
+from torch.testing import assert_close
+
+from nnd.v1 import graph_pb2, nnd_pb2
+from nnd_daemon import errors
+from nnd_daemon.engine import hooks, interact
+
+PROMPT = "The Eiffel Tower is in the city of"
+
+
+def _paused_run(gpt2, pause_path: str, later_path: str) -> dict:
+    """`pause_path`'s output summed at a sync point, then `later_path`'s output saved as the client's next
+    nodes."""
+    g = Graph()
+    total = g.op("sum", g.module(pause_path))
+    later = Graph()
+    later.next = 100
+    saved = later.save(later.module(later_path))
+    start = nnd_pb2.InteractStart(request=g.request(PROMPT), want=[total.id])
+
+    def receive(_timeout: float, more: graph_pb2.Graph = later.g) -> nnd_pb2.InteractContinue:
+        return nnd_pb2.InteractContinue(graph=more, finish=True)
+
+    out = gpt2.stream(g.request(PROMPT), interaction=interact.Interaction(start, receive))
+    values = wire_results.collect(out)
+    return {"total": values[total.id], "saved": values[saved.id]}
+
+
+def _plain_run(gpt2) -> torch.Tensor:
+    g = Graph()
+    saved = g.save(g.module("transformer.h.0"))
+    return gpt2.run(g.request(PROMPT))[saved.id]
+
+
+def _mounted() -> bool:
+    return bool(getattr(torch.nn.Module._call_impl, "_nnd_counter", False))
+
+
+def test_the_counter_comes_off_after_runs_that_count_nothing_and_counts_exactly_once_back(gpt2, monkeypatch):
+    monkeypatch.setattr(hooks, "UNMOUNT_AFTER", 3)
+    store: dict = {}
+    forward(gpt2.model, gpt2.tokenizer, [PROMPT], transformer__h__0=capture(store, "h0"),
+            transformer__h__1=capture(store, "h1"))
+
+    got = _paused_run(gpt2, "transformer.h.0", "transformer.h.1")
+    assert _mounted()
+    assert_close(got["total"], store["h0"].sum())
+    assert_close(got["saved"], store["h1"])
+
+    for i in range(3):  # plain traces: the third in a row takes the wrapper off
+        assert_close(_plain_run(gpt2), store["h0"])
+        assert _mounted() == (i < 2)
+
+    # A pausable run mounts it again, and its counts are exact: block 0 ran before a pause at block 1
+    # (out of order: only the counts say so), block 1 had not run at a pause at block 0.
+    with pytest.raises(errors.InvalidArgument, match="already ran past"):
+        _paused_run(gpt2, "transformer.h.1", "transformer.h.0")
+    assert _mounted()
+    got = _paused_run(gpt2, "transformer.h.0", "transformer.h.1")
+    assert_close(got["saved"], store["h1"])
