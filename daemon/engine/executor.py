@@ -159,15 +159,14 @@ class Executor:
     def _scopes_at(self, step: int) -> list[int]:
         """The loop scopes that select `step`, from an index built once per run length and number of
         scopes (every step of a generation asks; a sync point's new graph only adds scopes)."""
-        total = max(self.total_steps, step + 1)
-        key = (len(self.plan.scopes), total)
+        n = len(self.plan.scopes)
         if step >= self.total_steps:  # past the planned length (not indexed: the index would grow per step)
-            return [s for s in range(1, key[0] + 1) if self.selected(s, step)]
+            return [s for s in range(1, n + 1) if self.selected(s, step)]
+        key = (n, self.total_steps)
         if self._selecting is None or self._selecting[0] != key:
             index: dict[int, list[int]] = {}
-            for scope in range(1, key[0] + 1):
-                self.selected(scope, 0)  # fills _picked for (scope, total)
-                for s in self._picked[(scope, total)]:
+            for scope in range(1, n + 1):
+                for s in self._steps(scope, self.total_steps):
                     index.setdefault(s, []).append(scope)
             self._selecting = (key, index)
         return self._selecting[1].get(step, [])
@@ -176,12 +175,15 @@ class Executor:
         """contract.selects for loop `scope` at `step`. Every hook of every step asks this of every
         scope, so the steps a scope picks are worked out once per (scope, run length) and kept (a
         scope's selector never changes once planned: a sync point's new graph only adds scopes)."""
-        total = max(self.total_steps, step + 1)
+        return step in self._steps(scope, max(self.total_steps, step + 1))
+
+    def _steps(self, scope: int, total: int) -> range | frozenset[int]:
+        """The steps loop `scope` picks in a run of `total` steps (selected()'s memo)."""
         picked = self._picked.get((scope, total))
         if picked is None:
             steps = contract.steps_of(self.plan.scopes[scope - 1], total)
             picked = self._picked[(scope, total)] = steps if isinstance(steps, range) else frozenset(steps)
-        return step in picked
+        return picked
 
     def begin_step(self, step: int) -> None:
         self.step = step

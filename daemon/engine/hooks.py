@@ -75,7 +75,7 @@ class HookSet:
         self.calls: dict[str, int] = dict.fromkeys(counted, 0)
         # Per path, the calls running now (innermost last); a list made at a path's first call.
         self.active: dict[str, list[int]] = collections.defaultdict(list)
-        # Modules counted only (count_all), by identity: the global hooks see every module of the process.
+        # Modules counted only (count_all), by identity: the counting wrapper sees every module call of the process.
         self._counted: dict[torch.nn.Module, str] = {}
         if count_all:
             self._counted = dict(module_paths(model))

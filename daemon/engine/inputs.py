@@ -40,6 +40,7 @@ class Batch:
             tuple(move(a) for a in self.args),
             {k: move(v) for k, v in self.kwargs.items()},
             self.lengths,
+            self.positions,
         )
 
 

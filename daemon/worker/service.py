@@ -586,6 +586,7 @@ class _ReadAhead:
             if n and self._inflight is not None:
                 self._inflight.release(n)
 
+
 @contextlib.contextmanager
 def _log_if_cancelled(stop: Stop, tracked: activity.Request) -> Iterator[None]:
     """One INFO line when a request ends because its client cancelled or went away (an interrupted cell,
