@@ -58,13 +58,7 @@ def _client(address: str, path: str, n: int) -> None:
 
 
 def _cpu(pids: list[int]) -> float:
-    import psutil
-
-    total = 0.0
-    for pid in pids:
-        t = psutil.Process(pid).cpu_times()
-        total += t.user + t.system
-    return total
+    return sum(harness.process_cpu(pid) for pid in pids)
 
 
 def _merged(d: Any) -> tuple[int, int]:

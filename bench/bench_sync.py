@@ -7,7 +7,7 @@ value's transfer (target: ≤ one round trip + 0.5 ms). The round trip is one
 Python processes (bench/floor.py's echo server), measured in the same run; and
 the same block under nnsight 0.8.1 in-process. The CPU time one sync point adds, in
 the client and in the worker, beside the same trace without it (other processes'
-CPU times tick every 10 ms: many repeats). And a loop of 32 generated steps with
+CPU read from their nanosecond CPU clocks: harness.process_cpu). And a loop of 32 generated steps with
 one append each, nnd against nnsight 0.8.1 in-process, and against nnd with the steps
 watched live (`on_token`: each step and save its own message instead of one at the end).
 """

@@ -174,7 +174,7 @@ def _run_shape(layers: int, width: int, quick: bool) -> list[Row]:
         fns = {"plain": plain, "nnsight": with_nnsight, "nnd": with_nnd, "nnd_grpc": with_nnd_grpc, "floor": with_floor}
         t = harness.interleaved(fns, warmup=warmup, repeats=repeats)
         # The same in CPU time, counting the daemon and the worker for nnd.
-        # (CPU times tick every 10 ms: enough calls that a process's share of ~0.3 ms shows.)
+        # (Other processes' CPU comes from their CPU clocks, in nanoseconds: harness.process_cpu.)
         ours_pids = {"daemon": d.proc.pid, "worker": harness.worker_pid(d)}
         pids = {"nnd": ours_pids, "nnd_grpc": ours_pids, "floor": {"server": floor.proc.pid}}
         per = harness.interleaved_cpu(fns, repeats=max(repeats, 40), pids=pids)
