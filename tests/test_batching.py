@@ -436,7 +436,7 @@ def test_members_claimed_into_a_run_never_take_the_model_themselves() -> None:
 
 def test_a_request_that_takes_the_model_from_a_run_waits_for_that_runs_clients() -> None:
     """Clients in a loop used to split into two cohorts taking turns (each forward half of them): the
-    request that takes the model from a run that just ended now waits, up to the window, for that
+    request that takes the model from a run that just ended now waits (up to `returning_s`) for that
     run's clients to send again, and one forward carries them all. The window here is long; the wait
     ends when they are back, so the test takes no time, and the interleaving is forced, not timed."""
     from nnd.v1 import worker_pb2
@@ -503,3 +503,77 @@ def test_a_request_that_takes_the_model_from_a_run_waits_for_that_runs_clients()
         t.join(30)
     assert not any(t.is_alive() for t in threads)
     assert merged_runs == [2, 3]
+
+
+def test_a_request_at_an_idle_model_waits_for_the_last_runs_clients_not_the_window() -> None:
+    """Between two runs the model is idle for a moment, and the first of the last run's clients to come
+    back finds it so. Sleeping the whole window there took the model with only the clients back by
+    then (5 of 8 a forward on GPT-2 4x64). It now waits for the others as a request queued behind the
+    run does, and ends as soon as they are here: with a 60 s window this test takes no time."""
+    from nnd.v1 import worker_pb2
+    from nnd_daemon.worker import batching
+    from nnd_daemon.worker.stop import Stop
+    from nnd_daemon.worker.turns import Turns
+
+    merged_runs: list[int] = []
+
+    def run_merged(merged: Any, emit: Callable[[Any], None], cancelled: Callable[[], bool]) -> None:
+        merged_runs.append(len(merged.invokes))
+        emit(nnd_pb2.TraceResponse(done=nnd_pb2.TraceDone()))
+
+    def run_alone(*_: Any) -> None:
+        raise AssertionError("a returning client ran alone instead of with the others")
+
+    run_lock = Turns()
+    batcher = batching.Batcher(run_lock, run_merged, run_alone, window_s=60)
+    waiting = threading.Event()
+    await_returning = batcher._await_returning
+
+    def spied() -> None:
+        if merged_runs:  # the second run's leader (the first run's waits for nobody)
+            waiting.set()
+        await_returning()
+
+    batcher._await_returning = spied  # type: ignore[method-assign]
+
+    def submit(i: int) -> threading.Thread:
+        request = worker_pb2.WorkerRunRequest(request=nnd_pb2.TraceRequest(model="m"))
+        request.request.invokes.add().tokens.ids.extend([i, i + 1])
+        trace = batching.prepare(request, None)
+        assert trace is not None
+        member = batching.Member(request, trace, lambda r: None, lambda: False, lambda: None, stop=Stop())
+        thread = threading.Thread(target=batcher.submit, args=(member,))
+        thread.start()
+        return thread
+
+    def until(done: Callable[[], bool]) -> None:
+        while not done():
+            threading.Event().wait(0.01)
+
+    # Two clients overlap behind a busy model and run as one.
+    assert run_lock.acquire()
+    first = [submit(0), submit(2)]
+    until(lambda: run_lock.waiting() == 2)
+    run_lock.release()
+    for t in first:
+        t.join(30)
+    assert merged_runs == [2] and not run_lock.locked()
+    # Both come back, one at a time, to an idle model: the first waits for the second.
+    back = [submit(4)]
+    assert waiting.wait(30), "the first client back did not wait for the other"
+    back.append(submit(6))
+    for t in back:
+        t.join(30)
+    assert not any(t.is_alive() for t in back)
+    assert merged_runs == [2, 2]
+
+
+def test_the_wait_for_returning_clients_is_half_the_last_run_within_the_window_and_ten_windows() -> None:
+    """A notebook that overlapped with another once must not wait long for it: the wait for the last
+    run's clients is the window, or half the last run when longer, and never more than ten windows."""
+    from nnd_daemon.worker import batching
+
+    batcher = batching.Batcher(threading.Lock(), lambda *_: None, lambda *_: None, window_s=0.002)
+    for last_run_s, bound_s in ((0.001, 0.002), (0.010, 0.005), (0.030, 0.015), (2.0, 0.020)):
+        batcher._last_run_s = last_run_s
+        assert batcher.returning_s() == pytest.approx(bound_s)

@@ -184,8 +184,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=2.0,
         metavar="MS",
         help="a worker gathers concurrent compatible traces this long and runs them as one batched "
-        "forward; a queued trace that takes the model also waits up to this long for the clients of "
-        "the run before it (0: every request runs alone)",
+        "forward; the trace that takes the model after a batched run also waits for that run's clients "
+        "to send again, up to this long or half that run, at most ten times this (0: every request "
+        "runs alone)",
     )
     p.add_argument(
         "--worker-start",
