@@ -14,7 +14,11 @@ handlers and are counted the same way.
 module): the other modules' calls are counted too, and `watch` gives a module
 its own hooks mid-run when a node first names it. The counting is a wrapper on
 `nn.Module._call_impl`, mounted for the process by the first such run and
-a no-op while no run counts. Why not torch's process-wide hooks: any global
+a no-op while no run counts. The wrapper only logs (the module as a call
+starts, None as it ends: `HookSet.log`); the counts are read from the log when
+something needs them (`watch`, `add_op`), which most runs never do: logging
+costs a module call ~0.5 µs, counting in place ~2 µs (GPT-2 4×64 in-process:
++0.06 against +0.18 ms a forward over a wrapper that does nothing). Why not torch's process-wide hooks: any global
 hook sends every module call down torch's slow path (measured in-process on a
 GPT-2 4×64 forward: +1.1 to +1.5 ms, against +0.1 to +0.2 ms for this wrapper
 counting); per-module hooks or `forward` wrappers cost more to install and
@@ -82,6 +86,12 @@ class HookSet:
             for module in self.modules.values():
                 self._counted.pop(module, None)
         self._count_all = count_all
+        # count_all: counted modules' calls as the wrapper saw them (the module as a call starts, None as
+        # it ends), not yet read into `calls` and `active`; `_open`, the calls the log read so far left open.
+        self.log: list[torch.nn.Module | None] = []
+        self._open: list[torch.nn.Module] = []
+        # Modules first named while calls of them ran: their path, and those calls (`ended_watched`).
+        self._running: dict[torch.nn.Module, tuple[str, list[int]]] = {}
         self._installed = False
         self.suppress = 0
         self._handles: list[Any] = []
@@ -110,36 +120,65 @@ class HookSet:
             self._patch(path, module)
 
     def watch(self, path: str) -> None:
-        """Hook `path` from now on (count_all: its calls so far were counted). A module running now
-        gets its post hook at its end (torch reads a module's hooks after its forward)."""
+        """Hook `path` from now on (count_all: its calls so far were counted). A call running now ends
+        through its post hook, or `ended_watched` where torch does not run it."""
         if path in self.modules or path not in self.table:  # not a module: an operation site (add_op)
             return
         module = self.table[path]
         self.modules[path] = module
-        self._counted.pop(module, None)
+        self.read_log()  # its calls so far, while the log still counts them
+        if self._counted.pop(module, None) is not None and self.active[path]:
+            self._running[module] = (path, list(self.active[path]))
         if self._installed:
             self._hook(path, module)
 
-    def count_enter(self, module: torch.nn.Module) -> bool:
-        """A module starts: count its call if this set counts it (False: not counted)."""
-        path = self._counted.get(module)
-        if path is None or self.suppress:
-            return False
-        call = self.calls[path]
-        self.calls[path] = call + 1
-        self.active[path].append(call)
-        return True
+    def ended_watched(self, module: torch.nn.Module, output: Any) -> Any:
+        """A call of `module` that began before a node first named it ends (the counting wrapper calls
+        this). torch runs a post hook added during a call only if the module had hooks when the call
+        began (else it took its fast path): when it did not run ours, the call's end is handled here."""
+        entry = self._running.get(module)
+        if entry is None:  # the run has ended (its hooks were removed)
+            return output
+        path, calls = entry
+        call = calls.pop()  # calls nest: the innermost of them ends first
+        if not calls:
+            del self._running[module]
+        active = self.active[path]
+        if self.suppress or call not in active:  # torch ran the post hook
+            return output
+        active.remove(call)
+        replaced = self.on_post(path, call, output)
+        return output if replaced is None else replaced
 
-    def count_leave(self, module: torch.nn.Module) -> None:
-        """A module counted at its start ends. One watched meanwhile had its own post hook pop its call."""
-        path = self._counted.get(module)
-        if path is not None:
-            self.active[path].pop()
+    def read_log(self) -> None:
+        """Bring `calls` and `active` of the counted modules up to date with the wrapper's log. Calls
+        nest, so an end (None) ends the latest call still open. A module watched since a call of it
+        began is no longer counted here: its own post hook ends that call."""
+        log = self.log
+        if not log:
+            return
+        counted, calls, active, opened = self._counted, self.calls, self.active, self._open
+        for module in log:
+            if module is None:
+                path = counted.get(opened.pop())
+                if path is not None:
+                    active[path].pop()
+                continue
+            opened.append(module)
+            path = counted.get(module)
+            if path is not None:
+                call = calls[path]
+                calls[path] = call + 1
+                active[path].append(call)
+        log.clear()
 
     def remove(self) -> None:
         self._installed = False
         if self._count_all:
             _stop_counting(self)
+            self.log.clear()  # what no one read is not needed once the run ends
+            self._open.clear()
+            self._running.clear()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -185,6 +224,7 @@ class HookSet:
         A nested name "a.b" hooks operation b inside the function operation a calls."""
         path, name = where
         self.ops[site] = where
+        self.read_log()  # `since` below reads its module's calls
         self.calls.setdefault(site, 0)
         self.active.setdefault(site, [])
         tree = self._sites.get(path)
@@ -274,6 +314,9 @@ _counting: tuple[HookSet, ...] = ()
 _counting_lock = threading.Lock()
 
 
+# A counting run's log is read into its counts once it holds this many entries.
+LOG_READ_AT = 8192
+
 # Runs in a row that counted nothing; past UNMOUNT_AFTER of them, the counting wrapper comes off.
 UNMOUNT_AFTER = 64
 _uncounted_runs = 0
@@ -321,27 +364,37 @@ def _mount_counter() -> None:
         counting = _counting
         if not counting:
             return inner(module, *args, **kwargs)
-        if len(counting) == 1:  # the usual case, one pausable run: count_enter and count_leave inlined
+        if len(counting) == 1:  # the usual case, one pausable run
             hooks = counting[0]
-            path = hooks._counted.get(module)
-            if path is None or hooks.suppress:
+            if hooks.suppress or module not in hooks._counted:
                 return inner(module, *args, **kwargs)
-            calls = hooks.calls
-            call = calls[path]
-            calls[path] = call + 1
-            active = hooks.active[path]
-            active.append(call)
+            log = hooks.log
+            if len(log) >= LOG_READ_AT:  # a long generation: read it now, not hold every call
+                hooks.read_log()
+            log.append(module)
             try:
-                return inner(module, *args, **kwargs)
+                output = inner(module, *args, **kwargs)
             finally:
-                if module in hooks._counted:  # else watched meanwhile: its own post hook popped the call
-                    active.pop()
-        entered = [h for h in counting if h.count_enter(module)]
+                log.append(None)
+            if module in hooks._counted:
+                return output
+            return hooks.ended_watched(module, output)  # named while this call ran
+        entered = []
+        for h in counting:
+            if not h.suppress and module in h._counted:
+                if len(h.log) >= LOG_READ_AT:
+                    h.read_log()
+                h.log.append(module)
+                entered.append(h)
         try:
-            return inner(module, *args, **kwargs)
+            output = inner(module, *args, **kwargs)
         finally:
             for h in entered:
-                h.count_leave(module)
+                h.log.append(None)
+        for h in entered:
+            if module not in h._counted:
+                output = h.ended_watched(module, output)
+        return output
 
     _call_impl._nnd_counter = True  # type: ignore[attr-defined]
     _call_impl._nnd_inner = inner  # type: ignore[attr-defined]
