@@ -115,3 +115,16 @@ def test_stop(pair):
         a = _layers(ours, kind)[0].output.save()
         tracer.stop()
     _close(a, ref["stop"])
+
+
+def test_a_layer_edited_after_a_sync_point_inside_it(pair):
+    """The layer runs still when its MLP's value reaches the client; editing the layer's output then
+    changes what the next layer gets, as in nnsight."""
+    kind, ours, ref = pair
+    with ours.trace(PROMPT):
+        seen = _layers(ours, kind)[0].mlp.output.norm().save()
+        if _layers(ours, kind)[0].mlp.output.norm().item() > 0:
+            _layers(ours, kind)[0].output[:] = _layers(ours, kind)[0].output * 0.5
+        halved = _layers(ours, kind)[1].output.save()
+    _close(seen, ref["inner_sync_norm"])
+    _close(halved, ref["inner_sync_halved"])

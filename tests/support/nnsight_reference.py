@@ -74,6 +74,13 @@ def main(kind: str, path: str, out: str) -> None:
         tracer.stop()
     results["stop"] = stopped
 
+    with model.trace(PROMPT):
+        norm_seen = layers()[0].mlp.output.norm().save()
+        if layers()[0].mlp.output.norm().item() > 0:  # a sync point inside layer 0
+            layers()[0].output[:] = layers()[0].output * 0.5
+        halved = layers()[1].output.save()
+    results["inner_sync_norm"], results["inner_sync_halved"] = norm_seen, halved
+
     results["steering_vector"] = v
     torch.save({k: t.detach().clone() for k, t in results.items()}, out)
 
