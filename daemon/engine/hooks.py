@@ -18,10 +18,10 @@ a no-op while no run counts. The wrapper only logs (the module as a call
 starts, None as it ends: `HookSet.log`); the counts are read from the log when
 something needs them (`watch`, `add_op`), which most runs never do: logging
 costs a module call ~0.5 µs, counting in place ~2 µs (GPT-2 4×64 in-process:
-+0.06 against +0.18 ms a forward over a wrapper that does nothing). Why not torch's process-wide hooks: any global
-hook sends every module call down torch's slow path (measured in-process on a
-GPT-2 4×64 forward: +1.1 to +1.5 ms, against +0.1 to +0.2 ms for this wrapper
-counting); per-module hooks or `forward` wrappers cost more to install and
++0.06 against +0.18 ms a forward over a wrapper that does nothing).
+Why not torch's process-wide hooks: any global hook sends every module call
+down torch's slow path (measured in-process on a GPT-2 4×64 forward: +1.1 to
++1.5 ms, against +0.1 to +0.2 ms for this wrapper counting); per-module hooks or `forward` wrappers cost more to install and
 remove per request; and mounting the wrapper per run would invalidate
 CPython's attribute caches for every module class each time (+1.2 to +1.9 ms).
 Mounted, it costs every module call a Python frame, so it comes off again after
