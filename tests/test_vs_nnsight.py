@@ -128,3 +128,27 @@ def test_a_layer_edited_after_a_sync_point_inside_it(pair):
         halved = _layers(ours, kind)[1].output.save()
     _close(seen, ref["inner_sync_norm"])
     _close(halved, ref["inner_sync_halved"])
+
+
+def test_model_output_to_tuple_alone_and_per_invoke(pair):
+    """`model.output.to_tuple()` gives the output's set fields, logits first, as nnsight's; per invoke
+    too, where the worker holds an invoke's share of the output as a dict of its fields."""
+    kind, ours, ref = pair
+    with ours.trace(PROMPT):
+        whole = ours.output.to_tuple()[0].save()
+    with ours.trace() as tracer:
+        with tracer.invoke(PROMPT):
+            first = ours.output.to_tuple()[0].save()
+        with tracer.invoke(PROMPT):
+            second = ours.output.to_tuple()[0].save()
+    for logits in (whole, first, second):
+        _close(logits, ref["read_logits"])
+
+
+def test_to_tuple_of_a_tensor_is_refused_naming_the_line(pair):
+    """A tensor has no to_tuple: AttributeError, as in nnsight, naming the line."""
+    _kind, ours, _ref = pair
+    with pytest.raises(AttributeError, match="to_tuple applies to a model output") as info:
+        with ours.trace(PROMPT):
+            ours.lm_head.output.to_tuple().save()
+    assert "lm_head.output.to_tuple()" in str(info.value)

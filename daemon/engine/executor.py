@@ -637,8 +637,10 @@ class Executor:
             if node.op.context:
                 return node.op.fn(self, *args, **kwargs)
             return node.op.fn(*args, **kwargs)
-        except (errors.NndError, StopForward):
+        except StopForward:
             raise
+        except errors.NndError as e:  # an op's own refusal: it names the client's line too
+            raise wrap(e, node.proto) from None
         except Exception as e:
             raise wrap(e, node.proto, name, scan=self.scan) from None
 

@@ -86,6 +86,14 @@ def _retain_grad(x: Any) -> None:
         x.retain_grad()
 
 
+def _to_tuple(x: Any) -> tuple[Any, ...]:
+    """`output.to_tuple()` on a model output: its fields that are set, in order (the engine may hold an
+    invoke's share of one as a dict of those fields)."""
+    if isinstance(x, dict):  # a transformers ModelOutput is an OrderedDict of its set fields
+        return tuple(x.values())
+    raise AttributeError(f"to_tuple applies to a model output (logits, hidden states...), not a {type(x).__name__}")
+
+
 def _setitem(target: Any, index: Any, value: Any) -> None:
     target[index] = value
 
@@ -307,6 +315,7 @@ def _table() -> dict[str, OpSpec]:
         table[name] = OpSpec(_bounded(name, getattr(operator, name)), mutates=True, aliases=True)
     table["setitem"] = OpSpec(_setitem, mutates=True)
     table["getattr"] = OpSpec(_getattr, aliases=True)
+    table["to_tuple"] = OpSpec(_to_tuple, aliases=True)
     table["requires_grad_"] = OpSpec(_requires_grad_, aliases=True)
     table["retain_grad"] = OpSpec(_retain_grad)
     table["randn"] = OpSpec(_random(torch.randn))
