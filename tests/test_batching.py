@@ -398,17 +398,8 @@ def test_members_claimed_into_a_run_never_take_the_model_themselves() -> None:
             self.taken += got
             return got
 
-    merged_runs: list[int] = []
-
-    def run_merged(merged: Any, emit: Callable[[Any], None], cancelled: Callable[[], bool]) -> None:
-        merged_runs.append(len(merged.invokes))
-        emit(nnd_pb2.TraceResponse(done=nnd_pb2.TraceDone()))
-
-    def run_alone(*_: Any) -> None:
-        raise AssertionError("every member is merged")
-
     run_lock = CountingTurns()
-    batcher = batching.Batcher(run_lock, run_merged, run_alone, window_s=0)
+    batcher, merged_runs = _merging_batcher(run_lock, 0, "every member is merged")
     members = []
     for i in range(4):
         request = worker_pb2.WorkerRunRequest(request=nnd_pb2.TraceRequest(model="m"))
@@ -434,14 +425,50 @@ def test_members_claimed_into_a_run_never_take_the_model_themselves() -> None:
     assert not run_lock.locked() and run_lock.waiting() == 0
 
 
+
+def _merging_batcher(run_lock: Any, window_s: float, alone: str) -> tuple[Any, list[int]]:
+    """A Batcher whose merged runs record their invoke counts (the list returned) and whose lone runs
+    fail the test with `alone`."""
+    from nnd_daemon.worker import batching
+
+    merged_runs: list[int] = []
+
+    def run_merged(merged: Any, emit: Callable[[Any], None], cancelled: Callable[[], bool]) -> None:
+        merged_runs.append(len(merged.invokes))
+        emit(nnd_pb2.TraceResponse(done=nnd_pb2.TraceDone()))
+
+    def run_alone(*_: Any) -> None:
+        raise AssertionError(alone)
+
+    return batching.Batcher(run_lock, run_merged, run_alone, window_s=window_s), merged_runs
+
+
+def _submit_tokens(batcher: Any, i: int) -> threading.Thread:
+    """A trace of token ids [i, i+1] submitted to `batcher` on a thread of its own (a client's request)."""
+    from nnd.v1 import worker_pb2
+    from nnd_daemon.worker import batching
+    from nnd_daemon.worker.stop import Stop
+
+    request = worker_pb2.WorkerRunRequest(request=nnd_pb2.TraceRequest(model="m"))
+    request.request.invokes.add().tokens.ids.extend([i, i + 1])
+    trace = batching.prepare(request, None)
+    assert trace is not None
+    member = batching.Member(request, trace, lambda r: None, lambda: False, lambda: None, stop=Stop())
+    thread = threading.Thread(target=batcher.submit, args=(member,))
+    thread.start()
+    return thread
+
+
+def _wait_until(done: Callable[[], bool]) -> None:
+    while not done():
+        threading.Event().wait(0.01)
+
 def test_a_request_that_takes_the_model_from_a_run_waits_for_that_runs_clients() -> None:
     """Clients in a loop used to split into two cohorts taking turns (each forward half of them): the
     request that takes the model from a run that just ended now waits (up to `returning_s`) for that
     run's clients to send again, and one forward carries them all. The window here is long; the wait
     ends when they are back, so the test takes no time, and the interleaving is forced, not timed."""
-    from nnd.v1 import worker_pb2
     from nnd_daemon.worker import batching
-    from nnd_daemon.worker.stop import Stop
     from nnd_daemon.worker.turns import Turns
 
     merged_runs: list[int] = []
@@ -457,52 +484,49 @@ def test_a_request_that_takes_the_model_from_a_run_waits_for_that_runs_clients()
 
     run_lock = Turns()
     batcher = batching.Batcher(run_lock, run_merged, run_alone, window_s=60)
-    waiting = threading.Event()
-    await_returning = batcher._await_returning
     taker_thread: list[threading.Thread] = []
-
-    def spied() -> None:
-        # Only the taker's wait: the first run's leader waits too (for nobody), and a signal from it
-        # would let the returning requests arrive before that run has counted whom to expect.
-        if threading.current_thread() in taker_thread:
-            waiting.set()
-        await_returning()
-
-    batcher._await_returning = spied  # type: ignore[method-assign]
-
-    def submit(i: int) -> threading.Thread:
-        request = worker_pb2.WorkerRunRequest(request=nnd_pb2.TraceRequest(model="m"))
-        request.request.invokes.add().tokens.ids.extend([i, i + 1])
-        trace = batching.prepare(request, None)
-        assert trace is not None
-        member = batching.Member(request, trace, lambda r: None, lambda: False, lambda: None, stop=Stop())
-        thread = threading.Thread(target=batcher.submit, args=(member,))
-        thread.start()
-        return thread
-
-    def until(done: Callable[[], bool]) -> None:
-        while not done():
-            threading.Event().wait(0.01)
+    # Only the taker's wait: the first run's leader waits too (for nobody), and a signal from it
+    # would let the returning requests arrive before that run has counted whom to expect.
+    waiting = _spy_returning(batcher, lambda: threading.current_thread() in taker_thread)
 
     # A run of two, queued behind a busy model; it holds the model until told to end.
-    assert run_lock.acquire()
-    first = [submit(0), submit(2)]
-    until(lambda: run_lock.waiting() == 2)
-    run_lock.release()
-    until(lambda: merged_runs == [2])
+    first = _two_queued(batcher, run_lock)
+    _wait_until(lambda: merged_runs == [2])
     # One more request queues behind that run; when the run ends it takes the model, and waits...
-    taker = submit(4)
+    taker = _submit_tokens(batcher, 4)
     taker_thread.append(taker)  # before the first run ends: the taker cannot wait for anyone until then
-    until(lambda: run_lock.waiting() == 1)
+    _wait_until(lambda: run_lock.waiting() == 1)
     first_may_end.set()
     assert waiting.wait(30), "the request that took the model did not wait for the last run's clients"
     # ...for the run's two clients, who come back now: one forward carries all three.
-    back = [submit(6), submit(8)]
+    back = [_submit_tokens(batcher, 6), _submit_tokens(batcher, 8)]
     threads = [*first, taker, *back]
     for t in threads:
         t.join(30)
     assert not any(t.is_alive() for t in threads)
     assert merged_runs == [2, 3]
+
+def _spy_returning(batcher: Any, when: Callable[[], bool]) -> threading.Event:
+    """An event set when the batcher starts waiting for returning clients while `when()` holds."""
+    waiting = threading.Event()
+    await_returning = batcher._await_returning
+
+    def spied() -> None:
+        if when():
+            waiting.set()
+        await_returning()
+
+    batcher._await_returning = spied
+    return waiting
+
+
+def _two_queued(batcher: Any, run_lock: Any) -> list[threading.Thread]:
+    """Two requests queued behind a busy model (held here), then the model let go: they run as one."""
+    assert run_lock.acquire()
+    first = [_submit_tokens(batcher, 0), _submit_tokens(batcher, 2)]
+    _wait_until(lambda: run_lock.waiting() == 2)
+    run_lock.release()
+    return first
 
 
 def test_a_request_at_an_idle_model_waits_for_the_last_runs_clients_not_the_window() -> None:
@@ -510,58 +534,21 @@ def test_a_request_at_an_idle_model_waits_for_the_last_runs_clients_not_the_wind
     back finds it so. Sleeping the whole window there took the model with only the clients back by
     then (5 of 8 a forward on GPT-2 4x64). It now waits for the others as a request queued behind the
     run does, and ends as soon as they are here: with a 60 s window this test takes no time."""
-    from nnd.v1 import worker_pb2
-    from nnd_daemon.worker import batching
-    from nnd_daemon.worker.stop import Stop
     from nnd_daemon.worker.turns import Turns
 
-    merged_runs: list[int] = []
-
-    def run_merged(merged: Any, emit: Callable[[Any], None], cancelled: Callable[[], bool]) -> None:
-        merged_runs.append(len(merged.invokes))
-        emit(nnd_pb2.TraceResponse(done=nnd_pb2.TraceDone()))
-
-    def run_alone(*_: Any) -> None:
-        raise AssertionError("a returning client ran alone instead of with the others")
-
     run_lock = Turns()
-    batcher = batching.Batcher(run_lock, run_merged, run_alone, window_s=60)
-    waiting = threading.Event()
-    await_returning = batcher._await_returning
-
-    def spied() -> None:
-        if merged_runs:  # the second run's leader (the first run's waits for nobody)
-            waiting.set()
-        await_returning()
-
-    batcher._await_returning = spied  # type: ignore[method-assign]
-
-    def submit(i: int) -> threading.Thread:
-        request = worker_pb2.WorkerRunRequest(request=nnd_pb2.TraceRequest(model="m"))
-        request.request.invokes.add().tokens.ids.extend([i, i + 1])
-        trace = batching.prepare(request, None)
-        assert trace is not None
-        member = batching.Member(request, trace, lambda r: None, lambda: False, lambda: None, stop=Stop())
-        thread = threading.Thread(target=batcher.submit, args=(member,))
-        thread.start()
-        return thread
-
-    def until(done: Callable[[], bool]) -> None:
-        while not done():
-            threading.Event().wait(0.01)
+    batcher, merged_runs = _merging_batcher(run_lock, 60, "a returning client ran alone instead of with the others")
+    waiting = _spy_returning(batcher, lambda: bool(merged_runs))  # the second run's leader
 
     # Two clients overlap behind a busy model and run as one.
-    assert run_lock.acquire()
-    first = [submit(0), submit(2)]
-    until(lambda: run_lock.waiting() == 2)
-    run_lock.release()
+    first = _two_queued(batcher, run_lock)
     for t in first:
         t.join(30)
     assert merged_runs == [2] and not run_lock.locked()
     # Both come back, one at a time, to an idle model: the first waits for the second.
-    back = [submit(4)]
+    back = [_submit_tokens(batcher, 4)]
     assert waiting.wait(30), "the first client back did not wait for the other"
-    back.append(submit(6))
+    back.append(_submit_tokens(batcher, 6))
     for t in back:
         t.join(30)
     assert not any(t.is_alive() for t in back)
