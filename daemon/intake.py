@@ -43,7 +43,12 @@ def check_depth(message: Any, what: str = "the request") -> None:
     with each field's kind worked out once per field descriptor (`_kind`): walking every declared
     field of every node, with its options read each time, cost 62 µs for a 2-node graph and 1.9 ms
     for 100 nodes here. A field whose type cannot nest past the limit from where it stands (no
-    recursion below it: a source location, a module value, a tensor) is not walked into at all."""
+    recursion below it: a source location, a module value, a tensor) is not walked into at all, nor
+    is a message too small to: each level below a message costs its encoding at least two bytes (a
+    tag, a length), so one of S bytes at depth d reaches at most depth d + S // 2 (`_shallow`; a
+    96-node generation graph: 0.96 ms walked, 0.23 ms with it)."""
+    if _shallow(message, 1):
+        return
     stack = [(message, 1)]
     while stack:
         msg, depth = stack.pop()
@@ -59,11 +64,17 @@ def check_depth(message: Any, what: str = "the request") -> None:
             if kind == _SCALAR or (below is not None and depth + below <= MAX_DEPTH):
                 continue
             if kind == _ONE:
-                stack.append((value, depth + 1))
+                if not _shallow(value, depth + 1):
+                    stack.append((value, depth + 1))
             elif kind == _MANY:
-                stack.extend((v, depth + 1) for v in value)
+                stack.extend((v, depth + 1) for v in value if not _shallow(v, depth + 1))
             else:
-                stack.extend((v, depth + 2) for v in value.values())
+                stack.extend((v, depth + 2) for v in value.values() if not _shallow(v, depth + 2))
+
+
+def _shallow(msg: Any, depth: int) -> bool:
+    """Whether `msg`, at `depth`, is too small to hold anything past MAX_DEPTH (see check_depth)."""
+    return depth + msg.ByteSize() // 2 <= MAX_DEPTH
 
 
 # What check_depth does with a field: nothing (a scalar, or a map of scalars), or walk one message,

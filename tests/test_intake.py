@@ -121,11 +121,17 @@ def _nest(value, levels: int) -> None:
 @pytest.mark.parametrize("where", ["op_arg", "op_kwarg", "invoke_kwarg"])
 def test_check_depth_refuses_exactly_the_requests_nested_past_the_limit(where):
     """check_depth walks only the fields a message has set: it must refuse exactly what a walk over every
-    declared field finds too deep, through lists, repeated fields and maps of messages alike."""
+    declared field finds too deep, through lists, repeated fields and maps of messages alike, also
+    when it sits among shallow nodes that are big (a long source line) or small (skipped by size)."""
     seen = set()
     for levels in range(intake.MAX_DEPTH // 2 - 6, intake.MAX_DEPTH // 2 + 2):  # a list level is 2 deep
         request = nnd_pb2.TraceRequest(model="m")
         invoke = request.invokes.add(text="x")
+        for i in range(20):
+            shallow = request.graph.nodes.add(id=100 + i)
+            shallow.op.name = "add"
+            shallow.op.args.add().value.str = "s" * (400 if i % 2 else 2)
+            shallow.loc.text = "x" * (400 if i % 3 else 0)
         node = request.graph.nodes.add(id=1)
         if where == "op_arg":
             node.op.name = "add"
