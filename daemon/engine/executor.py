@@ -32,10 +32,9 @@ from . import caches, grads, modules, rows, sharding, weights
 from .failures import where, wrap
 from .hooks import HookSet
 from .interact import Interaction
-from .plan import POST, PRE, RESULT, Const, Plan, PlanNode, Ref, Seq
+from .plan import POST, PRE, RESULT, RUNNABLE, Const, Plan, PlanNode, Ref, Seq
 
 HookKey = tuple[str, str, int]
-RUNNABLE = ("tensor", "constant", "param", "op", "save", "backward")
 
 
 class StopForward(BaseException):
@@ -45,16 +44,15 @@ class StopForward(BaseException):
 
 
 class Frame:
-    def __init__(self, scope: int, step: int, ids: list[int], plan: Plan) -> None:
+    def __init__(self, scope: int, step: int, nodes: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> None:
         self.scope = scope
         self.step = step
         self.values: dict[int, Any] = {}
         self.bound: dict[int, HookKey] = {}  # module node -> the hook that bound it
-        self.pending: set[int] = {i for i in ids if plan.nodes[i].kind not in ("stop", "cache", "external")}
+        pending, runnable = nodes  # Plan.frame_nodes
+        self.pending: set[int] = set(pending)
         # In id order; a dict, so a node run by a nested run_ready (inside a backward pass) leaves at once.
-        self.runnable: dict[int, None] = dict.fromkeys(
-            sorted(i for i in self.pending if plan.nodes[i].kind in RUNNABLE)
-        )
+        self.runnable: dict[int, None] = dict.fromkeys(runnable)
 
     def done(self) -> bool:
         return not self.pending
@@ -85,7 +83,7 @@ class Executor:
         self.cancelled = cancelled
         self.scan = scan
         self.constant = constant  # makes decoded constants fake in a Scan
-        self.root = Frame(0, 0, plan.scope_nodes(0), plan)
+        self.root = Frame(0, 0, plan.frame_nodes(0))
         self.loops: dict[tuple[int, int], Frame] = {}
         # Every frame, root first, then loops by (scope, step): run_ready's order; and the loop frames by step.
         self._frames: list[Frame] = [self.root]
@@ -145,8 +143,8 @@ class Executor:
         """The root frame, then the loops' by (scope, step). Not to be changed by the caller."""
         return self._frames
 
-    def _add_loop(self, scope: int, step: int, ids: list[int]) -> Frame:
-        frame = self.loops[(scope, step)] = Frame(scope, step, ids, self.plan)
+    def _add_loop(self, scope: int, step: int, nodes: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> Frame:
+        frame = self.loops[(scope, step)] = Frame(scope, step, nodes)
         bisect.insort(self._frames, frame, lo=1, key=lambda f: (f.scope, f.step))
         bisect.insort(self._at_step.setdefault(step, []), frame, key=lambda f: f.scope)
         return frame
@@ -190,7 +188,7 @@ class Executor:
         added = False
         for scope in self._scopes_at(step):
             if (scope, step) not in self.loops:
-                self._add_loop(scope, step, self.plan.scope_nodes(scope))
+                self._add_loop(scope, step, self.plan.frame_nodes(scope))
                 added = True
         if added:  # a loop's nodes that need only top-level values run now
             self.run_ready()
@@ -411,7 +409,7 @@ class Executor:
                 if self.selected(node.scope, step):
                     frame = self.loops.get((node.scope, step))
                     if frame is None:
-                        frame = self._add_loop(node.scope, step, [])
+                        frame = self._add_loop(node.scope, step)
                     late += self.attach_to(frame, node, key)
         return late
 
@@ -627,7 +625,9 @@ class Executor:
         kwargs = {k: self.resolve(frame, a) for k, a in node.kwargs.items()}
         if node.op.context:  # a model's module may write into its input (inplace activations): not into a weight
             args = [self.own_copy(a, v) for a, v in zip(node.args, args, strict=True)]
-        target = self.activation(frame, [*node.args, *node.kwargs.values()], [*args, *kwargs.values()])
+        target = None
+        if node.places:  # else no argument holds a constant tensor to move
+            target = self.activation(frame, [*node.args, *node.kwargs.values()], [*args, *kwargs.values()])
         if target is not None:
             place = rows.placer(target)
             args = [self.place(a, v, place) for a, v in zip(node.args, args, strict=True)]

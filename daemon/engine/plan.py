@@ -81,6 +81,8 @@ class PlanNode:
     grad_of: int | None = None
     backward: int | None = None
     grads: frozenset[int] = frozenset()
+    # op nodes: an argument may hold a constant tensor, which the executor moves beside the activations.
+    places: bool = False
 
     @property
     def invoke(self) -> int | None:
@@ -102,7 +104,9 @@ class Plan:
     builder: Any = None
     # Operations inside a forward the graph names: internal path -> (module path, operation name).
     ops: dict[str, tuple[str, str]] = field(default_factory=dict)
-    _by_scope: tuple[int, dict[int, list[int]]] | None = field(default=None, init=False, repr=False, compare=False)
+    _by_scope: tuple[int, dict[int, tuple[tuple[int, ...], tuple[int, ...]]]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def extend(self, graph: graph_pb2.Graph, max_constant_bytes: int = 0) -> list[PlanNode]:
         """Validate and plan nodes added to a running request (after a sync point)."""
@@ -145,18 +149,26 @@ class Plan:
         # A gradient is read or replaced, or a backward pass reaches client tensors (Param nodes).
         return bool(self.grads) or (self.backwards > 0 and any(n.kind == "param" for n in self.nodes.values()))
 
-    def scope_nodes(self, scope: int) -> list[int]:
-        """`scope`'s node ids in plan order, grouped once per plan size: every step of a generation
+    def frame_nodes(self, scope: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """What a frame of `scope` starts with: the nodes it waits for (all but stops, caches and
+        externals), and of those the ones it runs itself (RUNNABLE), in id order. Grouped once per
+        plan size and kept with the plan, which a repeated request reuses: every step of a generation
         asks for its loops' nodes, and nodes are only ever added (`extend`)."""
         memo = self._by_scope
         if memo is None or memo[0] != len(self.nodes):
             by: dict[int, list[int]] = {}
             for i, n in self.nodes.items():
                 by.setdefault(n.scope, []).append(i)
-            memo = self._by_scope = (len(self.nodes), by)
-        return list(memo[1].get(scope, ()))
+            memo = self._by_scope = (len(self.nodes), {s: self._frame_nodes(ids) for s, ids in by.items()})
+        return memo[1].get(scope, ((), ()))
+
+    def _frame_nodes(self, ids: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        pending = tuple(i for i in ids if self.nodes[i].kind not in ("stop", "cache", "external"))
+        return pending, tuple(sorted(i for i in pending if self.nodes[i].kind in RUNNABLE))
 
 
+# Node kinds the executor runs itself once their inputs exist (the others are bound at hooks, or are effects).
+RUNNABLE = ("tensor", "constant", "param", "op", "save", "backward")
 IdMap = Callable[[int], int]
 _NOWHERE = -(2**62)  # where an edit's reference to a node it does not hold points: no node
 
@@ -174,6 +186,16 @@ def _arg(arg: graph_pb2.Arg, node: graph_pb2.Node, ids: IdMap = _same) -> ArgSpe
     if kind in ("tuple", "list"):
         return Seq(tuple(_arg(a, node, ids) for a in getattr(arg, kind).items), kind == "list")
     raise errors.InvalidArgument(f"{where(node)}\nan argument has no kind set (ref, value, tuple or list)")
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    return False
 
 
 def _refs(spec: ArgSpec) -> list[int]:
@@ -520,6 +542,7 @@ class _Builder:
             node.weight = node.id
             return
         node.const = all(n.const for n in inputs) and node.kind in ("constant", "param", "op")
+        node.places = node.op is not None and any(self.placed(a) for a in (*node.args, *node.kwargs.values()))
         node.sources = frozenset().union(*(n.sources for n in inputs))
         node.grads = frozenset().union(*(n.grads for n in inputs))
         if node.kind == "grad":
@@ -534,6 +557,14 @@ class _Builder:
                 node.alias_root = self.nodes[first.id].alias_root
                 node.weight = self.nodes[first.id].weight
         self.check_weight_write(node)
+
+    def placed(self, spec: ArgSpec) -> bool:
+        """Whether an argument may hold a constant tensor (a constant node's value is known only when it runs)."""
+        if isinstance(spec, Ref):
+            return self.nodes[spec.id].const
+        if isinstance(spec, Seq):
+            return any(self.placed(s) for s in spec.items)
+        return _holds_tensor(spec.value)
 
     def check_weight_write(self, node: PlanNode) -> None:
         """No op writes into a model's weight: it is shared by every client of the model and
