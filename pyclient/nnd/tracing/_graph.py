@@ -197,6 +197,16 @@ class GraphBuilder:
         if isinstance(obj, Proxy):
             ref = obj._ref()
             return graph_pb2.Arg(ref=ref), ("r", self.keys[ref])
+        plain = _plain_key(obj, _PLAIN_DEPTH)
+        if plain is not None:  # `[:, -1]` in a loop over prompts or steps: encoded once (callers copy the Arg)
+            known = _plain_args.get(plain)
+            if known is None:
+                value = _codec.encode(obj)
+                known = graph_pb2.Arg(value=value), ("v", value.SerializeToString(deterministic=True))
+                if len(_plain_args) >= _PLAIN_ARGS:
+                    _plain_args.clear()
+                _plain_args[plain] = known
+            return known
         if isinstance(obj, (tuple, list)) and _holds_proxy(obj):
             items = [self.arg(item) for item in obj]
             lst = graph_pb2.ArgList(items=[m for m, _ in items])
@@ -214,6 +224,36 @@ class GraphBuilder:
             raise TypeError("a dict holding traced values cannot be an argument; pass them separately")
         value: values_pb2.Value = _codec.encode(obj)
         return graph_pb2.Arg(value=value), ("v", value.SerializeToString(deterministic=True))
+
+
+# Plain constants (numbers, short strings, slices, None, ..., small tuples and lists of them) -> their
+# Arg and structural key: what a block records in every iteration of a loop is encoded once.
+_plain_args: dict[Hashable, tuple[graph_pb2.Arg, Hashable]] = {}
+_PLAIN_ARGS = 1024
+_PLAIN_DEPTH = 3
+_PLAIN_ITEMS = 16
+_PLAIN_STR = 256
+
+
+def _plain_key(obj: Any, depth: int) -> Hashable | None:
+    """A key that tells apart every plain constant whose encoding differs (True from 1, 1 from 1.0,
+    0.0 from -0.0), or None for anything else."""
+    t = type(obj)
+    if t is int or t is bool or obj is None or obj is Ellipsis:
+        return (t, obj)
+    if t is float:
+        return (t, obj.hex())
+    if t is str:
+        return (t, obj) if len(obj) <= _PLAIN_STR else None
+    if depth <= 0:
+        return None
+    if t is slice:
+        parts = tuple(_plain_key(p, 0) for p in (obj.start, obj.stop, obj.step))
+        return None if None in parts else (t, parts)
+    if (t is tuple or t is list) and len(obj) <= _PLAIN_ITEMS:
+        items = tuple(_plain_key(v, depth - 1) for v in obj)
+        return None if None in items else (t, items)
+    return None
 
 
 def _refs(msg: Any) -> set[int]:
