@@ -153,6 +153,8 @@ def tensor_view(t: torch.Tensor) -> memoryview:
     No copy for a contiguous CPU tensor: a big result's bytes are copied once,
     into the messages that carry them, not first into a `bytes` of their own
     (fresh memory, which costs a page fault per 4 KiB)."""
+    if t.numel() == 0:  # memoryview cannot cast a view with a zero in its shape
+        return memoryview(b"")
     if t.device.type != "cpu" or not t.is_contiguous():
         t = t.to("cpu").contiguous()
     t = t.detach()

@@ -246,3 +246,22 @@ def test_saved_values_in_lists_dicts_and_tuples_are_rebound(model, fake):
     assert all(isinstance(x, torch.Tensor) for x in layers)
     assert isinstance(named["head"], torch.Tensor)
     assert isinstance(pair, tuple) and isinstance(pair[0], torch.Tensor) and pair[1] == 3
+
+
+def test_equal_constants_of_other_types_record_their_own_values(model, fake):
+    """A loop records the same constants every iteration (encoded once per process): constants that compare
+    equal but encode differently stay apart, and a repeated one records the same value each time."""
+    consts = [True, 1, 1.0, 0.0, -0.0, (slice(None), -1), (slice(None), True), [1, 2], (1, 2), "a", None, ...]
+    with model.trace("hi"):
+        for _ in range(2):
+            for c in consts:
+                model.transformer.h[0].output.add(c)
+    args = [n.op.args[1] for n in last(fake).graph.nodes if kind(n) == "op"]
+    assert len(args) == 2 * len(consts)
+    got = [value_of(a) for a in args]
+    for want, seen in zip(consts * 2, got, strict=True):
+        assert type(seen) is type(want) and seen == want, (want, seen)
+        if isinstance(want, float):
+            assert str(seen) == str(want)  # -0.0 stays negative
+        if isinstance(want, tuple):
+            assert [type(v) for v in seen] == [type(v) for v in want]

@@ -63,6 +63,23 @@ def test_steering_add_last_position(gpt2):
     assert not torch.allclose(got, plain.logits)
 
 
+def test_constant_tensors_move_to_the_activations_dtype_inside_sequences_and_through_constant_nodes(gpt2):
+    """A float64 constant meets a float32 activation as float32 wherever it sits: in a tuple argument beside
+    the activation, or computed by a node of constants only (whose value is known only when it runs)."""
+    vec = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(2)).double()
+    g = Graph()
+    h = g.module("transformer.h.0")
+    joined = g.save(g.op("cat", (h, vec), dim=1))
+    doubled = g.op("mul", vec, 2.0)  # constants only: a constant node
+    shifted = g.save(g.op("add", h, doubled))
+    got = gpt2.run(g.request(PROMPT))
+    store: dict = {}
+    forward(gpt2.model, gpt2.tokenizer, [PROMPT], transformer__h__0=capture(store, "h"))
+    assert got[joined.id].dtype == got[shifted.id].dtype == torch.float32
+    assert_close(got[joined.id], torch.cat((store["h"], vec.float()), dim=1))
+    assert_close(got[shifted.id], store["h"] + 2 * vec.float())
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_activation_patching_across_invokes(models, kind):
     m = models[kind]

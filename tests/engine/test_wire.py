@@ -17,6 +17,30 @@ def test_tensor_round_trip(dtype):
     assert torch.equal(wire.decode_value(value(t)), t)
 
 
+@pytest.mark.parametrize("dtype", list(wire.FROM_TORCH))
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda t: t.transpose(0, 2),  # strided
+        lambda t: t[:, -1],  # a slice, as output[:, -1]
+        lambda t: t[0, 0, 0],  # 0-d
+        lambda t: t[:, :0],  # empty
+        lambda t: t.expand(3, 2, 3, 4)[:, 1],  # stride 0
+    ],
+)
+def test_a_small_tensor_of_any_layout_round_trips_inline(dtype, make):
+    t = make((torch.arange(24).reshape(2, 3, 4) % 7).to(dtype))
+    msg = wire.Encoder().value(t)
+    assert msg.tensor.data or t.numel() == 0
+    got = wire.decode_value(msg)
+    assert got.shape == t.shape and got.dtype == t.dtype and torch.equal(got, t)
+
+
+def test_a_tensor_that_requires_grad_encodes_its_values():
+    t = torch.linspace(-1, 1, 12).reshape(3, 4).requires_grad_()
+    assert torch.equal(wire.decode_value(wire.Encoder().value(t * 2)), (t * 2).detach())
+
+
 def test_bfloat16_is_upper_half_of_float32():
     t = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
     f32 = torch.tensor([1.5, -2.0]).numpy().tobytes()
