@@ -185,13 +185,13 @@ class Executor:
 
     def begin_step(self, step: int) -> None:
         self.step = step
-        added = False
-        for scope in self._scopes_at(step):
-            if (scope, step) not in self.loops:
-                self._add_loop(scope, step, self.plan.frame_nodes(scope))
-                added = True
-        if added:  # a loop's nodes that need only top-level values run now
-            self.run_ready()
+        added = [
+            self._add_loop(scope, step, self.plan.frame_nodes(scope))
+            for scope in self._scopes_at(step)
+            if (scope, step) not in self.loops
+        ]
+        if added:  # a loop's nodes that need only top-level values run now (no other frame can use them)
+            self.run_ready(added)
 
     # ------------------------------------------------------------ hooks
 
@@ -589,11 +589,12 @@ class Executor:
                 return current
             current = waiting[0]
 
-    def run_ready(self) -> None:
+    def run_ready(self, frames: list[Frame] | None = None) -> None:
+        """Run every node whose inputs exist, until none is left (in `frames` only, when given)."""
         progress = True
         while progress:
             progress = False
-            for frame in tuple(self._frames):
+            for frame in tuple(self._frames) if frames is None else frames:
                 if not frame.runnable:
                     continue
                 for nid in list(frame.runnable):
