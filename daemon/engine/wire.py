@@ -214,15 +214,16 @@ class Encoder:
             )
 
     def tensor(self, t: torch.Tensor) -> values_pb2.Tensor:
+        dtype = from_torch_dtype(t.dtype)  # first: a dtype the wire cannot carry is refused as such
         plain_cpu = t.is_cpu and type(t) is torch.Tensor  # the usual case, asked cheaply: neither meta nor fake
         if not plain_cpu and is_meta(t):
-            return values_pb2.Tensor(dtype=from_torch_dtype(t.dtype), shape=t.shape, meta=True, device="meta")
+            return values_pb2.Tensor(dtype=dtype, shape=t.shape, meta=True, device="meta")
         nbytes = t.numel() * t.element_size()
         self.count(nbytes)
         if plain_cpu and nbytes < INLINE_LIMIT and t.dtype not in _VIEWED:  # a small value: its bytes at once
             data = (t.detach() if t.requires_grad else t).numpy().tobytes()  # C order, whatever the strides
-            return values_pb2.Tensor(dtype=from_torch_dtype(t.dtype), shape=t.shape, device="cpu", data=data)
-        msg = values_pb2.Tensor(dtype=from_torch_dtype(t.dtype), shape=t.shape, device=_device_name(t.device))
+            return values_pb2.Tensor(dtype=dtype, shape=t.shape, device="cpu", data=data)
+        msg = values_pb2.Tensor(dtype=dtype, shape=t.shape, device=_device_name(t.device))
         sink = blob_sink.get()
         if sink is not None and nbytes >= INLINE_LIMIT and not self.inline:
             place = sink(t)

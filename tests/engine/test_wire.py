@@ -80,6 +80,13 @@ def test_unknown_dtype():
         wire.decode_value(v)
 
 
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.float8_e4m3fn])
+def test_a_small_tensor_of_a_dtype_the_wire_lacks_is_refused_by_name(dtype):
+    """Whether numpy has the dtype (complex) or not (float8), the refusal names it; not numpy's TypeError."""
+    with pytest.raises(errors.InvalidArgument, match="cannot be sent on the wire"):
+        wire.Encoder().value(torch.zeros(3, dtype=dtype))
+
+
 def test_a_chunk_is_written_as_protobuf_writes_it_and_the_client_reads_it_back():
     from nnd.v1 import nnd_pb2
     from nnd.wire import _chunks
