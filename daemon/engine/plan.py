@@ -31,7 +31,7 @@ import torch
 from nnd.v1 import graph_pb2
 
 from .. import errors
-from . import modules, nodeids, ops, order, source, weights, wire
+from . import modules, nodeids, ops, order, rows, source, weights, wire
 from .failures import where
 from .order import POST, PRE, RESULT, HookKey
 
@@ -186,16 +186,6 @@ def _arg(arg: graph_pb2.Arg, node: graph_pb2.Node, ids: IdMap = _same) -> ArgSpe
     if kind in ("tuple", "list"):
         return Seq(tuple(_arg(a, node, ids) for a in getattr(arg, kind).items), kind == "list")
     raise errors.InvalidArgument(f"{where(node)}\nan argument has no kind set (ref, value, tuple or list)")
-
-
-def _holds_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, (list, tuple)):
-        return any(_holds_tensor(v) for v in value)
-    if isinstance(value, dict):
-        return any(_holds_tensor(v) for v in value.values())
-    return False
 
 
 def _refs(spec: ArgSpec) -> list[int]:
@@ -564,7 +554,7 @@ class _Builder:
             return self.nodes[spec.id].const
         if isinstance(spec, Seq):
             return any(self.placed(s) for s in spec.items)
-        return _holds_tensor(spec.value)
+        return rows.first_tensor(spec.value) is not None
 
     def check_weight_write(self, node: PlanNode) -> None:
         """No op writes into a model's weight: it is shared by every client of the model and

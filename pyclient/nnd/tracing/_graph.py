@@ -201,8 +201,7 @@ class GraphBuilder:
         if plain is not None:  # `[:, -1]` in a loop over prompts or steps: encoded once (callers copy the Arg)
             known = _plain_args.get(plain)
             if known is None:
-                value = _codec.encode(obj)
-                known = graph_pb2.Arg(value=value), ("v", value.SerializeToString(deterministic=True))
+                known = _value_arg(obj)
                 if len(_plain_args) >= _PLAIN_ARGS:
                     _plain_args.clear()
                 _plain_args[plain] = known
@@ -222,8 +221,13 @@ class GraphBuilder:
             return graph_pb2.Arg(ref=ref), ("r", self.keys[ref])
         if isinstance(obj, Mapping) and _holds_proxy(list(obj.values())):
             raise TypeError("a dict holding traced values cannot be an argument; pass them separately")
-        value: values_pb2.Value = _codec.encode(obj)
-        return graph_pb2.Arg(value=value), ("v", value.SerializeToString(deterministic=True))
+        return _value_arg(obj)
+
+
+def _value_arg(obj: Any) -> tuple[graph_pb2.Arg, Hashable]:
+    """A constant's Arg and structural key (its deterministic encoding)."""
+    value: values_pb2.Value = _codec.encode(obj)
+    return graph_pb2.Arg(value=value), ("v", value.SerializeToString(deterministic=True))
 
 
 # Plain constants (numbers, short strings, slices, None, ..., small tuples and lists of them) -> their
