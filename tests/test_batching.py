@@ -425,7 +425,6 @@ def test_members_claimed_into_a_run_never_take_the_model_themselves() -> None:
     assert not run_lock.locked() and run_lock.waiting() == 0
 
 
-
 def _merging_batcher(run_lock: Any, window_s: float, alone: str) -> tuple[Any, list[int]]:
     """A Batcher whose merged runs record their invoke counts (the list returned) and whose lone runs
     fail the test with `alone`."""
@@ -462,6 +461,7 @@ def _submit_tokens(batcher: Any, i: int) -> threading.Thread:
 def _wait_until(done: Callable[[], bool]) -> None:
     while not done():
         threading.Event().wait(0.01)
+
 
 def test_a_request_that_takes_the_model_from_a_run_waits_for_that_runs_clients() -> None:
     """Clients in a loop used to split into two cohorts taking turns (each forward half of them): the
@@ -505,6 +505,7 @@ def test_a_request_that_takes_the_model_from_a_run_waits_for_that_runs_clients()
         t.join(30)
     assert not any(t.is_alive() for t in threads)
     assert merged_runs == [2, 3]
+
 
 def _spy_returning(batcher: Any, when: Callable[[], bool]) -> threading.Event:
     """An event set when the batcher starts waiting for returning clients while `when()` holds."""
