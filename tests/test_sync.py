@@ -238,6 +238,21 @@ def test_a_module_first_named_after_a_pause_binds_the_call_running_now(gpt2, ref
     assert torch.allclose(late, outs[2], atol=1e-5)
 
 
+def test_after_the_last_pause_a_module_whose_call_is_running_still_gives_its_output(gpt2, reference):
+    # The pause is inside block 0, so the call of `transformer` (and of the model) began before the
+    # block named them: their outputs come when those calls end, after the client's last message.
+    with gpt2.trace(PROMPT):
+        norm = nnd.save(gpt2.transformer.h[0].output.norm().item())
+        hidden = gpt2.transformer.output[0].save()
+        logits = gpt2.output.logits.save()
+    with torch.no_grad():
+        want = reference(**reference_tokens(reference, PROMPT), output_hidden_states=True)
+    got, _ = _outputs(reference, PROMPT)
+    assert norm == pytest.approx(got[0].norm().item(), rel=1e-5)
+    torch.testing.assert_close(hidden, want.hidden_states[-1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits, want.logits, atol=1e-5, rtol=0)
+
+
 def test_sync_inside_a_generation_step_edits_that_step(gpt2, reference):
     # Per step: read block 0's norm (a sync, paused inside that step), zero block 1's output when it is
     # above the prompt step's norm. The decision is Python's, on real values, at every step.

@@ -351,11 +351,13 @@ class Executor:
         self.send({i: self.value_of(i) for i in inter.want})
         inter.paused_at = self.plan.nodes[inter.want[-1]].proto
         msg = inter.wait()
-        added = self.plan.extend(msg.graph, self.max_constant_bytes)
+        self.plan, added = self.plan.extended(msg.graph, self.max_constant_bytes)
         for path in list(self.plan.paths):
             self.hooks.watch(path)
         late = self.attach(added, key)
         self.check_wants()
+        if inter.finished:
+            self.hooks.stop_counting()
         return late
 
     def check_wants(self) -> None:

@@ -173,6 +173,17 @@ class HookSet:
                 active[path].append(call)
         log.clear()
 
+    def stop_counting(self) -> None:
+        """No node can name a module any more (the client's last message came): the wrapper stops counting
+        this run's calls, so a sync point halfway through a forward leaves half of it uncounted. A call
+        that began before still ends through `ended_watched` where it must: the wrapper took this HookSet
+        as the call began."""
+        if self._count_all:
+            _stop_counting(self)
+            self._count_all = False
+            self.log.clear()
+            self._open.clear()
+
     def remove(self) -> None:
         self._installed = False
         if self._count_all:

@@ -22,7 +22,7 @@ computed later in the backward pass.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +107,30 @@ class Plan:
     _by_scope: tuple[int, dict[int, tuple[tuple[int, ...], tuple[int, ...]]]] | None = field(
         default=None, init=False, repr=False, compare=False
     )
+    # Held by the plan cache and handed to every run of its graph: never changed (`extended` forks it).
+    shared: bool = field(default=False, init=False, repr=False, compare=False)
+    # A shared plan's additions after a sync point, planned once: (graph bytes, constant limit) -> (plan, nodes).
+    _extensions: dict[tuple[bytes, int], tuple[Plan, list[PlanNode]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def extended(self, graph: graph_pb2.Graph, max_constant_bytes: int = 0) -> tuple[Plan, list[PlanNode]]:
+        """This plan with the nodes a sync point's message adds, and those nodes. A plan of one run grows in
+        place. A shared plan stays as it is: the run goes on with a fork that has them, and the same
+        addition to it (a block repeated with its sync point: a sweep) is planned once, the fork shared
+        in turn (its nodes hold no tensor a run could change)."""
+        if not self.shared:
+            return self, self.extend(graph, max_constant_bytes)
+        key = (graph.SerializeToString(deterministic=True), max_constant_bytes)
+        found = self._extensions.get(key)
+        if found is not None:
+            return found
+        grown = self.fork()
+        added = grown.extend(graph, max_constant_bytes)
+        if len(key[0]) <= MAX_SHARED_GRAPH_BYTES and reusable(added) and len(self._extensions) < MAX_EXTENSIONS:
+            grown.shared = True
+            self._extensions[key] = (grown, added)
+        return grown, added
 
     def extend(self, graph: graph_pb2.Graph, max_constant_bytes: int = 0) -> list[PlanNode]:
         """Validate and plan nodes added to a running request (after a sync point)."""
@@ -169,6 +193,30 @@ class Plan:
 
 # Node kinds the executor runs itself once their inputs exist (the others are bound at hooks, or are effects).
 RUNNABLE = ("tensor", "constant", "param", "op", "save", "backward")
+# A shared plan keeps at most this many additions (a block's sync points add the same nodes each run), each
+# of a graph at most this big.
+MAX_EXTENSIONS = 8
+MAX_SHARED_GRAPH_BYTES = 1 << 20
+
+
+def reusable(nodes: Iterable[PlanNode]) -> bool:
+    """Whether runs may share these planned nodes: none is an earlier trace's value (a session's), and
+    no constant holds a tensor (an in-place op on it would change the next run's constant)."""
+    for node in nodes:
+        if node.kind == "external" or rows.first_tensor(node.value) is not None:
+            return False
+        specs = (*node.args, *node.kwargs.values())
+        if any(_spec_tensor(spec) for spec in specs):
+            return False
+    return True
+
+
+def _spec_tensor(spec: ArgSpec) -> bool:
+    if isinstance(spec, Const):
+        return rows.first_tensor(spec.value) is not None
+    if isinstance(spec, Seq):
+        return any(_spec_tensor(item) for item in spec.items)
+    return False
 IdMap = Callable[[int], int]
 _NOWHERE = -(2**62)  # where an edit's reference to a node it does not hold points: no node
 

@@ -9,8 +9,9 @@ bytes, number of invokes) and handed out again.
 A plan is reused only when running it cannot change it: not when it holds
 values of earlier traces (a session's), and not when a constant is a tensor
 (an in-place op on it would change the next run's constant). Those are planned
-afresh. A run that may pause (sync points add nodes to its plan) gets a fork of
-the cached plan (`Plan.fork`: its own tables, the planned nodes shared).
+afresh. A cached plan is `shared`: a run that pauses, whose sync points add
+nodes, goes on with a fork of it (`Plan.extended`: its own tables, the planned
+nodes shared), and the same additions are planned once per cached plan too.
 """
 
 from __future__ import annotations
@@ -43,10 +44,8 @@ def build(
     max_constant_bytes: int = 0,
     *,
     edits: Sequence[graph_pb2.Graph] = (),
-    pausable: bool = False,
 ) -> plan.Plan:
-    """`plan.build`, reusing the plan of an identical earlier request (see the module's docstring).
-    `pausable`: the run may add nodes to the plan it gets (sync points), so it gets a fork."""
+    """`plan.build`, reusing the plan of an identical earlier request (see the module's docstring)."""
     graph_bytes = graph.SerializeToString(deterministic=True)
     if len(graph_bytes) > _MAX_GRAPH_BYTES:
         return plan.build(graph, model, n_invokes, max_constant_bytes, edits=edits)
@@ -56,46 +55,18 @@ def build(
         if found is not None and found[0]() is model:
             _plans.move_to_end(key)
             hits[0] += 1
-            return found[1].fork() if pausable else found[1]
+            return found[1]
     the_plan = plan.build(graph, model, n_invokes, max_constant_bytes, edits=edits)
     with _lock:
         hits[1] += 1
-        if _reusable(the_plan):
+        if plan.reusable(the_plan.nodes.values()):
+            the_plan.shared = True
             _plans[key] = (weakref.ref(model), the_plan)
             while len(_plans) > _SIZE:
                 _plans.popitem(last=False)
-            if pausable:
-                return the_plan.fork()
     return the_plan
 
 
 def clear() -> None:
     with _lock:
         _plans.clear()
-
-
-def _reusable(the_plan: plan.Plan) -> bool:
-    for node in the_plan.nodes.values():
-        if node.kind == "external" or _holds_tensor(node.value):
-            return False
-        if any(_spec_holds_tensor(a) for a in node.args) or any(_spec_holds_tensor(a) for a in node.kwargs.values()):
-            return False
-    return True
-
-
-def _spec_holds_tensor(spec: plan.ArgSpec) -> bool:
-    if isinstance(spec, plan.Const):
-        return _holds_tensor(spec.value)
-    if isinstance(spec, plan.Seq):
-        return any(_spec_holds_tensor(s) for s in spec.items)
-    return False
-
-
-def _holds_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, list | tuple):
-        return any(_holds_tensor(v) for v in value)
-    if isinstance(value, dict):
-        return any(_holds_tensor(v) for v in value.values())
-    return False

@@ -280,10 +280,9 @@ def _run(
         request.invokes,
         max_sequence_length=limits.max_sequence_length,
     )
-    if external is None:  # reused when seen before (a fork of it where sync points may add nodes)
+    if external is None:  # reused when seen before (sync points add nodes to a fork of it: Plan.extended)
         the_plan = plancache.build(
-            request.graph, model, len(request.invokes), limits.max_constant_bytes, edits=_edit_graphs(request, edits),
-            pausable=interaction is not None,
+            request.graph, model, len(request.invokes), limits.max_constant_bytes, edits=_edit_graphs(request, edits)
         )
     else:
         the_plan = plan.build(
@@ -304,7 +303,7 @@ def _run(
     total_steps = opts.max_new_tokens if opts else 1
 
     def send(values: dict[int, Any]) -> None:  # a sync point's values, then Paused
-        _emit_saved(the_plan, values, emit, limits.max_saved_bytes, interaction)
+        _emit_saved(executor.plan, values, emit, limits.max_saved_bytes, interaction)
         emit(nnd_pb2.TraceResponse(paused=nnd_pb2.Paused(nodes=list(values))))
 
     started = time.perf_counter()
@@ -363,7 +362,8 @@ def _run(
         executor.check_complete()
         saved = executor.saved()
     compute_s = time.perf_counter() - started
-    return _Done(the_plan, saved, executor.root.values, compute_s)
+    # A sync point may have moved the run on to a plan with the nodes it added (Plan.extended).
+    return _Done(executor.plan, saved, executor.root.values, compute_s)
 
 
 def _emit_saved(

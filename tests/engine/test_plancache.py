@@ -99,3 +99,53 @@ def test_a_paused_run_adds_its_nodes_to_its_own_copy_of_a_cached_plan(gpt2):
     _sync_block(g)
     cached = plancache.build(g.request(PROMPTS[0]).graph, gpt2.model, 1)  # as first planned: nothing added
     assert sorted(cached.nodes) == [n.id for n in g.g.nodes]
+    # What the pause added was planned in the first run and shared by the others.
+    assert [sorted(grown.nodes) for grown, _ in cached._extensions.values()] == [[*sorted(cached.nodes), 100, 101]]
+
+
+def _paused_run(gpt2, prompt: str, later: graph_pb2.Graph) -> dict:
+    """`h0.sum().item()` at a sync point, then `later` as the client's next nodes."""
+    g = Graph()
+    total = g.op("sum", g.module("transformer.h.0"))
+    start = nnd_pb2.InteractStart(request=g.request(prompt), want=[total.id])
+
+    def receive(_timeout: float) -> nnd_pb2.InteractContinue:
+        return nnd_pb2.InteractContinue(graph=later, finish=True)
+
+    return wire_results.collect(gpt2.stream(g.request(prompt), interaction=interact.Interaction(start, receive)))
+
+
+def test_what_one_sync_point_added_never_reaches_a_run_that_added_something_else(gpt2):
+    """The nodes a pause adds to a cached plan are planned once and shared by the runs that add the same
+    ones; a run of the same block that adds other nodes gets its own, and each run's numbers are its own."""
+    plancache.clear()
+    store: dict = {}
+    forward(
+        gpt2.model, gpt2.tokenizer, [PROMPTS[0]], transformer__h__1=capture(store, "transformer.h.1"),
+        transformer__ln_f=capture(store, "transformer.ln_f"),
+    )
+    for _ in range(2):
+        for path, scale in (("transformer.h.1", 2.0), ("transformer.ln_f", 3.0), ("transformer.h.1", 5.0)):
+            later = Graph()
+            later.next = 100
+            saved = later.save(later.op("mul", later.module(path), scale))
+            got = _paused_run(gpt2, PROMPTS[0], later.g)
+            assert len(got) == 2  # the pause's value and this run's save (another run's save has the same id)
+            assert_close(got[saved.id], store[path] * scale)
+
+
+def test_a_tensor_constant_added_after_a_sync_point_is_each_runs_own(gpt2):
+    """`c = torch.zeros(64); c += h1[0, -1]` sent after a pause, three times: every run starts from zeros."""
+    plancache.clear()
+    outs = []
+    for _ in range(3):
+        later = Graph()
+        later.next = 100
+        c = later.const(torch.zeros(64))
+        later.op("iadd", c, later.op("getitem", later.module("transformer.h.1"), idx(0, -1)))
+        saved = later.save(c)
+        outs.append(_paused_run(gpt2, PROMPTS[0], later.g)[saved.id])
+    store: dict = {}
+    forward(gpt2.model, gpt2.tokenizer, [PROMPTS[0]], transformer__h__1=capture(store, "h"))
+    for out in outs:
+        assert_close(out, store["h"][0, -1])
