@@ -75,6 +75,38 @@ def test_item_tolist_and_numpy_are_real_values(gpt2, reference):
     assert tracer.backend.interaction is not None and tracer.backend.interaction.syncs == 3
 
 
+def test_numbers_read_mid_block_are_torchs_own_in_value_and_type(gpt2, reference):
+    # `.item()`, float(), int() and bool() of one-element values come over as numbers; each must be what
+    # torch gives for the same tensor in-process, of the same Python type. More than one element fails
+    # as torch fails, and the run goes on after Python caught it.
+    expected, _ = _outputs(reference, PROMPT)
+    h0 = expected[0]
+    with gpt2.trace(PROMPT):
+        h = gpt2.transformer.h[0].output
+        got = nnd.save([
+            h.sum().item(), h[0, -1].argmax().item(), (h.norm() > 0).item(), float(h.max()), int(h[0].argmin()),
+            bool(h.mean() < 0), h.to(torch.bfloat16).sum().item(), h[0, 0, 0].double().item(),
+        ])
+        try:
+            h[0, 0].item()
+        except RuntimeError as exc:
+            error = nnd.save(str(exc))
+        after = gpt2.transformer.h[1].output.save()
+    want = [
+        h0.sum().item(), h0[0, -1].argmax().item(), (h0.norm() > 0).item(), float(h0.max()), int(h0[0].argmin()),
+        bool(h0.mean() < 0), h0.to(torch.bfloat16).sum().item(), h0[0, 0, 0].double().item(),
+    ]
+    assert [type(v) for v in got] == [type(v) for v in want]
+    assert [got[i] for i in (1, 2, 4, 5)] == [want[i] for i in (1, 2, 4, 5)]
+    assert got[0] == pytest.approx(want[0], rel=1e-5)
+    assert got[3] == pytest.approx(want[3], rel=1e-5) and got[7] == pytest.approx(want[7], rel=1e-5)
+    assert got[6] == pytest.approx(want[6], rel=1e-2)  # bf16: its own rounding of a float32 sum
+    with pytest.raises(RuntimeError) as torchs:
+        h0[0, 0].item()
+    assert error == str(torchs.value)
+    torch.testing.assert_close(after, expected[1], atol=1e-5, rtol=0)
+
+
 def test_branch_on_a_value_then_edit_a_later_module(gpt2, reference):
     # The branch is taken (the norm is positive): the later block's output is zeroed, in the same forward.
     with gpt2.trace(PROMPT):

@@ -348,7 +348,7 @@ class Executor:
     def pause(self, key: HookKey | None) -> list[tuple[Frame, PlanNode]]:
         inter = self.interaction
         assert inter is not None and self.send is not None
-        self.send({i: self.value_of(i) for i in inter.want})
+        self.send({i: inter.sent_as(i, self.value_of(i)) for i in inter.want})
         inter.paused_at = self.plan.nodes[inter.want[-1]].proto
         msg = inter.wait()
         self.plan, added = self.plan.extended(msg.graph, self.max_constant_bytes)

@@ -20,11 +20,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from nnd.v1 import graph_pb2, nnd_pb2, worker_pb2
 
 from .. import errors
 
 DEFAULT_PAUSE_TIMEOUT_S = 60.0
+# Tensor dtypes whose one element goes as a number (Value float, int or bool hold every value of them exactly).
+_NUMBERS = frozenset({
+    torch.float64, torch.float32, torch.float16, torch.bfloat16,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+})
 # What `receive` returns when the client is gone (stream closed without `finish`, or cancelled).
 GONE: Any = object()
 
@@ -55,6 +62,8 @@ class Interaction:
     ) -> None:
         self.start = start  # as the client sent it (a tensor-parallel rank 0 passes it on)
         self.want: list[int] = list(start.want)
+        # Of `want`, the values the client reads as one number (`.item()`, `bool(...)`): sent as one (`number`).
+        self.items: frozenset[int] = frozenset(start.items)
         self.finished = start.finish or not start.want
         self.timeout = start.pause_timeout_s if start.pause_timeout_s > 0 else DEFAULT_PAUSE_TIMEOUT_S
         self.receive = receive
@@ -68,9 +77,17 @@ class Interaction:
         self.paused_at: graph_pb2.Node | None = None
         # A session's traces the client sent that have not started, and what to do in the last of them.
         self.next_traces: list[nnd_pb2.SessionTrace] = []
-        self._later: tuple[list[int], bool] = ([], True)
+        self._later: tuple[list[int], bool, frozenset[int]] = ([], True, frozenset())
         # Stored edits by id: the run's (run_worker sets it), and those later messages bring.
         self.edits: dict[str, worker_pb2.EditStack] = {}
+
+    def sent_as(self, node_id: int, value: Any) -> Any:
+        """What a pause sends for `value`, node `node_id`'s: a tensor of one element the client reads as one
+        number goes as that number (`.item()` here: the client decodes no tensor and calls nothing);
+        anything else, a dtype the wire has no number for included, as it is."""
+        if node_id in self.items and isinstance(value, torch.Tensor) and value.dtype in _NUMBERS and value.numel() == 1:
+            return value.item()
+        return value
 
     def due(self, has: Callable[[int], bool]) -> bool:
         """Whether every wanted value exists (time to pause)."""
@@ -112,10 +129,11 @@ class Interaction:
             msg = msg.more
         if msg.traces:
             self.next_traces.extend(msg.traces)
-            self._later = (list(msg.want), msg.finish or not msg.want)
+            self._later = (list(msg.want), msg.finish or not msg.want, frozenset(msg.items))
             self.want, self.finished = [], True  # the trace running now runs to its end
             return msg
         self.want = list(msg.want)
+        self.items = frozenset(msg.items)
         self.finished = msg.finish or not msg.want
         return msg
 
@@ -146,6 +164,6 @@ class Interaction:
 
     def advance(self) -> None:
         """The session starts the last of the traces a message brought: its pauses apply now."""
-        self.want, self.finished = self._later
-        self._later = ([], True)
+        self.want, self.finished, self.items = self._later
+        self._later = ([], True, frozenset())
         self.paused_at = None

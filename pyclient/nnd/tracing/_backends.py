@@ -92,8 +92,9 @@ class Backend:
         """Run the closed block; True when its values were delivered now."""
         raise NotImplementedError
 
-    def sync(self, tracer: Tracer, ref: int) -> Any:
-        """The real value of node `ref` now, mid-block."""
+    def sync(self, tracer: Tracer, ref: int, *, item: bool = False) -> Any:
+        """The real value of node `ref` now, mid-block (`item`: read as one number, so a tensor of one
+        element may come as that number)."""
         raise NotImplementedError
 
     def cancel(self) -> None:
@@ -119,10 +120,10 @@ class RemoteTrace(Backend):
     def __init__(self) -> None:
         self.interaction: _interact.Interaction | None = None  # open once a sync point needed a value
 
-    def sync(self, tracer: Tracer, ref: int) -> Any:
+    def sync(self, tracer: Tracer, ref: int, *, item: bool = False) -> Any:
         if self.interaction is None:
             self.interaction = _interact.Interaction(tracer)
-        return self.interaction.value(ref)
+        return self.interaction.value(ref, item=item)
 
     def cancel(self) -> None:
         if self.interaction is not None:
@@ -231,7 +232,7 @@ class Scan(RemoteTrace):
     what = "a scan"
     sessionable = False
 
-    def sync(self, tracer: Tracer, ref: int) -> Any:
+    def sync(self, tracer: Tracer, ref: int, *, item: bool = False) -> Any:
         from nnd.tracing._usage import value_not_known
 
         raise value_not_known("a real value in a scan (it runs on fake tensors)", _source.location().text)
@@ -322,7 +323,7 @@ class EditBackend(Backend):
         self.replace = replace
         self.edit_id = ""
 
-    def sync(self, tracer: Tracer, ref: int) -> Any:
+    def sync(self, tracer: Tracer, ref: int, *, item: bool = False) -> Any:
         from nnd.tracing._usage import value_not_known
 
         raise value_not_known("a real value in an edit (it runs in later traces)", _source.location().text)
@@ -389,9 +390,9 @@ class SessionMember(Backend):
         self.session.add(tracer)  # sent with the session's other blocks when it ends
         return False
 
-    def sync(self, tracer: Tracer, ref: int) -> Any:
+    def sync(self, tracer: Tracer, ref: int, *, item: bool = False) -> Any:
         # The session's run, which the earlier blocks are part of.
-        return self.session.sync(tracer, ref)
+        return self.session.sync(tracer, ref, item=item)
 
 
 def place(model: TransformersModel, kind: Backend) -> Backend:

@@ -116,10 +116,12 @@ class Interaction:
         elif step.trace == len(traces):  # the block still being recorded
             self.tracer.tokens.append(step)
 
-    def value(self, ref: int, tracer: Tracer | None = None) -> Any:
+    def value(self, ref: int, tracer: Tracer | None = None, *, item: bool = False) -> Any:
         """The real value of node `ref` of `tracer` (default: this run's block), now: the run goes
-        on until it exists and pauses there."""
+        on until it exists and pauses there. `item`: Python reads it as one number (`.item()`,
+        `bool(...)`), so a tensor of one element comes as that number (InteractStart.items)."""
         tracer = tracer or self.tracer
+        items = [ref] if item else []
         # A value of a session's block that has ended (Python between the blocks): every block that
         # ended is already in the session's request, so none is added again.
         ended = self.session is not None and tracer in self.session.blocks
@@ -127,6 +129,7 @@ class Interaction:
             first = nnd_pb2.InteractRequest()
             start = first.start  # filled in place: the request is copied once, not again into its message
             start.want.append(ref)
+            start.items.extend(items)
             if self.session is not None:
                 start.session.CopyFrom(self.session.request())
                 if not ended:
@@ -148,15 +151,15 @@ class Interaction:
             )
         elif ended:
             assert self.session is not None
-            more = self._next_traces(want=[ref])
+            more = self._next_traces(want=[ref], items=items)
             self._now_in(self.session.blocks[-1])
             self.outbox.put(nnd_pb2.InteractRequest(more=more))
         elif tracer is self.tracer:
-            more = nnd_pb2.InteractContinue(graph=self._new_nodes(), want=[ref])
+            more = nnd_pb2.InteractContinue(graph=self._new_nodes(), want=[ref], items=items)
             self._now_in(tracer)
             self.outbox.put(nnd_pb2.InteractRequest(more=more))
         else:  # a later block of the session: the blocks recorded since go with it
-            more = self._next_traces(want=[ref])
+            more = self._next_traces(want=[ref], items=items)
             more.traces.add(request=tracer.request(), generate=tracer.backend.generates)
             self._now_in(tracer)
             self.outbox.put(nnd_pb2.InteractRequest(more=more))

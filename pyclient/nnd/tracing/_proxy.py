@@ -186,7 +186,9 @@ class Proxy:
             raise AttributeError(name)
         if not self._live():
             return getattr(self.value, name)
-        if name in _CONCRETE_METHODS:  # `.item()`, `.tolist()`, `.numpy()`: a sync point
+        if name == "item":  # a sync point whose one element may come as a number: nothing to decode or call
+            return lambda *args, **kwargs: _item(self._real(item=True), *args, **kwargs)
+        if name in _CONCRETE_METHODS:  # `.tolist()`, `.numpy()`: a sync point
             return lambda *args, **kwargs: getattr(self._real(), name)(*args, **kwargs)
         return Proxy(self._tracer, None, pending=(self, name))
 
@@ -272,20 +274,21 @@ class Proxy:
         self._tracer._recorder()._record("setitem", [self, key, value], {})
 
     # -- value-dependent Python: a sync point while recording (_interact.py)
-    def _real(self) -> Any:
-        """The real value: after the block the saved one; inside it, fetched mid-run."""
+    def _real(self, *, item: bool = False) -> Any:
+        """The real value: after the block the saved one; inside it, fetched mid-run (`item`: Python reads
+        it as one number, so a tensor of one element may come as that number)."""
         if not self._live():
             return self.value
-        return self._tracer._recorder()._sync(self)
+        return self._tracer._recorder()._sync(self, item=item)
 
     def __bool__(self) -> bool:
-        return bool(self._real())
+        return bool(self._real(item=True))
 
     def __float__(self) -> float:
-        return float(self._real())
+        return float(self._real(item=True))
 
     def __int__(self) -> int:
-        return int(self._real())
+        return int(self._real(item=True))
 
     def __index__(self) -> int:
         return operator.index(self._real())
@@ -392,3 +395,11 @@ for _cmp in _COMPARE:
     setattr(Proxy, f"__{_cmp}__", _binary(_cmp))
 for _dunder, _name in _UNARY.items():
     setattr(Proxy, f"__{_dunder}__", lambda self, _n=_name: _record(self, _n, [self]))
+
+
+def _item(value: Any, *args: Any, **kwargs: Any) -> Any:
+    """`.item()` of a sync point's value: a number as it came (the worker read its one element), else the
+    tensor's own item(), which raises where torch would (more than one element)."""
+    if isinstance(value, (bool, int, float)) and not args and not kwargs:
+        return value
+    return value.item(*args, **kwargs)

@@ -88,12 +88,12 @@ class Session:
         """A block ended: it runs when the session does."""
         self.blocks.append(tracer)
 
-    def sync(self, tracer: Tracer, ref: int) -> Any:
+    def sync(self, tracer: Tracer, ref: int, *, item: bool = False) -> Any:
         """A real value inside one of the session's blocks, or of an ended block between blocks: the
         session runs as an Interact stream from here on (_interact.py), its earlier blocks first."""
         if self._interaction is None:
             self._interaction = _interact.Interaction(tracer, self)
-        return self._interaction.value(ref, tracer)
+        return self._interaction.value(ref, tracer, item=item)
 
     def request(self, scan_tail: nnd_pb2.TraceRequest | None = None) -> nnd_pb2.SessionRequest:
         """Every ended block, in order; `scan_tail`: a shape query scanned after them."""

@@ -353,9 +353,10 @@ class Tracer:
     def _concrete(self, proxy: Proxy) -> Any:
         return _concrete.query(self, proxy)
 
-    def _sync(self, proxy: Proxy) -> Any:
-        """The real value of `proxy` now, mid-run (a sync point; _interact.py)."""
-        return self.backend.sync(self, proxy._ref())
+    def _sync(self, proxy: Proxy, *, item: bool = False) -> Any:
+        """The real value of `proxy` now, mid-run (a sync point; _interact.py). `item`: Python reads it as
+        one number, which a tensor of one element then comes as."""
+        return self.backend.sync(self, proxy._ref(), item=item)
 
     # -- running
     def __enter__(self) -> Tracer:

@@ -535,32 +535,36 @@ class SessionRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., traces: _Optional[_Iterable[_Union[SessionTrace, _Mapping]]] = ..., no_auto_dispatch: _Optional[bool] = ..., keep_alive: _Optional[str] = ..., scan: _Optional[bool] = ...) -> None: ...
 
 class InteractStart(_message.Message):
-    __slots__ = ("request", "generate", "want", "pause_timeout_s", "finish", "session")
+    __slots__ = ("request", "generate", "want", "pause_timeout_s", "finish", "session", "items")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     GENERATE_FIELD_NUMBER: _ClassVar[int]
     WANT_FIELD_NUMBER: _ClassVar[int]
     PAUSE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
     request: TraceRequest
     generate: bool
     want: _containers.RepeatedScalarFieldContainer[int]
     pause_timeout_s: float
     finish: bool
     session: SessionRequest
-    def __init__(self, request: _Optional[_Union[TraceRequest, _Mapping]] = ..., generate: _Optional[bool] = ..., want: _Optional[_Iterable[int]] = ..., pause_timeout_s: _Optional[float] = ..., finish: _Optional[bool] = ..., session: _Optional[_Union[SessionRequest, _Mapping]] = ...) -> None: ...
+    items: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request: _Optional[_Union[TraceRequest, _Mapping]] = ..., generate: _Optional[bool] = ..., want: _Optional[_Iterable[int]] = ..., pause_timeout_s: _Optional[float] = ..., finish: _Optional[bool] = ..., session: _Optional[_Union[SessionRequest, _Mapping]] = ..., items: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InteractContinue(_message.Message):
-    __slots__ = ("graph", "want", "finish", "traces")
+    __slots__ = ("graph", "want", "finish", "traces", "items")
     GRAPH_FIELD_NUMBER: _ClassVar[int]
     WANT_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
     TRACES_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
     graph: _graph_pb2.Graph
     want: _containers.RepeatedScalarFieldContainer[int]
     finish: bool
     traces: _containers.RepeatedCompositeFieldContainer[SessionTrace]
-    def __init__(self, graph: _Optional[_Union[_graph_pb2.Graph, _Mapping]] = ..., want: _Optional[_Iterable[int]] = ..., finish: _Optional[bool] = ..., traces: _Optional[_Iterable[_Union[SessionTrace, _Mapping]]] = ...) -> None: ...
+    items: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, graph: _Optional[_Union[_graph_pb2.Graph, _Mapping]] = ..., want: _Optional[_Iterable[int]] = ..., finish: _Optional[bool] = ..., traces: _Optional[_Iterable[_Union[SessionTrace, _Mapping]]] = ..., items: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InteractRequest(_message.Message):
     __slots__ = ("start", "more")
