@@ -25,6 +25,9 @@ from nnd_daemon.inflight import InflightBudget
 from nnd_daemon.worker.stop import Stop
 
 _SERVICE = "nnd.v1.Nnd"
+# Interact continuations kept checked (Gateway._remember): how many, and the largest kept.
+_REMEMBERED = 64
+_MAX_REMEMBERED_BYTES = 1 << 16
 
 
 class Gateway:
@@ -56,6 +59,9 @@ class Gateway:
         self._bindings: list[worker_pb2.AliasBinding] = []
         self._table: aliases.AliasTable | None = None
         self._edits: dict[str, worker_pb2.EditStack] = {}
+        # Interact continuations checked before, by their bytes, for the alias table they were rewritten
+        # with: a block repeated over prompts sends the same one at the same sync point every time.
+        self._continued: tuple[aliases.AliasTable | None, dict[bytes, worker_pb2.WorkerInteractContinue]] = (None, {})
 
     # -- what the daemon pushes ----------------------------------------------
     def configure(self, config: worker_pb2.WorkerConfig) -> None:
@@ -227,15 +233,23 @@ class Gateway:
                     "the run was ended"
                 )
             try:  # held to the limits the stream's first message was
-                return intake.prepare_continue(
+                part = intake.prepare_continue(
                     msg.more, len(raw), run, self.limits, rewrite=self._rewrite, stacks=self._stacks
                 )
             except errors.NndError as err:
                 return err
+            if not part.more.traces:  # a session's next traces name stored edits, which may change
+                self._remember(raw, part)
+            return part
+
+        def checked(raw: bytes) -> worker_pb2.WorkerInteractContinue | errors.NndError:
+            table, seen = self._continued
+            found = seen.get(raw) if table is self._table else None
+            return found if found is not None else parse(raw)
 
         def messages() -> Iterator[worker_pb2.WorkerInteractContinue | errors.NndError]:
             for raw in raws:
-                part = parse(raw)
+                part = checked(raw)
                 yield part
                 if isinstance(part, errors.NndError):
                     return
@@ -244,7 +258,7 @@ class Gateway:
             stop, on_error = self._stop(context)
             yield from self.service.interact(
                 run, start, messages(), context, stop, on_error, caps=self.pause_caps(stop), inflight=self.inflight,
-                parse=parse,
+                parse=checked,
             )
         finally:
             self.service.activity.end(user)
@@ -292,6 +306,17 @@ class Gateway:
 
     def _rewrite(self, graphs: list[Any]) -> None:
         aliases.rewrite_graphs(graphs, self._aliases())
+
+    def _remember(self, raw: bytes, part: worker_pb2.WorkerInteractContinue) -> None:
+        """Keep a checked continuation (nothing changes it once checked: the engine plans from it) for the
+        next stream that sends the same bytes, while the alias table it was rewritten with holds."""
+        if len(raw) > _MAX_REMEMBERED_BYTES:
+            return
+        table, seen = self._continued
+        if table is not self._table or len(seen) >= _REMEMBERED:
+            seen = {}
+            self._continued = (self._table, seen)
+        seen[raw] = part
 
 
 def client_of(context: grpc.ServicerContext) -> str:
