@@ -113,6 +113,7 @@ class Plan:
     _extensions: dict[tuple[bytes, int], tuple[Plan, list[PlanNode]]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    _pauses: int = field(default=0, init=False, repr=False, compare=False)  # shared additions it was grown by
 
     def extended(self, graph: graph_pb2.Graph, max_constant_bytes: int = 0) -> tuple[Plan, list[PlanNode]]:
         """This plan with the nodes a sync point's message adds, and those nodes. A plan of one run grows in
@@ -127,7 +128,15 @@ class Plan:
             return found
         grown = self.fork()
         added = grown.extend(graph, max_constant_bytes)
-        if len(key[0]) <= MAX_SHARED_GRAPH_BYTES and reusable(added) and len(self._extensions) < MAX_EXTENSIONS:
+        grown._pauses = self._pauses + 1
+        # Each shared fork holds its own tables: a block pausing at every step of a long generation would
+        # keep one per step, so only a block's first few pauses are shared.
+        if (
+            grown._pauses <= MAX_SHARED_PAUSES
+            and len(self._extensions) < MAX_EXTENSIONS
+            and len(key[0]) <= MAX_SHARED_GRAPH_BYTES
+            and reusable(added)
+        ):
             grown.shared = True
             self._extensions[key] = (grown, added)
         return grown, added
@@ -194,9 +203,10 @@ class Plan:
 # Node kinds the executor runs itself once their inputs exist (the others are bound at hooks, or are effects).
 RUNNABLE = ("tensor", "constant", "param", "op", "save", "backward")
 # A shared plan keeps at most this many additions (a block's sync points add the same nodes each run), each
-# of a graph at most this big.
+# of a graph at most this big, for a block's first MAX_SHARED_PAUSES pauses.
 MAX_EXTENSIONS = 8
 MAX_SHARED_GRAPH_BYTES = 1 << 20
+MAX_SHARED_PAUSES = 4
 
 
 def reusable(nodes: Iterable[PlanNode]) -> bool:
@@ -217,6 +227,8 @@ def _spec_tensor(spec: ArgSpec) -> bool:
     if isinstance(spec, Seq):
         return any(_spec_tensor(item) for item in spec.items)
     return False
+
+
 IdMap = Callable[[int], int]
 _NOWHERE = -(2**62)  # where an edit's reference to a node it does not hold points: no node
 

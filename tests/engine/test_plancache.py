@@ -10,7 +10,7 @@ from reference import capture, forward
 from torch.testing import assert_close
 
 from nnd.v1 import graph_pb2, nnd_pb2
-from nnd_daemon.engine import interact, plancache
+from nnd_daemon.engine import interact, plan, plancache
 
 PROMPTS = ["The Eiffel Tower is in the city of", "Hello world", "A third prompt, longer than the others"]
 
@@ -149,3 +149,39 @@ def test_a_tensor_constant_added_after_a_sync_point_is_each_runs_own(gpt2):
     forward(gpt2.model, gpt2.tokenizer, [PROMPTS[0]], transformer__h__1=capture(store, "h"))
     for out in outs:
         assert_close(out, store["h"][0, -1])
+
+
+def test_a_block_pausing_many_times_shares_only_its_first_pauses_and_each_run_is_right(gpt2):
+    """Eight sync points in a block (as a loop over steps with an `.item()` each): every value right in
+    every run, and the cached plan keeps the additions of the first few pauses only (a fork per pause
+    of a long generation would be kept for good otherwise)."""
+    plancache.clear()
+    store: dict = {}
+    forward(gpt2.model, gpt2.tokenizer, [PROMPTS[0]], transformer__h__0=capture(store, "h0"))
+    total_want = store["h0"].sum()
+    for _ in range(2):
+        g = Graph()
+        total = g.op("sum", g.module("transformer.h.0"))
+        request = g.request(PROMPTS[0])
+        later = []
+        for k in range(1, 9):
+            step = Graph()
+            step.next = 100 * k
+            later.append((step.op("mul", total, float(k)), step.g))
+
+        def receive(_timeout: float, pending=iter(later)) -> nnd_pb2.InteractContinue:
+            node, graph = next(pending, (None, None))
+            if node is None:
+                return nnd_pb2.InteractContinue(finish=True)
+            return nnd_pb2.InteractContinue(graph=graph, want=[node.id])
+
+        start = nnd_pb2.InteractStart(request=request, want=[total.id])
+        got = wire_results.collect(gpt2.stream(request, interaction=interact.Interaction(start, receive)))
+        assert_close(got[total.id], total_want)
+        for k, (node, _) in enumerate(later, start=1):
+            assert_close(got[node.id], total_want * k)
+    shared, depth = plancache.build(request.graph, gpt2.model, 1), 0
+    while shared._extensions:
+        (shared, _), = shared._extensions.values()
+        depth += 1
+    assert depth == plan.MAX_SHARED_PAUSES < len(later)
