@@ -169,7 +169,9 @@ def test_a_block_pausing_many_times_shares_only_its_first_pauses_and_each_run_is
             step.next = 100 * k
             later.append((step.op("mul", total, float(k)), step.g))
 
-        def receive(_timeout: float, pending=iter(later)) -> nnd_pb2.InteractContinue:
+        pending = iter(later)
+
+        def receive(_timeout: float, pending=pending) -> nnd_pb2.InteractContinue:
             node, graph = next(pending, (None, None))
             if node is None:
                 return nnd_pb2.InteractContinue(finish=True)
