@@ -381,7 +381,9 @@ def test_a_user_outside_the_sockets_group_is_told_so():
     # As on a lab box: the way to the socket's 0750 directory is open to everyone (pytest's tmp is not).
     base = pathlib.Path(tempfile.mkdtemp(prefix="nnd-lab-", dir="/tmp"))
     os.chmod(base, 0o755)
-    daemon = start_daemon(base)
+    # Ready once its socket answers the health check: nothing here needs the helper, whose start (the
+    # fork server importing torch and transformers, ~7 s of CPU) the stop then cuts short.
+    daemon = start_daemon(base, ready="health")
     try:
         _told_permission_denied(daemon)
     finally:
