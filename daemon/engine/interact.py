@@ -62,7 +62,7 @@ class Interaction:
     ) -> None:
         self.start = start  # as the client sent it (a tensor-parallel rank 0 passes it on)
         self.want: list[int] = list(start.want)
-        # Of `want`, the values the client reads as one number (`.item()`, `bool(...)`): sent as one (`number`).
+        # Of `want`, the values the client reads as one number (`.item()`, `bool(...)`): see `sent_as`.
         self.items: frozenset[int] = frozenset(start.items)
         self.finished = start.finish or not start.want
         self.timeout = start.pause_timeout_s if start.pause_timeout_s > 0 else DEFAULT_PAUSE_TIMEOUT_S
