@@ -114,6 +114,9 @@ class Plan:
         default_factory=dict, init=False, repr=False, compare=False
     )
     _pauses: int = field(default=0, init=False, repr=False, compare=False)  # shared additions it was grown by
+    # The cached plan a shared fork grew from (None: this is it), and how many forks that one shares in all.
+    _root: Plan | None = field(default=None, init=False, repr=False, compare=False)
+    _shared_forks: int = field(default=0, init=False, repr=False, compare=False)
 
     def extended(self, graph: graph_pb2.Graph, max_constant_bytes: int = 0) -> tuple[Plan, list[PlanNode]]:
         """This plan with the nodes a sync point's message adds, and those nodes. A plan of one run grows in
@@ -129,15 +132,18 @@ class Plan:
         grown = self.fork()
         added = grown.extend(graph, max_constant_bytes)
         grown._pauses = self._pauses + 1
-        # Each shared fork holds its own tables: a block pausing at every step of a long generation would
-        # keep one per step, so only a block's first few pauses are shared.
+        # Each shared fork holds its own tables for as long as the cached plan stays cached: a block pausing
+        # at every step of a long generation would keep one per step, and clients sending ever other
+        # additions one per addition. So only a block's first few pauses are shared, and a few forks in all.
+        root = self._root or self
         if (
             grown._pauses <= MAX_SHARED_PAUSES
-            and len(self._extensions) < MAX_EXTENSIONS
+            and root._shared_forks < MAX_EXTENSIONS
             and len(key[0]) <= MAX_SHARED_GRAPH_BYTES
             and reusable(added)
         ):
-            grown.shared = True
+            root._shared_forks += 1
+            grown.shared, grown._root = True, root
             self._extensions[key] = (grown, added)
         return grown, added
 
@@ -202,8 +208,8 @@ class Plan:
 
 # Node kinds the executor runs itself once their inputs exist (the others are bound at hooks, or are effects).
 RUNNABLE = ("tensor", "constant", "param", "op", "save", "backward")
-# A shared plan keeps at most this many additions (a block's sync points add the same nodes each run), each
-# of a graph at most this big, for a block's first MAX_SHARED_PAUSES pauses.
+# A cached plan and the forks it shares keep at most this many additions in all (a block's sync points add
+# the same nodes each run), each of a graph at most this big, for a block's first MAX_SHARED_PAUSES pauses.
 MAX_EXTENSIONS = 8
 MAX_SHARED_GRAPH_BYTES = 1 << 20
 MAX_SHARED_PAUSES = 4

@@ -187,3 +187,39 @@ def test_a_block_pausing_many_times_shares_only_its_first_pauses_and_each_run_is
         (shared, _), = shared._extensions.values()
         depth += 1
     assert depth == plan.MAX_SHARED_PAUSES < len(later)
+
+
+def test_a_cached_plan_shares_a_bounded_number_of_additions_whatever_clients_send(gpt2):
+    """Twenty runs of one block pausing twice, each adding something else at its second pause (a client
+    varying what it sends): each run is right, and the cached plan and its shared forks keep at most
+    MAX_EXTENSIONS additions in all, however they nest."""
+    plancache.clear()
+    store: dict = {}
+    forward(gpt2.model, gpt2.tokenizer, [PROMPTS[0]], transformer__h__0=capture(store, "h0"),
+            transformer__h__1=capture(store, "h1"))
+    for k in range(20):
+        g = Graph()
+        total = g.op("sum", g.module("transformer.h.0"))
+        request = g.request(PROMPTS[0])
+        first = Graph()
+        first.next = 100
+        scaled = first.op("mul", total, float(k % 3 + 1))  # three different first additions
+        second = Graph()
+        second.next = 200
+        saved = second.save(second.op("mul", second.module("transformer.h.1"), float(k)))  # twenty second ones
+        replies = iter([
+            nnd_pb2.InteractContinue(graph=first.g, want=[scaled.id]),
+            nnd_pb2.InteractContinue(graph=second.g, finish=True),
+        ])
+        start = nnd_pb2.InteractStart(request=request, want=[total.id])
+        got = wire_results.collect(
+            gpt2.stream(request, interaction=interact.Interaction(start, lambda _timeout, r=replies: next(r)))
+        )
+        assert_close(got[scaled.id], store["h0"].sum() * (k % 3 + 1))
+        assert_close(got[saved.id], store["h1"] * k)
+    pending, shared = [plancache.build(request.graph, gpt2.model, 1)], 0
+    while pending:
+        grown = [fork for fork, _ in pending.pop()._extensions.values()]
+        shared += len(grown)
+        pending += grown
+    assert shared == plan.MAX_EXTENSIONS
