@@ -440,7 +440,7 @@ class Executor:
         # when that call began before the module's forward was instrumented.
         if where is not None and (call < self.hooks.since.get(path, 0) or self.passed((where[0], POST, call))):
             return True
-        made = self.hooks.calls.get(path, 0)
+        made = self.hooks.calls_of(path)
         if kind == PRE:
             return made > call
         return made > call and call not in self.hooks.active.get(path, ())
@@ -750,7 +750,7 @@ class Executor:
         path, call = node.target.path, node.target.call + (frame.step if frame.scope else 0)
         if node.hook == RESULT:
             return "the request ended before its result"
-        made = self.hooks.calls.get(path, 0)
+        made = self.hooks.calls_of(path)
         name = repr(path) if path else "the model"
         return f"it needs call {call} of {name}, but {name} was called {made} time(s) ({where(node.proto)})"
 

@@ -12,37 +12,37 @@ handlers and are counted the same way.
 
 `count_all` (a run paused at sync points, whose later nodes may name any
 module): the other modules' calls are counted too, and `watch` gives a module
-its own hooks mid-run when a node first names it. The counting is a wrapper on
-`nn.Module._call_impl`, mounted for the process by the first such run and
-a no-op while no run counts. The wrapper only logs (the module as a call
-starts, None as it ends: `HookSet.log`); the counts are read from the log when
-something needs them (`watch`, `add_op`), which most runs never do: logging
-costs a module call ~0.5 µs, counting in place ~2 µs (GPT-2 4×64 in-process:
-+0.06 against +0.18 ms a forward over a wrapper that does nothing).
+its own hooks mid-run when a node first names it. Counting is callcount.py's
+C counters on every module (no Python frame per module call), read when a node
+first names a module. A module named while one of its calls runs needs that
+call's end, which torch's fast path never reports to a hook added meanwhile:
+the modules that contain a hooked module (its ancestors, through every parent
+that registers it; the root always) get a Python `_compiled_call_impl` for the
+run (`_track`) that counts them and ends such a call (`ended_watched`). Calls
+nest the way modules contain each other in the models nnd serves, so a run
+pauses only inside calls of tracked modules; a module that runs at a pause
+without being tracked (called from outside the modules that contain it) and is
+then named is refused, unless torch runs its hooks anyway (it had hooks of its
+own as the call began).
 Why not torch's process-wide hooks: any global hook sends every module call
-down torch's slow path (measured in-process on a GPT-2 4×64 forward: +1.1 to
-+1.5 ms, against +0.1 to +0.2 ms for this wrapper counting); per-module
-hooks or `forward` wrappers cost more to install and remove per request; and
-mounting the wrapper per run would invalidate CPython's attribute caches for
-every module class each time (+1.2 to +1.9 ms).
-Mounted, it costs every module call a Python frame, so it comes off again after
-UNMOUNT_AFTER runs in a row that count nothing (`note_uncounted_run`).
-Only workers (and the tests' in-process engine) run the engine, so no user
-process gets the wrapper. The wrapper sits inside `__call__`, so subclasses that
-override `__call__` and call up are counted too.
+down torch's slow path (measured in-process on a GPT-2 4x64 forward: +1.1 to
++1.5 ms); per-module hooks or `forward` wrappers on every module cost more to
+install and remove per request.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import threading
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from . import source
+from .. import errors
+from . import callcount, source
+from .modules import ancestors as module_ancestors
 from .modules import paths as module_paths
 from .modules import table as module_table
 
@@ -65,6 +65,7 @@ class HookSet:
         count_all: bool = False,
     ) -> None:
         modules = module_table(model)
+        self.model = model
         self.table = modules
         # Operation sites -> (module path, operation name); every other path is a module.
         self.ops = dict(ops or {})
@@ -80,20 +81,23 @@ class HookSet:
         self.calls: dict[str, int] = dict.fromkeys(counted, 0)
         # Per path, the calls running now (innermost last); a list made at a path's first call.
         self.active: dict[str, list[int]] = collections.defaultdict(list)
-        # Modules counted only (count_all), by identity: the counting wrapper sees every module call of the process.
+        # Modules counted only (count_all), by identity, with their paths.
         self._counted: dict[torch.nn.Module, str] = {}
         if count_all:
             self._counted = dict(module_paths(model))
             for module in self.modules.values():
                 self._counted.pop(module, None)
         self._count_all = count_all
-        # count_all: counted modules' calls as the wrapper saw them (the module as a call starts, None as
-        # it ends), not yet read into `calls` and `active`; `_open`, the calls the log read so far left open.
-        self.log: list[torch.nn.Module | None] = []
-        self._open: list[torch.nn.Module] = []
+        # count_all: the model's counters while this run owns them, and what it banked of them while it
+        # lent the model (suppressed); `calls` of a module counted only are read from them when needed.
+        self._counters: callcount.Counters | None = None
+        self._banked: list[int] | None = None
+        # Counted modules this run tracks (`_track`) -> the `_compiled_call_impl` its tracker replaced.
+        self._tracked: dict[torch.nn.Module, Any] = {}
         # Modules first named while calls of them ran: their path, and those calls (`ended_watched`).
         self._running: dict[torch.nn.Module, tuple[str, list[int]]] = {}
         self._installed = False
+        self._live = False  # installed, and the model may have run since: counts can be past 0
         self.suppress = 0
         self._handles: list[Any] = []
         self._patched: list[tuple[torch.nn.Module, str, Any]] = []
@@ -103,13 +107,14 @@ class HookSet:
         try:
             self._installed = True
             if self._count_all:
-                _start_counting(self)
-            else:
-                note_uncounted_run()
+                self._counters = callcount.of(self.model)
+                self._counters.take(self)
+                self._track_above([self.model, *self.modules.values()])
             for site in self.ops:  # before skips: a skip wraps the instrumented forward
                 self.add_op(site, self.ops[site])
             for path, module in self.modules.items():
                 self._hook(path, module)
+            self._live = True
             yield self
         finally:
             self.remove()
@@ -127,9 +132,13 @@ class HookSet:
             return
         module = self.table[path]
         self.modules[path] = module
-        self.read_log()  # its calls so far, while the log still counts them
-        if self._counted.pop(module, None) is not None and self.active[path]:
-            self._running[module] = (path, list(self.active[path]))
+        if self._count_all and module in self._counted:
+            if module not in self._tracked:
+                self._catch_up(module, path, ends=True)
+            del self._counted[module]
+            if self.active[path]:
+                self._running[module] = (path, list(self.active[path]))
+            self._track_above([module])
         if self._installed:
             self._hook(path, module)
 
@@ -151,27 +160,79 @@ class HookSet:
         replaced = self.on_post(path, call, output)
         return output if replaced is None else replaced
 
-    def read_log(self) -> None:
-        """Bring `calls` and `active` of the counted modules up to date with the wrapper's log. Calls
-        nest, so an end (None) ends the latest call still open. A module watched since a call of it
-        began is no longer counted here: its own post hook ends that call."""
-        log = self.log
-        if not log:
-            return
-        counted, calls, active, opened = self._counted, self.calls, self.active, self._open
-        for module in log:
-            if module is None:
-                path = counted.get(opened.pop())
-                if path is not None:
-                    active[path].pop()
-                continue
-            opened.append(module)
-            path = counted.get(module)
-            if path is not None:
-                call = calls[path]
-                calls[path] = call + 1
-                active[path].append(call)
-        log.clear()
+    def calls_of(self, path: str) -> int:
+        """Calls of the module or operation site `path` so far in this run."""
+        module = self.table.get(path)
+        counters = self._counters
+        if (
+            module is not None
+            and counters is not None
+            and counters.owner is self
+            and module in self._counted
+            and module not in self._tracked
+        ):
+            return self._count(module)
+        return self.calls.get(path, 0)
+
+    def _count(self, module: torch.nn.Module) -> int:
+        """Calls of `module` (counted only, not tracked) in this run so far."""
+        assert self._counters is not None
+        made = self._counters.count(module)
+        return made + (self._banked[self._counters.index[module]] if self._banked is not None else 0)
+
+    def _catch_up(self, module: torch.nn.Module, path: str, *, ends: bool) -> None:
+        """Bring `calls` and `active` of `module`, counted by its counter so far, up to date. A call of it
+        running now is open only once (calls of one module nesting is not followed); with `ends`, its end
+        is needed, which torch gives only if the module had hooks of its own as the call began."""
+        made = self._count(module)
+        self.calls[path] = made
+        running = _running_calls(module)
+        self.active[path] = [made - 1] if running else []
+        if running > 1 or (running and ends and not _runs_hooks(module)):
+            raise errors.Unimplemented(
+                f"{path!r} was running when the run paused, called from outside the modules that contain it, "
+                "so nnd cannot follow that call to its end: name it before the first sync point"
+            )
+
+    def _track_above(self, named: list[torch.nn.Module]) -> None:
+        """Track the counted modules that contain those of `named` (and `named` themselves where counted
+        only) and are not running now: a later pause inside one of their calls can name them."""
+        above = module_ancestors(self.model)
+        todo = [m for n in named for m in (n, *above.get(n, ())) if m in self._counted and m not in self._tracked]
+        for module in dict.fromkeys(todo):
+            if self._live and _running_calls(module):
+                continue  # its call began untracked: counted by its counter, refused if named while it runs
+            self._track(module)
+
+    def _track(self, module: torch.nn.Module) -> None:
+        path = self._counted[module]
+        if self._live:
+            self._catch_up(module, path, ends=False)
+        inner = module.__dict__.get("_compiled_call_impl") or module._call_impl
+        self._tracked[module] = module.__dict__.get("_compiled_call_impl")
+        calls, active = self.calls, self.active
+
+        def tracker(*args: Any, **kwargs: Any) -> Any:
+            counted = self._counted
+            if self.suppress or not self._count_all or module not in counted:
+                return inner(*args, **kwargs)
+            call = calls[path]
+            calls[path] = call + 1
+            opened = active[path]
+            opened.append(call)
+            try:
+                output = inner(*args, **kwargs)
+            except BaseException:
+                if module in self._counted:
+                    opened.pop()
+                raise
+            if module in self._counted:
+                opened.pop()
+                return output
+            return self.ended_watched(module, output)  # named while this call ran
+
+        tracker._nnd_inner = inner  # type: ignore[attr-defined]
+        module.__dict__["_compiled_call_impl"] = tracker
 
     def stop_counting(self) -> None:
         """No node can name a module any more (the client's last message came): the wrapper stops counting
@@ -179,18 +240,22 @@ class HookSet:
         that began before still ends through `ended_watched` where it must: the wrapper took this HookSet
         as the call began."""
         if self._count_all:
-            _stop_counting(self)
             self._count_all = False
-            self.log.clear()
-            self._open.clear()
+            if self._counters is not None:
+                self._counters.release(self)
 
     def remove(self) -> None:
-        self._installed = False
-        if self._count_all:
-            _stop_counting(self)
-            self.log.clear()  # what no one read is not needed once the run ends
-            self._open.clear()
+        self._installed = self._live = False
+        if self._counters is not None:
+            self._counters.release(self)
+            self._count_all = False
             self._running.clear()
+        for module, before in reversed(self._tracked.items()):
+            if before is None:
+                module.__dict__.pop("_compiled_call_impl", None)
+            else:
+                module.__dict__["_compiled_call_impl"] = before
+        self._tracked.clear()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -204,11 +269,20 @@ class HookSet:
 
     @contextlib.contextmanager
     def suppressed(self) -> Iterator[None]:
+        """Calls meanwhile are not this run's: not hooked, not counted. A counting run banks its counts
+        and gives the counters up (a generation lends the model to other runs between its steps)."""
+        lent = self.suppress == 0 and self._count_all and self._counters is not None
+        if lent:
+            assert self._counters is not None
+            counted = self._counters.release(self, bank=True) or []
+            self._banked = counted if self._banked is None else list(map(int.__add__, self._banked, counted))
         self.suppress += 1
         try:
             yield
         finally:
             self.suppress -= 1
+            if lent and self._count_all and self._counters is not None:
+                self._counters.take(self)
 
     def _pre(self, path: str) -> Callable[..., Any]:
         def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -236,14 +310,15 @@ class HookSet:
         A nested name "a.b" hooks operation b inside the function operation a calls."""
         path, name = where
         self.ops[site] = where
-        self.read_log()  # `since` below reads its module's calls
         self.calls.setdefault(site, 0)
         self.active.setdefault(site, [])
         tree = self._sites.get(path)
         fresh = tree is None
         if tree is None:
+            if self._count_all:  # `since` and executor.passed read its module's calls from now on
+                self._track_above([self.table[path]])
             tree = self._sites[path] = _OpTree()
-            self.since[site] = self.calls.get(path, 0)
+            self.since[site] = self.calls_of(path)
         else:
             self.since[site] = self.since[tree.first]
         tree.add(name.split("."), site)
@@ -320,94 +395,29 @@ class _OpTree:
         return [*self.sites, *self.children]
 
 
-# The HookSets counting every module call now (count_all), read by the mounted wrapper without a lock:
-# it is replaced, never changed in place.
-_counting: tuple[HookSet, ...] = ()
-_counting_lock = threading.Lock()
+def _running_calls(module: torch.nn.Module) -> int:
+    """How many calls of `module` are on this thread's stack (`_call_impl` frames with it as self)."""
+    code = getattr(type(module)._call_impl, "__code__", None)
+    found = 0
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code and frame.f_locals.get("self") is module:
+            found += 1
+        frame = frame.f_back
+    return found
 
 
-# A counting run's log is read into its counts once it holds this many entries.
-LOG_READ_AT = 8192
+def _runs_hooks(module: torch.nn.Module) -> bool:
+    """Whether a call of `module` takes torch's slow path, which runs forward hooks added during it."""
+    from torch.nn.modules import module as torch_module
 
-# Runs in a row that counted nothing; past UNMOUNT_AFTER of them, the counting wrapper comes off.
-UNMOUNT_AFTER = 64
-_uncounted_runs = 0
-
-
-def _start_counting(hooks: HookSet) -> None:
-    global _counting, _uncounted_runs
-    with _counting_lock:
-        _mount_counter()
-        _counting = (*_counting, hooks)
-        _uncounted_runs = 0
-
-
-def note_uncounted_run() -> None:
-    """A run that counts nothing starts. After UNMOUNT_AFTER of them in a row, with no run counting,
-    the wrapper comes off `nn.Module._call_impl`: mounted, it costs every module call of every request
-    a Python frame (~0.13 ms a GPT-2 4×64 forward), and a worker that saw one sync block would pay
-    that for good. Taking it off, as putting it on, makes CPython re-warm its attribute caches once
-    (~1.2-1.9 ms), so not after every pausable run."""
-    global _uncounted_runs
-    _uncounted_runs += 1  # unlocked: a count off by one under a race only moves the moment
-    if _uncounted_runs < UNMOUNT_AFTER:
-        return
-    with _counting_lock:
-        _uncounted_runs = 0
-        inner = getattr(torch.nn.Module._call_impl, "_nnd_inner", None)
-        if _counting or inner is None:  # a run counts now, or not mounted (or another wrapper sits on ours)
-            return
-        torch.nn.Module._call_impl = inner  # type: ignore[method-assign]
-
-
-def _stop_counting(hooks: HookSet) -> None:
-    global _counting
-    with _counting_lock:
-        _counting = tuple(h for h in _counting if h is not hooks)
-
-
-def _mount_counter() -> None:
-    """Wrap `nn.Module._call_impl` once for the process (under _counting_lock)."""
-    inner = torch.nn.Module._call_impl
-    if getattr(inner, "_nnd_counter", False):
-        return
-
-    def _call_impl(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        counting = _counting
-        if not counting:
-            return inner(module, *args, **kwargs)
-        if len(counting) == 1:  # the usual case, one pausable run: the loop below, inlined
-            hooks = counting[0]
-            if hooks.suppress or module not in hooks._counted:
-                return inner(module, *args, **kwargs)
-            log = hooks.log
-            if len(log) >= LOG_READ_AT:  # a long generation: read it now, not hold every call
-                hooks.read_log()
-            log.append(module)
-            try:
-                output = inner(module, *args, **kwargs)
-            finally:
-                log.append(None)
-            if module in hooks._counted:
-                return output
-            return hooks.ended_watched(module, output)  # named while this call ran
-        entered = []
-        for h in counting:
-            if not h.suppress and module in h._counted:
-                if len(h.log) >= LOG_READ_AT:
-                    h.read_log()
-                h.log.append(module)
-                entered.append(h)
-        try:
-            output = inner(module, *args, **kwargs)
-        finally:
-            for h in entered:
-                h.log.append(None)
-        for h in entered:
-            if module not in h._counted:
-                output = h.ended_watched(module, output)
-        return output
-
-    _call_impl._nnd_counter = True  # type: ignore[attr-defined]
-    _call_impl._nnd_inner = inner  # type: ignore[attr-defined]
-    torch.nn.Module._call_impl = _call_impl  # type: ignore[method-assign]
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or torch_module._global_forward_hooks
+        or torch_module._global_forward_pre_hooks
+        or torch_module._global_backward_hooks
+        or torch_module._global_backward_pre_hooks
+    )

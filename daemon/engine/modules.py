@@ -18,6 +18,9 @@ _tables: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.nn.Module]] 
 _containers: weakref.WeakKeyDictionary[torch.nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
 _paths: weakref.WeakKeyDictionary[torch.nn.Module, dict[torch.nn.Module, str]] = weakref.WeakKeyDictionary()
 _params: weakref.WeakKeyDictionary[torch.nn.Module, frozenset[str] | None] = weakref.WeakKeyDictionary()
+_ancestors: weakref.WeakKeyDictionary[torch.nn.Module, dict[torch.nn.Module, frozenset[torch.nn.Module]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def table(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -34,6 +37,29 @@ def paths(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
     found = _paths.get(model)
     if found is None:
         found = _paths[model] = {m: p for p, m in table(model).items()}
+    return found
+
+
+def ancestors(model: torch.nn.Module) -> dict[torch.nn.Module, frozenset[torch.nn.Module]]:
+    """Each module of `model` -> every module above it, through each parent that registers it (a module
+    shared by two parents has the ancestors of both)."""
+    found = _ancestors.get(model)
+    if found is None:
+        parents: dict[torch.nn.Module, set[torch.nn.Module]] = {m: set() for m in table(model).values()}
+        for parent in parents:
+            for child in parent.children():
+                parents[child].add(parent)
+        found = {}
+
+        def above(m: torch.nn.Module) -> frozenset[torch.nn.Module]:
+            if m not in found:
+                found[m] = frozenset()  # a cycle of registrations ends here
+                found[m] = frozenset().union(*({p} | above(p) for p in parents[m]))
+            return found[m]
+
+        for m in parents:
+            above(m)
+        _ancestors[model] = found
     return found
 
 

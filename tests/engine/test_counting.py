@@ -1,7 +1,11 @@
-"""The wrapper that counts every module call of a pausable run: mounted by such a run, taken off
-again after a run of requests that count nothing, and exact again once a pausable run remounts it."""
+"""Counting every module call of a pausable run (hooks.py count_all, callcount.py): exact counts at a
+pause, calls running at the pause told from calls that ended, the counts kept apart when a run lends
+the model to another, and no Python frame per module call."""
 
 from __future__ import annotations
+
+import collections
+import sys
 
 import pytest
 import torch
@@ -12,7 +16,7 @@ from torch.testing import assert_close
 
 from nnd.v1 import graph_pb2, nnd_pb2
 from nnd_daemon import errors
-from nnd_daemon.engine import hooks, interact
+from nnd_daemon.engine import callcount, hooks, interact
 
 PROMPT = "The Eiffel Tower is in the city of"
 
@@ -41,43 +45,12 @@ def _plain_run(gpt2) -> torch.Tensor:
     return gpt2.run(g.request(PROMPT))[saved.id]
 
 
-def _mounted() -> bool:
-    return bool(getattr(torch.nn.Module._call_impl, "_nnd_counter", False))
-
-
-def test_the_counter_comes_off_after_runs_that_count_nothing_and_counts_exactly_once_back(gpt2, monkeypatch):
-    monkeypatch.setattr(hooks, "UNMOUNT_AFTER", 3)
-    store: dict = {}
-    forward(gpt2.model, gpt2.tokenizer, [PROMPT], transformer__h__0=capture(store, "h0"),
-            transformer__h__1=capture(store, "h1"))
-
-    got = _paused_run(gpt2, "transformer.h.0", "transformer.h.1")
-    assert _mounted()
-    assert_close(got["total"], store["h0"].sum())
-    assert_close(got["saved"], store["h1"])
-
-    for i in range(3):  # plain traces: the third in a row takes the wrapper off
-        assert_close(_plain_run(gpt2), store["h0"])
-        assert _mounted() == (i < 2)
-
-    # A pausable run mounts it again, and its counts are exact: block 0 ran before a pause at block 1
-    # (out of order: only the counts say so), block 1 had not run at a pause at block 0.
-    with pytest.raises(errors.InvalidArgument, match="already ran past"):
-        _paused_run(gpt2, "transformer.h.1", "transformer.h.0")
-    assert _mounted()
-    got = _paused_run(gpt2, "transformer.h.0", "transformer.h.1")
-    assert_close(got["saved"], store["h1"])
-
-
 @pytest.mark.parametrize("own_hook", [False, True], ids=["no-hooks", "a-hook-of-its-own"])
-@pytest.mark.parametrize("read_at", [hooks.LOG_READ_AT, 3], ids=["log-read-when-named", "log-read-every-few-calls"])
-def test_counts_from_the_log_tell_a_running_module_from_one_that_ran(gpt2, monkeypatch, read_at, own_hook):
-    """The wrapper logs calls and the counts are read from the log when a node first names a module
-    (or, in a long run, every LOG_READ_AT entries): either way a module running at the pause binds its
-    call now running, and one that already ran is refused. A module with no hooks when its call began
-    runs torch's fast path, which never runs a post hook added meanwhile (the wrapper ends that call);
-    one with a hook of its own (as libraries add) runs the new post hook itself: bound once either way."""
-    monkeypatch.setattr(hooks, "LOG_READ_AT", read_at)
+def test_counts_tell_a_running_module_from_one_that_ran(gpt2, own_hook):
+    """A module running at the pause binds its call now running, and one that already ran is refused.
+    A module with no hooks when its call began runs torch's fast path, which never runs a post hook
+    added meanwhile (the run's tracker on it ends that call); one with a hook of its own (as libraries
+    add) runs the new post hook itself: bound once either way."""
     store: dict = {}
     forward(gpt2.model, gpt2.tokenizer, [PROMPT], transformer__h__0=capture(store, "h0"),
             transformer__h__0__mlp=capture(store, "mlp0"), transformer__h__1=capture(store, "h1"))
@@ -118,3 +91,154 @@ def test_a_module_named_while_it_runs_can_have_its_output_replaced(gpt2):
 
     values = wire_results.collect(gpt2.stream(g.request(PROMPT), interaction=interact.Interaction(start, receive)))
     assert_close(values[saved.id], store["h1"])
+
+
+def _hookset(model: torch.nn.Module, paths: set[str], on_post=None) -> hooks.HookSet:
+    return hooks.HookSet(
+        model,
+        paths,
+        set(),
+        lambda *_: None,
+        on_post or (lambda *_: None),
+        lambda _path: (False, None),
+        count_all=True,
+    )
+
+
+def test_a_run_that_lends_the_model_keeps_its_counts_apart_from_the_runs_it_lends_it_to(gpt2):
+    """A generation lends the model between its steps (suppressed): a pausable run meanwhile counts from
+    0 on the same counters, and the lender's counts go on from where they were, not from the lent run's."""
+    model, tokenizer = gpt2.model, gpt2.tokenizer
+    inputs = tokenizer([PROMPT], return_tensors="pt")
+
+    def forward_once() -> None:
+        with torch.no_grad():
+            model(**inputs)
+
+    lender = _hookset(model, set())
+    with lender.installed():
+        forward_once()
+        assert lender.calls_of("transformer.h.1") == 1
+        assert lender.calls_of("transformer") == 1  # tracked (it contains the model's modules): its own count
+        with lender.suppressed():
+            lent = _hookset(model, {"transformer.h.0"})
+            with lent.installed():
+                forward_once()
+                forward_once()
+                assert lent.calls_of("transformer.h.1") == 2
+                assert lent.calls_of("transformer.h.0") == 2  # hooked: counted by its hooks
+            forward_once()  # neither run's
+        assert lender.calls_of("transformer.h.1") == 1
+        assert lender.calls_of("transformer") == 1
+        forward_once()
+        assert lender.calls_of("transformer.h.1") == 2
+        assert lender.calls_of("transformer.h.1.mlp.act") == 2
+    # The trackers come off; the counters stay (C, mounted once per model).
+    for module in model.modules():
+        assert not hasattr(module.__dict__.get("_compiled_call_impl"), "_nnd_inner")
+
+
+def test_counting_costs_no_python_call_per_module_call(gpt2):
+    """Only the modules that contain a hooked one run Python of nnd's per call (their trackers): the
+    others are counted in C. Profiled over a paused run's forward (a hook of the test's own on the model
+    starts the profile and ends it): the old counting ran a Python wrapper on every module call."""
+    model = gpt2.model
+    seen: collections.Counter = collections.Counter()
+    module_calls = [0]
+    ours = {hooks.__file__, callcount.__file__}
+    call_impl = torch.nn.Module._call_impl.__code__
+
+    def profile(frame, event, _arg):
+        if event != "call":
+            return
+        if frame.f_code is call_impl:
+            module_calls[0] += 1
+        elif frame.f_code.co_filename in ours:
+            seen[frame.f_code.co_name] += 1
+
+    def begin(*_):
+        sys.setprofile(profile)
+
+    def end(*_):
+        sys.setprofile(None)
+
+    handles = [model.register_forward_pre_hook(begin), model.register_forward_hook(end)]
+    try:
+        got = _paused_run(gpt2, "transformer.h.0.mlp", "transformer.h.1")
+    finally:
+        for handle in handles:
+            handle.remove()
+    store: dict = {}
+    forward(gpt2.model, gpt2.tokenizer, [PROMPT], transformer__h__1=capture(store, "h1"))
+    assert_close(got["saved"], store["h1"])
+    assert module_calls[0] > 20
+    # transformer and block 0 contain the MLP the run paused in (the model itself is the profile's start)
+    assert seen["tracker"] == 2
+    assert max(seen.values()) < module_calls[0] / 4, seen  # the hooks of the hooked modules, the pause
+
+
+class _Helper(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class _Inner(torch.nn.Module):
+    """Calls a module it does not register: its calls do not nest the way the modules contain each other."""
+
+    def __init__(self, helper: _Helper) -> None:
+        super().__init__()
+        self.__dict__["helper_ref"] = helper
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.helper_ref(x) * 2
+
+
+class _Outer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.helper = _Helper()
+        self.inner = _Inner(self.helper)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) + 1
+
+
+@pytest.mark.parametrize("own_hook", [False, True], ids=["no-hooks", "a-hook-of-its-own"])
+def test_a_module_running_from_outside_its_containers_is_refused_when_named_not_given_a_wrong_value(own_hook):
+    """Paused inside `helper.lin`, which `inner` calls though `helper` is registered on the model: `inner`
+    runs untracked. Named then, its call's end would never be seen: refused, unless torch runs its
+    hooks anyway (it had one of its own), when it gets exactly `inner`'s output."""
+    torch.manual_seed(0)
+    model = _Outer().eval()
+    x = torch.randn(2, 4)
+    expected = model.helper(x) * 2
+    got: dict = {}
+    refused: list[Exception] = []
+
+    def on_post(path: str, call: int, output: torch.Tensor) -> None:
+        if path == "helper.lin":
+            try:
+                hs.watch("inner")
+            except errors.Unimplemented as e:
+                refused.append(e)
+        elif path == "inner":
+            got[call] = output.detach().clone()
+
+    hs = _hookset(model, {"helper.lin"}, on_post)
+    own = model.inner.register_forward_hook(lambda *_: None) if own_hook else None
+    try:
+        with hs.installed(), torch.no_grad():
+            model(x)
+    finally:
+        if own is not None:
+            own.remove()
+    if own_hook:
+        assert not refused
+        assert_close(got[0], expected)
+    else:
+        assert len(refused) == 1 and "'inner'" in str(refused[0])
+        assert not got
