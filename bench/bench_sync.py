@@ -69,8 +69,9 @@ def _shape(d: Any, layers: int, width: int, repeats: int, *, loop: bool) -> list
 
     torch.testing.assert_close(one_sync(), plain())
     torch.testing.assert_close(one_sync(), nnsight_sync(), atol=1e-4, rtol=0)
-    # A millisecond is within the spread of a 150 ms trace's time, so the bigger shape takes more rounds.
-    rounds = repeats if width < 768 else repeats * 3
+    # A millisecond is within the spread of a 150 ms trace's time, so the bigger shape takes more rounds:
+    # at 60 the 90% interval of the extra was 2-3 ms wide, about the quantity measured (160: ~1 ms, ~75 s).
+    rounds = repeats if width < 768 else repeats * 8
     samples = harness.interleaved_samples(
         {"plain": plain, "sync": one_sync, "rtt": round_trip, "nnsight": nnsight_sync}, warmup=2, repeats=rounds
     )
@@ -80,7 +81,7 @@ def _shape(d: Any, layers: int, width: int, repeats: int, *, loop: bool) -> list
     # forwards carries that drift whole). Its 90% interval (bootstrap) says how far to trust it.
     diffs = [s - p for s, p in zip(samples["sync"], samples["plain"], strict=True)]
     extra = statistics.median(diffs)
-    low, high = _interval(diffs)
+    low, high = harness.median_interval(diffs)
     round_trip.close()
     floor.close()
     worker = {"worker": harness.worker_pid(d)}
@@ -146,7 +147,9 @@ def _shape(d: Any, layers: int, width: int, repeats: int, *, loop: bool) -> list
         assert len(a) == len(b) == STEPS
         torch.testing.assert_close(a[-1], b[-1], atol=1e-4, rtol=0)
         g = harness.interleaved(
-            {"nnd": loop_nnd, "watched": loop_nnd_watched, "nnsight": loop_nnsight}, warmup=1, repeats=max(3, repeats // 4)
+            {"nnd": loop_nnd, "watched": loop_nnd_watched, "nnsight": loop_nnsight},
+            warmup=1,
+            repeats=max(3, repeats // 4),
         )
         rows.append(
             Row(
@@ -169,12 +172,3 @@ def _shape(d: Any, layers: int, width: int, repeats: int, *, loop: bool) -> list
         )
     ours.release()
     return rows
-
-
-def _interval(diffs: list[float], draws: int = 2000) -> tuple[float, float]:
-    """The 5th and 95th percentiles of the median of `diffs` resampled with replacement."""
-    import random
-
-    rng = random.Random(0)
-    medians = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(draws))
-    return medians[draws // 20], medians[draws - 1 - draws // 20]

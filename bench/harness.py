@@ -147,6 +147,40 @@ def interleaved_samples(fns: dict[str, Callable[[], Any]], *, warmup: int, repea
     return times
 
 
+def paired_over(samples: dict[str, list[float]], base: str = "plain") -> dict[str, float]:
+    """Each function's extra over `base`: the median of its per-round differences (samples from
+    interleaved_samples, sample i of each one round). A box whose speed drifts between rounds moves
+    both alike, where a difference of two medians carries that drift whole."""
+    return {k: statistics.median(a - b for a, b in zip(v, samples[base], strict=True)) for k, v in samples.items()}
+
+
+def median_interval(diffs: list[float], draws: int = 2000) -> tuple[float, float]:
+    """The 5th and 95th percentiles of the median of `diffs` resampled with replacement."""
+    import random
+
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(draws))
+    return medians[draws // 20], medians[draws - 1 - draws // 20]
+
+
+def ratio_interval(
+    samples: dict[str, list[float]], top: str, bottom: str, base: str = "plain", draws: int = 2000
+) -> tuple[float, float]:
+    """90% interval (bootstrap over rounds) of paired_over's `top` extra ÷ its `bottom` extra."""
+    import random
+
+    rng = random.Random(0)
+    n = len(samples[base])
+    ratios = []
+    for _ in range(draws):
+        rounds = rng.choices(range(n), k=n)
+        over_top = statistics.median(samples[top][i] - samples[base][i] for i in rounds)
+        over_bottom = statistics.median(samples[bottom][i] - samples[base][i] for i in rounds)
+        ratios.append(over_top / over_bottom if over_bottom > 0 else float("inf"))
+    ratios.sort()
+    return ratios[draws // 20], ratios[draws - 1 - draws // 20]
+
+
 def process_cpu(pid: int) -> float:
     """CPU seconds (user + system, every thread, those that ended included) another process has used.
     On Linux this reads its CPU clock, which counts in nanoseconds; /proc and psutil count in 10 ms
