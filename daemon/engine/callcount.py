@@ -12,7 +12,8 @@ paid it too. The counters stay mounted once a model has seen a pausable run (~0.
 One run at a time owns a model's counters (`take`: reset to 0), and a run that lends the model to
 others while suppressed (a generation between steps) first banks what it counted (`release`), so a
 lent run can take them meanwhile. `cache_info` is set to return the count alone (no namedtuple), so
-reading or banking every counter is a C loop over C calls.
+reading or banking every counter is a C loop over C calls. A copy or pickle of a module leaves the
+counter behind (`Module.__getstate__` drops `_compiled_call_impl`), so a copy runs its own forward.
 """
 
 from __future__ import annotations

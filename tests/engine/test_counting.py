@@ -242,3 +242,28 @@ def test_a_module_running_from_outside_its_containers_is_refused_when_named_not_
     else:
         assert len(refused) == 1 and "'inner'" in str(refused[0])
         assert not got
+
+
+def test_a_copy_of_a_counted_model_runs_its_own_forward():
+    """The counters hold each module's bound `_call_impl`, and stay mounted: a copy (or a pickle) must
+    not carry them over, or it would run the original's forward. torch's `Module.__getstate__` drops
+    `_compiled_call_impl`; this holds nnd to it."""
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).eval()
+    counters = callcount.of(model)
+    counters.take("run")
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        want = model(x)
+    assert counters.release("run", bank=True) == [1, 1, 1]
+
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(2)
+        assert not any("_compiled_call_impl" in m.__dict__ for m in twin.modules())
+        assert_close(twin[1](twin[0](x)), twin(x))
+        assert not torch.allclose(twin(x), want)
+        assert_close(model(x), want)
