@@ -37,7 +37,18 @@ def main() -> None:
 
     torch.set_num_threads(1)  # fake tensors compute nothing; one thread keeps the CPU bound per call honest
     if ns.memory_bytes > 0:
-        resource.setrlimit(resource.RLIMIT_AS, (ns.memory_bytes, ns.memory_bytes))
+        # The bound is on what calls may add. What the imports mapped is not theirs, and it varies by
+        # build: a CUDA build of torch maps gigabytes of library images, so an absolute limit that a
+        # CPU build fits under stopped the helper at its start (SIGABRT) with a CUDA one.
+        mapped = mapped_bytes()
+        limit = mapped + ns.memory_bytes
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        logging.getLogger("nnd.helper").info(
+            "address space bounded at %d MiB (%d MiB mapped at start + %d MiB for calls)",
+            limit >> 20,
+            mapped >> 20,
+            ns.memory_bytes >> 20,
+        )
     server = serve(ns.socket, ns.cache)
     signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=1))
     server.wait_for_termination()
@@ -47,6 +58,18 @@ def main() -> None:
     os._exit(0)
 
 
+def mapped_bytes() -> int:
+    """This process's address space now (VmSize), or 0 where /proc does not say."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def serve(socket: str, cache: int) -> grpc.Server:
     """Start the Helper service on the unix socket `socket` in this process and return its server.
     Besides main, only the in-process engine for tests (nnd_daemon/inprocess.py) calls this."""
@@ -54,7 +77,9 @@ def serve(socket: str, cache: int) -> grpc.Server:
     from nnd_daemon.helper.service import HelperService, memory_error
 
     mapped = errors.ErrorInterceptor(logging.getLogger("nnd.helper"), translate=memory_error)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=contract.GRPC_OPTIONS, interceptors=[mapped])
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4), options=contract.GRPC_OPTIONS, interceptors=[mapped]
+    )
     helper_pb2_grpc.add_HelperServicer_to_server(HelperService(cache), server)
     server.add_insecure_port("unix://" + socket)
     server.start()

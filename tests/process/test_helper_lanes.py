@@ -7,11 +7,14 @@ The expensive call is made to last as long as the test needs by stopping the hea
 from __future__ import annotations
 
 import os
+import pathlib
+import re
 import signal
 import threading
 
 import grpc
 import psutil
+from daemonproc import start_daemon
 
 import nnd
 from nnd.v1 import nnd_pb2, nnd_pb2_grpc
@@ -63,3 +66,27 @@ def test_tokenize_and_decode_answer_while_a_scan_holds_the_heavy_helper(fresh_da
         heavy.send_signal(signal.SIGCONT)
     scanner.join(120)
     assert scanned and scanned[0][-1] == 64
+
+
+def test_the_helpers_memory_bound_is_what_calls_add_to_what_its_imports_mapped(tmp_path, tiny_models):
+    """`--helper-memory` below the address space torch's import maps by itself (a CUDA build maps several
+    GB, this CPU build ~1.1 GB): the helper still starts and builds models, bounded at what it mapped at
+    start plus the bound. As an absolute RLIMIT_AS it killed the helper at its start (SIGABRT, or no
+    thread could start), so no model could load."""
+    d = start_daemon(tmp_path, "--helper-memory", "1GiB")
+    try:
+        model = nnd.TransformersModel(tiny_models["gpt2"], address=d.address, device="cpu")  # a meta build
+        assert "GPT2MLP" in repr(model.transformer.h[0])
+        log = (pathlib.Path(d.state_dir) / "logs" / "helper.log").read_text()
+        found = re.search(r"address space bounded at (\d+) MiB \((\d+) MiB mapped at start \+ (\d+) MiB", log)
+        assert found, log
+        bound, mapped, calls = map(int, found.groups())
+        assert calls == 1024 and bound == mapped + calls, found.group(0)
+        assert mapped > calls, f"torch's import maps less than the bound here: this no longer shows the fix ({found.group(0)})"
+        (limits,) = [
+            line for line in pathlib.Path(f"/proc/{_helpers(d)['helper.sock'].pid}/limits").read_text().splitlines()
+            if line.startswith("Max address space")
+        ]
+        assert int(limits.split()[3]) >> 20 == bound, limits
+    finally:
+        d.stop()

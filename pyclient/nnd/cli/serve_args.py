@@ -110,7 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--helper-memory",
         default="4GiB",
-        help="address-space limit of the helper process (meta builds, scans, tokenizing, upload checks)",
+        help="address space the helper process (meta builds, scans, tokenizing, upload checks) may add to what its imports mapped",
     )
     p.add_argument(
         "--helper-cpu-s",
