@@ -143,7 +143,7 @@ class HookSet:
             self._hook(path, module)
 
     def ended_watched(self, module: torch.nn.Module, output: Any) -> Any:
-        """A call of `module` that began before a node first named it ends (the counting wrapper calls
+        """A call of `module` that began before a node first named it ends (the run's tracker on it calls
         this). torch runs a post hook added during a call only if the module had hooks when the call
         began (else it took its fast path): when it did not run ours, the call's end is handled here."""
         entry = self._running.get(module)
@@ -235,10 +235,10 @@ class HookSet:
         module.__dict__["_compiled_call_impl"] = tracker
 
     def stop_counting(self) -> None:
-        """No node can name a module any more (the client's last message came): the wrapper stops counting
-        this run's calls, so a sync point halfway through a forward leaves half of it uncounted. A call
-        that began before still ends through `ended_watched` where it must: the wrapper took this HookSet
-        as the call began."""
+        """No node can name a module any more (the client's last message came): the run gives up the
+        counters and its trackers stop counting, so a sync point halfway through a forward leaves half of
+        it uncounted. A call that began before still ends through `ended_watched` where it must: its
+        tracker chose to count it as the call began."""
         if self._count_all:
             self._count_all = False
             if self._counters is not None:
