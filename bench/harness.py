@@ -156,29 +156,31 @@ def paired_over(samples: dict[str, list[float]], base: str = "plain") -> dict[st
 
 def median_interval(diffs: list[float], draws: int = 2000) -> tuple[float, float]:
     """The 5th and 95th percentiles of the median of `diffs` resampled with replacement."""
-    import random
-
-    rng = random.Random(0)
-    medians = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(draws))
-    return medians[draws // 20], medians[draws - 1 - draws // 20]
+    return _bootstrap_90(lambda rng: statistics.median(rng.choices(diffs, k=len(diffs))), draws)
 
 
 def ratio_interval(
     samples: dict[str, list[float]], top: str, bottom: str, base: str = "plain", draws: int = 2000
 ) -> tuple[float, float]:
     """90% interval (bootstrap over rounds) of paired_over's `top` extra ÷ its `bottom` extra."""
-    import random
-
-    rng = random.Random(0)
     n = len(samples[base])
-    ratios = []
-    for _ in range(draws):
+
+    def ratio(rng: Any) -> float:
         rounds = rng.choices(range(n), k=n)
         over_top = statistics.median(samples[top][i] - samples[base][i] for i in rounds)
         over_bottom = statistics.median(samples[bottom][i] - samples[base][i] for i in rounds)
-        ratios.append(over_top / over_bottom if over_bottom > 0 else float("inf"))
-    ratios.sort()
-    return ratios[draws // 20], ratios[draws - 1 - draws // 20]
+        return over_top / over_bottom if over_bottom > 0 else float("inf")
+
+    return _bootstrap_90(ratio, draws)
+
+
+def _bootstrap_90(statistic: Callable[[Any], float], draws: int) -> tuple[float, float]:
+    """The 5th and 95th percentiles of `statistic(rng)` over `draws` resamplings (seeded)."""
+    import random
+
+    rng = random.Random(0)
+    values = sorted(statistic(rng) for _ in range(draws))
+    return values[draws // 20], values[draws - 1 - draws // 20]
 
 
 def process_cpu(pid: int) -> float:

@@ -2,9 +2,9 @@
 of work whose cost a client shapes (meta builds, scans, tokenizing, edit and
 upload checks; helper/service.py), so none of it runs in the daemon's process.
 
-Bounds: the helper runs under RLIMIT_AS (`helper_memory_bytes` beyond what its imports mapped, so a
-CUDA build of torch fits as a CPU one does; an allocation beyond it fails in the helper, which
-reports RESOURCE_EXHAUSTED) and each call
+Bounds: the helper runs under RLIMIT_AS (`helper_memory_bytes` beyond what its
+imports mapped, so a CUDA build of torch fits as a CPU one does; an allocation
+beyond it fails in the helper, which reports RESOURCE_EXHAUSTED) and each call
 under a CPU-time bound (`helper_cpu_s`): a watchdog here reads the helper's CPU
 time while the call runs and, past the bound, kills the helper; the call gets
 RESOURCE_EXHAUSTED naming the limit. Any death ends only the call it was

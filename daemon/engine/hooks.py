@@ -210,10 +210,9 @@ class HookSet:
             self._catch_up(module, path, ends=False)
         inner = module.__dict__.get("_compiled_call_impl") or module._call_impl
         self._tracked[module] = module.__dict__.get("_compiled_call_impl")
-        calls, active = self.calls, self.active
+        calls, active, counted = self.calls, self.active, self._counted  # changed in place, never rebound
 
         def tracker(*args: Any, **kwargs: Any) -> Any:
-            counted = self._counted
             if self.suppress or not self._count_all or module not in counted:
                 return inner(*args, **kwargs)
             call = calls[path]
@@ -223,10 +222,10 @@ class HookSet:
             try:
                 output = inner(*args, **kwargs)
             except BaseException:
-                if module in self._counted:
+                if module in counted:
                     opened.pop()
                 raise
-            if module in self._counted:
+            if module in counted:
                 opened.pop()
                 return output
             return self.ended_watched(module, output)  # named while this call ran
