@@ -25,6 +25,9 @@ from nnd_daemon import errors
 
 log = logging.getLogger("nnd.requests")
 
+# How long Status waits for the bookkeeping of calls whose answer went out before it was done.
+SETTLE_S = 1.0
+
 # Histogram bucket bounds, seconds: from a small trace's few ms to a long generation's minutes.
 BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -101,6 +104,27 @@ class Activity:
         self._runs: dict[str, _Histogram] = {}
         self._tokens = 0
         self._refusals: dict[str, int] = {}
+        # Calls answered before their bookkeeping ran (`hold_status`): Status waits for them, so a client
+        # that reads it after its answer sees its request counted and gone, as when the answer came last.
+        self._answered = 0
+        self._settled = threading.Condition(self._lock)
+
+    def hold_status(self) -> None:
+        """A call's answer goes out before its bookkeeping: Status waits until `release_status`."""
+        with self._lock:
+            self._answered += 1
+
+    def release_status(self) -> None:
+        with self._lock:
+            self._answered -= 1
+            if not self._answered:
+                self._settled.notify_all()
+
+    def _wait_settled(self) -> None:
+        """Under the lock: until no answered call is still being accounted (bounded: a thread that died
+        mid-bookkeeping must not stop Status)."""
+        if self._answered:
+            self._settled.wait_for(lambda: not self._answered, timeout=SETTLE_S)
 
     def begin(self, keep_alive: str, depth: int, model: str, user: str = "", share: float = 0.0) -> None:
         """Count a request in; RESOURCE_EXHAUSTED if `depth` (0: no limit) are already in, or if
@@ -172,6 +196,7 @@ class Activity:
         """Status's activity fields: what runs and waits, counts, and idle time."""
         status.requests.extend(self.snapshot())
         with self._lock:
+            self._wait_settled()
             status.active = self.active
             status.accepted = self.accepted
             status.keep_alive = self.keep_alive
@@ -209,6 +234,7 @@ class Activity:
     def snapshot(self) -> list[nnd_pb2.RequestInFlight]:
         """Running requests first, then the queued ones in the order they will run."""
         with self._lock:
+            self._wait_settled()
             items = sorted(self._requests.values(), key=lambda r: (not r.running, r.seq))
         out = []
         ahead = sum(r.running for r in items)

@@ -51,6 +51,8 @@ _ADMITTED, _REFUSED = b"\x01", b"\x00"
 # How long a reply may wait for the client to read it; then the call ends (cancelled), as a
 # connection that stopped reading must not hold a handler thread and the model's turn for ever.
 WRITE_TIMEOUT_S = 60.0
+# How long a pool thread that served a call waits on its connection for the client's next (`_linger`).
+LINGER_S = 0.05
 
 
 class _Ended(Exception):
@@ -90,6 +92,9 @@ class _Conn:
         self.call: Context | None = None
         self.closed = False
         self.write_lock = threading.Lock()
+        # Whoever reads the connection holds this: the loop, or the pool thread that served its last call
+        # and waits on it for the next (FastRoute._linger).
+        self.read_lock = threading.Lock()
 
     def reset(self) -> None:
         self.head = bytearray()
@@ -114,6 +119,7 @@ class Context(asyncserve.CallState):
         self._code: grpc.StatusCode | None = None
         self._details = ""
         self._initial: tuple[Any, ...] | None = None
+        self.answered = False  # a unary call's response and OK went out before its handler returned
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
@@ -147,6 +153,21 @@ class Context(asyncserve.CallState):
     def send_initial_metadata(self, metadata: Any) -> None:
         self._initial = tuple(metadata)
         self._send(_reply(nnd_pb2.FastReply(initial_metadata=_pairs(self._initial))), b"")
+
+    def answer(self, response: Any) -> None:
+        """A unary call's response and its OK status, written now: the handler has its answer and what
+        it still does (unwinding, bookkeeping) is off the client's wait. Nothing it does later reaches
+        the client; the connection takes the client's next call at once."""
+        if self.answered or self.inbox is not None:
+            raise RuntimeError("answer() is for a unary call, once")
+        if self._done:  # its client went away: nobody to answer
+            return
+        self.answered = True
+        self._conn.call = None  # before the bytes go out: the client may send its next call as soon as it reads them
+        try:
+            _write_frames(self._conn, [(_EMPTY, _serialized(response)), (_OK_END, b"")])
+        except _Ended:  # the client went away: the run is over anyway, and nothing is owed to anyone
+            pass
 
     # -- a stream its handler drives (Interact: the run writes and reads its own stream) ----------
     def _send(self, header: bytes, body: Any) -> None:
@@ -211,10 +232,18 @@ def _serialized(message: Any) -> Any:
 
 def _write(conn: _Conn, header: bytes, body: Any) -> None:
     """One frame, whole, on the connection (a pool thread; the loop only reads)."""
-    size = len(body)
-    parts = [memoryview(_HEAD.pack(len(header)) + header + _BODY.pack(size))]
-    if size:
-        parts.append(memoryview(body).cast("B"))
+    _write_frames(conn, [(header, body)])
+
+
+def _write_frames(conn: _Conn, frames: list[tuple[bytes, Any]]) -> None:
+    """Frames, whole and in order, in as few writes as the socket takes (a response and its end in one
+    `sendmsg`: one wake-up of the client, not two)."""
+    parts: list[memoryview] = []
+    for header, body in frames:
+        size = len(body)
+        parts.append(memoryview(_HEAD.pack(len(header)) + header + _BODY.pack(size)))
+        if size:
+            parts.append(memoryview(body).cast("B"))
     deadline = time.monotonic() + WRITE_TIMEOUT_S
     with conn.write_lock:
         while parts:
@@ -267,6 +296,7 @@ class FastRoute:
         # max_inflight_bytes, so many connections announcing big requests cannot grow it past that.
         self.max_reading = max_reading
         self._reading = 0
+        self._reading_lock = threading.Lock()  # the loop and lingering pool threads both count here
         self.idle_s = idle_s
         self.per_uid = per_uid
         self.total = total
@@ -281,6 +311,12 @@ class FastRoute:
         self._name = name
         self._thread: threading.Thread | None = None
         self.refused = 0  # connections turned away at a bound
+        self.lingered = 0  # calls a pool thread took from the connection itself (`_linger`)
+        self.waiting = 0  # pool threads waiting on a connection now (`_linger`)
+        # Wakes the loop to look again (a connection handed back with part of a frame read: its idle bound).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
 
     def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
         self._lookup.generic.extend(handlers)
@@ -300,6 +336,7 @@ class FastRoute:
         listener.setblocking(False)
         self._listener = listener
         self._selector.register(listener, selectors.EVENT_READ, None)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
         self._thread = threading.Thread(target=self._loop, name=self._name + "-loop", daemon=True)
         self._thread.start()
 
@@ -321,8 +358,15 @@ class FastRoute:
         for conn in list(self._conns):
             self._close(conn)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._wake()
         done.set()
         return done
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:  # full (the loop has a wake-up pending already) or closed
+            pass
 
     # -- the loop thread ----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -337,6 +381,8 @@ class FastRoute:
                 try:
                     if key.data is None:
                         self._accept()
+                    elif key.data is _WAKE:
+                        os.read(self._wake_r, 4096)
                     else:
                         self._readable(key.data)
                 except Exception:  # noqa: BLE001 - one connection's trouble must not end the socket's loop
@@ -405,7 +451,8 @@ class FastRoute:
             return
         conn.closed = True
         if conn.body is not None:  # a body it was sending: no longer being read
-            self._reading -= len(conn.body)
+            with self._reading_lock:
+                self._reading -= len(conn.body)
             conn.body = None
         if conn in self._conns:
             self._conns.discard(conn)
@@ -428,30 +475,45 @@ class FastRoute:
         conn.sock.close()
 
     def _readable(self, conn: _Conn) -> None:
+        if not conn.read_lock.acquire(blocking=False):
+            return  # a pool thread reads it now (`_linger`): this event came before it took it out of the selector
+        try:
+            started = self._readable_locked(conn)
+        finally:
+            conn.read_lock.release()
+        if started is not None:
+            try:
+                self._pool.submit(self._serve, *started)
+            except RuntimeError:  # shutting down
+                self._close(conn)
+
+    def _readable_locked(self, conn: _Conn) -> _Started | None:
         if conn.call is not None and conn.call.inbox is None:
             # Mid-call a client sends nothing: this is its end (EOF) or a second call before the first
             # ended. Either way the call is cancelled and the connection closed.
             try:
                 data = conn.sock.recv(1)
             except (BlockingIOError, InterruptedError):
-                return
+                return None
             except OSError:
                 data = b""
             if data:
                 log.info("a fast-route client (uid %d) sent a second call before its first ended; closed", conn.uid)
             self._close(conn)
-            return
+            return None
         try:
-            self._read(conn)
+            return self._read(conn)
         except (BlockingIOError, InterruptedError):
-            return
+            return None
         except (OSError, _Ended):
             self._close(conn)
+            return None
 
-    def _read(self, conn: _Conn) -> None:
+    def _read(self, conn: _Conn) -> _Started | None:
         """Read what has arrived of the connection's frame. Each part (length, header, body) whose bytes
         are all there leads straight to the next: a small frame is read in one wake-up of the loop, not
-        one per part (a recv that finds nothing raises BlockingIOError, which `_readable` takes)."""
+        one per part (a recv that finds nothing raises BlockingIOError, which `_readable` takes). Returns
+        the call a whole frame starts (for a pool thread to serve), if any."""
         if conn.since is None:
             conn.since = time.monotonic()
         while conn.body is None:
@@ -461,7 +523,7 @@ class FastRoute:
                 raise _Ended()
             conn.head += data
             if len(conn.head) < need:
-                return
+                return None
             if conn.header_len < 0:
                 (conn.header_len,) = _HEAD.unpack_from(conn.head)
                 if conn.header_len > MAX_HEADER:
@@ -472,21 +534,21 @@ class FastRoute:
             refusal = ""
             if size > self.max_body:
                 refusal = f"the request is {size} bytes, over this socket's {self.max_body}; nothing ran"
-            elif self.max_reading and self._reading + size > self.max_reading:
+            elif self.max_reading and self._reading + size > self.max_reading:  # (read without the lock: a bound)
                 refusal = (
                     f"the worker is reading {self._reading} bytes of other requests; with this one's {size} that is "
                     f"over its limit max_inflight_bytes={self.max_reading}; nothing ran, retry shortly"
                 )
             if refusal:
                 header = bytes(conn.head[_HEAD.size : _HEAD.size + conn.header_len])
-                self._start(conn, header, None, size, refusal)
-                return
+                return self._start(conn, header, None, size, refusal)
             try:  # untouched pages cost nothing: memory grows as the body arrives, as gRPC's buffers do
                 conn.body = bytearray(size)
             except MemoryError:
                 log.info("fast route: no memory for a %d-byte request; its connection closed", size)
                 raise _Ended() from None
-            self._reading += size
+            with self._reading_lock:
+                self._reading += size
             conn.got = 0
         if conn.got < len(conn.body):
             n = conn.sock.recv_into(memoryview(conn.body)[conn.got :])
@@ -494,13 +556,15 @@ class FastRoute:
                 raise _Ended()
             conn.got += n
         if conn.got < len(conn.body):
-            return
+            return None
         header = bytes(conn.head[_HEAD.size : _HEAD.size + conn.header_len])
-        self._reading -= len(conn.body)
-        self._start(conn, header, conn.body, len(conn.body))
+        with self._reading_lock:
+            self._reading -= len(conn.body)
+        return self._start(conn, header, conn.body, len(conn.body))
 
-    def _start(self, conn: _Conn, header: bytes, body: bytearray | None, size: int, refusal: str = "") -> None:
-        """A whole frame came: its call runs on a pool thread (a streaming call's later frame goes to it)."""
+    def _start(self, conn: _Conn, header: bytes, body: bytearray | None, size: int, refusal: str = "") -> _Started | None:
+        """A whole frame came: the call it starts, for a pool thread (a streaming call's later frame goes
+        to its call instead)."""
         conn.reset()
         try:
             call = nnd_pb2.FastCall.FromString(header)
@@ -513,19 +577,92 @@ class FastRoute:
                 log.info("a fast-route client (uid %d) sent a frame its call does not take; closed", conn.uid)
                 raise _Ended()
             running.inbox.put(grpc.aio.EOF if call.half_close else bytes(body))  # type: ignore[union-attr]
-            return
+            return None
         if call.half_close and not call.method:  # a streaming call's last word, after its end: nothing to do
-            return
+            return None
         metadata = tuple((m.key, m.value) for m in call.metadata)
         context = Context(conn, metadata, call.timeout_s, streaming=call.method == "Interact")
         conn.call = context
-        try:
-            self._pool.submit(self._serve, conn, context, call.method, body, refusal)
-        except RuntimeError:  # shutting down
-            raise _Ended() from None
+        return conn, context, call.method, body, refusal
 
     # -- a pool thread --------------------------------------------------------------------------
     def _serve(self, conn: _Conn, context: Context, method: str, body: bytearray | None, refusal: str) -> None:
+        """Serve a call, then the calls its client sends next on the connection while this thread waits
+        for them (`_linger`)."""
+        started: _Started | None = (conn, context, method, body, refusal)
+        while started is not None:
+            self._serve_call(*started)
+            started = self._linger(conn)
+
+    def _linger(self, conn: _Conn) -> _Started | None:
+        """After a call: wait up to LINGER_S on its connection for the client's next call, read here. A
+        client calling in a loop (a sweep over prompts) then wakes this thread directly, instead of the
+        loop that wakes a pool thread: on a 2-core VM each wake-up costs its waker ~50 us of CPU, and the
+        hand-off as much again in latency. The thread only waits (in poll), and there are more threads
+        than connections (listen.py), so no call waits for one. Returns the call that came, if any."""
+        if self._stopping or conn.closed or LINGER_S <= 0 or not conn.read_lock.acquire(blocking=False):
+            return None
+        try:
+            if conn.call is not None or conn.closed:  # the loop read the next call first
+                return None
+            try:
+                self._selector.unregister(conn.sock)
+            except (KeyError, ValueError, OSError):  # closed meanwhile
+                return None
+            try:
+                started = self._next_call(conn)
+            finally:
+                self._hand_back(conn)
+        finally:
+            conn.read_lock.release()
+        if started is not None:
+            self.lingered += 1
+        return started
+
+    def _next_call(self, conn: _Conn) -> _Started | None:
+        deadline = time.monotonic() + LINGER_S
+        poller = select.poll()
+        poller.register(conn.sock, select.POLLIN)
+        with self._reading_lock:
+            self.waiting += 1
+        try:
+            return self._poll_call(conn, poller, deadline)
+        finally:
+            with self._reading_lock:
+                self.waiting -= 1
+
+    def _poll_call(self, conn: _Conn, poller: select.poll, deadline: float) -> _Started | None:
+        while not (conn.closed or self._stopping):
+            left = deadline - time.monotonic()
+            if left <= 0 or not poller.poll(left * 1e3):
+                return None
+            try:
+                started = self._read(conn)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except (OSError, _Ended):
+                # What it read is gone: make sure the loop sees the end and closes the connection.
+                try:
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                return None
+            if started is not None or conn.call is not None:
+                return started
+        return None
+
+    def _hand_back(self, conn: _Conn) -> None:
+        """The loop watches the connection again (during a call too: its end cancels the call)."""
+        if conn.closed:
+            return
+        try:
+            self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+        except (KeyError, ValueError, OSError):
+            return
+        if conn.since is not None:  # part of a frame read here: the loop's idle bound must count it from now
+            self._wake()
+
+    def _serve_call(self, conn: _Conn, context: Context, method: str, body: bytearray | None, refusal: str) -> None:
         code, details = grpc.StatusCode.OK, ""
         try:
             if body is None:
@@ -551,7 +688,16 @@ class FastRoute:
                     if close is not None:
                         close()  # a generator stopped early (the client went away) runs its cleanup now
             else:
-                _write(conn, _EMPTY, serialize(handler.unary_unary(request, context)))
+                response = handler.unary_unary(request, context)
+                if context.answered:  # its answer went out already (Context.answer)
+                    context.finish()
+                    return
+                if context._code is None:
+                    context.finish()
+                    conn.call = None  # before the bytes go out: the client may send its next call at once
+                    _write_frames(conn, [(_EMPTY, serialize(response)), (_end(context, grpc.StatusCode.OK, ""), b"")])
+                    return
+                _write(conn, _EMPTY, serialize(response))
             if context._code is not None:
                 code, details = context._code, context._details
         except asyncserve.Aborted as aborted:
@@ -562,13 +708,27 @@ class FastRoute:
         except Exception:  # noqa: BLE001 - what no interceptor mapped: a status, never a dead connection
             log.exception("fast route: %s failed", method)
             code, details = grpc.StatusCode.UNKNOWN, "internal error in worker"
-        end = nnd_pb2.FastReply(end=True, code=code.value[0], details=details, trailing_metadata=_pairs(context._trailers))
+        if context.answered:  # the client has its answer and OK: what failed after is the worker's to log
+            if code != grpc.StatusCode.OK:
+                log.warning("fast route: %s failed after its answer went out: %s %s", method, code.name, details)
+            context.finish()
+            return
+        end = _end(context, code, details)
         context.finish()
         conn.call = None  # before the end goes out: the client may send its next call as soon as it reads it
         try:
-            _write(conn, _reply(end), b"")
+            _write(conn, end, b"")
         except _Ended:
             pass
 
 
+def _end(context: Context, code: grpc.StatusCode, details: str) -> bytes:
+    return _reply(
+        nnd_pb2.FastReply(end=True, code=code.value[0], details=details, trailing_metadata=_pairs(context._trailers))
+    )
+
+
 _EMPTY = b""
+_WAKE = object()  # the selector's key data of the loop's wake-up pipe
+_Started = tuple[_Conn, Context, str, "bytearray | None", str]  # a call a whole frame starts, for `_serve`
+_OK_END = _reply(nnd_pb2.FastReply(end=True, code=grpc.StatusCode.OK.value[0]))

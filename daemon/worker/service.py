@@ -191,7 +191,21 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 "(a trace changes nothing: it runs again)",
                 trailers=((contract.ROUTE_KEY, contract.STREAM),),
             )
+        self._answer(context, whole)  # counted and logged already: only the admission's end comes after
         return whole
+
+    def _answer(self, context: grpc.ServicerContext, whole: bytes) -> None:
+        """Where the call can answer before its handler returns (the fast route's `Context.answer`), the
+        client has its results now, and what its call does after (its admission's end, the gateway's and
+        the socket's unwinding) runs while it reads them. Status waits for that (Activity.hold_status)."""
+        answer = getattr(context, "answer", None)
+        if answer is None:
+            return
+        self.activity.hold_status()
+        if not context.add_callback(self.activity.release_status):  # the call ended (its client went away)
+            self.activity.release_status()
+            return
+        answer(whole)
 
     def _ahead(self) -> int:
         """Requests that run or wait before one arriving now."""

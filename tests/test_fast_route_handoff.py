@@ -1,0 +1,213 @@
+"""daemon/worker/fastroute.py on its own (a real FastRoute on a unix socket, in this process), for what
+keeps a call's wake-ups few: a unary call answered before its handler returns (`Context.answer`: the
+client has its answer, and its connection takes the next call, while the handler finishes), and the
+pool thread that served a call waiting on its connection for the next one (`_linger`), with the
+socket's guards kept on a call taken that way: the idle bound on a frame sent in part, and the
+cancellation of a call whose client goes away. And the worker's Status, which waits for the
+bookkeeping of a call answered before it ran (Activity.hold_status)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from nnd.v1 import nnd_pb2, worker_pb2
+from nnd_daemon.worker import activity, fastroute
+
+IDLE_S = 0.5
+
+
+class Handlers:
+    """TraceOnce as a test drives it: echo a request, or (for b"block") wait to be released or cancelled;
+    b"answer-then-fail" answers, waits to be released, then fails."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.cancelled = threading.Event()
+        self.finished = threading.Event()
+        self.threads: list[int] = []
+
+    def __call__(self, request: bytes, context: Any) -> bytes:
+        self.threads.append(threading.get_ident())
+        if request == b"block":
+            context.add_callback(self.cancelled.set)
+            self.started.set()
+            assert self.cancelled.wait(30)
+            return b"never read"
+        if request == b"answer-then-fail":
+            context.answer(b"answered")
+            self.started.set()
+            try:
+                assert self.release.wait(30)
+                raise RuntimeError("after the answer")
+            finally:
+                self.finished.set()
+        return b"echo:" + request
+
+
+@pytest.fixture
+def route(tmp_path) -> Iterator[tuple[fastroute.FastRoute, Handlers]]:
+    handlers = Handlers()
+    served = fastroute.FastRoute(str(tmp_path / "fast.sock"), threads=8, idle_s=IDLE_S)
+    served.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "nnd.v1.Nnd", {"TraceOnce": grpc.unary_unary_rpc_method_handler(handlers)}
+            ),
+        )
+    )
+    served.start()
+    yield served, handlers
+    handlers.cancelled.set()
+    handlers.release.set()
+    served.stop()
+
+
+def _connect(served: fastroute.FastRoute) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    sock.connect(served.path)
+    assert sock.recv(1) == b"\x01"
+    return sock
+
+
+def _send(sock: socket.socket, body: bytes) -> None:
+    header = nnd_pb2.FastCall(method="TraceOnce").SerializeToString()
+    sock.sendall(struct.pack("<I", len(header)) + header + struct.pack("<Q", len(body)) + body)
+
+
+def _exact(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        got = sock.recv(n - len(out))
+        if not got:
+            raise ConnectionError("closed")
+        out += got
+    return out
+
+
+def _frame(sock: socket.socket) -> tuple[nnd_pb2.FastReply, bytes]:
+    (size,) = struct.unpack("<I", _exact(sock, 4))
+    header = nnd_pb2.FastReply.FromString(_exact(sock, size))
+    (size,) = struct.unpack("<Q", _exact(sock, 8))
+    return header, _exact(sock, size)
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """A unary call's reply: its response, then its end, which must be OK."""
+    header, body = _frame(sock)
+    assert not header.end, header
+    end, _ = _frame(sock)
+    assert end.end and end.code == grpc.StatusCode.OK.value[0], end
+    return body
+
+
+def _until(condition: Any, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.001)
+
+
+def _waited_on(served: fastroute.FastRoute) -> None:
+    """Until the thread that served the last call waits on its connection for the next."""
+    _until(lambda: served.waiting == 1, "no pool thread waited on the connection")
+
+
+def test_the_next_call_on_a_connection_is_taken_by_the_thread_that_waited_for_it(route):
+    served, handlers = route
+    sock = _connect(served)
+    try:
+        _send(sock, b"one")
+        assert _answer(sock) == b"echo:one"
+        _waited_on(served)
+        _send(sock, b"two")
+        assert _answer(sock) == b"echo:two"
+        assert served.lingered == 1 and handlers.threads[0] == handlers.threads[1]
+        # Left alone, the thread gives the connection back to the loop, which serves it as before.
+        _until(lambda: served.waiting == 0, "the waiting thread never gave the connection back")
+        time.sleep(fastroute.LINGER_S * 2)  # past any wait: this call must come through the loop
+        _send(sock, b"three")
+        assert _answer(sock) == b"echo:three"
+    finally:
+        sock.close()
+
+
+def test_a_frame_begun_while_a_thread_waited_is_still_cut_off_at_the_idle_bound(route):
+    served, _ = route
+    sock = _connect(served)
+    try:
+        _send(sock, b"one")
+        assert _answer(sock) == b"echo:one"
+        _waited_on(served)
+        sock.sendall(b"\x10\x00")  # two bytes of a header's length, and no more
+        started = time.monotonic()
+        assert sock.recv(1) == b""  # closed by the worker (within the socket's 30 s timeout)
+        assert time.monotonic() - started >= IDLE_S * 0.9
+    finally:
+        sock.close()
+
+
+def test_a_call_taken_by_a_waiting_thread_is_cancelled_when_its_client_goes(route):
+    served, handlers = route
+    sock = _connect(served)
+    try:
+        _send(sock, b"one")
+        assert _answer(sock) == b"echo:one"
+        _waited_on(served)
+        _send(sock, b"block")
+        assert handlers.started.wait(30)
+        assert served.lingered == 1
+    finally:
+        sock.close()
+    assert handlers.cancelled.wait(30), "the call went on after its client went away"
+
+
+def test_an_answer_goes_out_before_its_handler_returns_and_frees_the_connection(route):
+    served, handlers = route
+    sock = _connect(served)
+    try:
+        _send(sock, b"answer-then-fail")
+        assert _answer(sock) == b"answered"  # its handler still runs
+        assert handlers.started.is_set() and not handlers.finished.is_set()
+        _send(sock, b"next")  # the connection takes the next call meanwhile
+        assert _answer(sock) == b"echo:next"
+        handlers.release.set()
+        assert handlers.finished.wait(30)
+        # What failed after the answer is the worker's to log: nothing more reaches the client.
+        _send(sock, b"last")
+        assert _answer(sock) == b"echo:last"
+    finally:
+        sock.close()
+
+
+def test_status_waits_for_the_bookkeeping_of_a_call_answered_before_it():
+    acts = activity.Activity()
+    acts.begin("", 0, "m")
+    with acts.track("trace", "client"):
+        pass
+    acts.hold_status()  # the answer goes out here, before the request's admission ends
+    filled = threading.Event()
+    status = worker_pb2.WorkerStatus()
+
+    def read() -> None:
+        acts.fill(status)
+        filled.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert not filled.wait(0.2)  # Status waits (it can only be later, never sooner, under load)
+    acts.end()
+    acts.release_status()
+    assert filled.wait(30)
+    reader.join()
+    assert status.active == 0 and status.idle_since > 0 and not status.requests
+    assert [(r.kind, r.status, r.count) for r in status.stats.requests] == [("trace", "ok", 1)]
