@@ -205,22 +205,34 @@ def interleaved_cpu(
     in this process ("self") and in the named pids given for that function
     (`pids[fn_name] = {"daemon": pid, ...}`). Unlike wall time, CPU time barely
     moves when other work shares the cores. Other processes' CPU is read from their
-    CPU clocks (`process_cpu`)."""
+    CPU clocks (`process_cpu`).
 
-    def now(fn: str) -> dict[str, float]:
-        out = {"self": time.process_time()}
-        for name, pid in (pids or {}).get(fn, {}).items():
-            out[name] = process_cpu(pid)
-        return out
-
+    Another process may go on working for a call after the call has returned (a worker that
+    answers before it unwinds): what a process uses from the start of a call that names it
+    until the start of the next call that names it (or the end) counts for the first call. So
+    its work is counted whole, and its idle wake-ups meanwhile count against it too."""
     totals: dict[str, dict[str, float]] = {fn: {} for fn in fns}
+    # pid -> (the function of the last call that named it, the name it gave it, its clock then)
+    open_since: dict[int, tuple[str, str, float]] = {}
+
+    def settle(pid: int, now: float) -> None:
+        last = open_since.pop(pid, None)
+        if last is not None:
+            fn, label, then = last
+            totals[fn][label] = totals[fn].get(label, 0.0) + now - then
+
     for items in _rounds(fns, repeats):
         for name, fn in items:
-            before = now(name)
+            named = (pids or {}).get(name, {})
+            for label, pid in named.items():
+                now = process_cpu(pid)
+                settle(pid, now)
+                open_since[pid] = (name, label, now)
+            before = time.process_time()
             fn()
-            after = now(name)
-            for k in before:
-                totals[name][k] = totals[name].get(k, 0.0) + after[k] - before[k]
+            totals[name]["self"] = totals[name].get("self", 0.0) + time.process_time() - before
+    for pid in list(open_since):
+        settle(pid, process_cpu(pid))
     return {fn: {k: v / repeats for k, v in t.items()} for fn, t in totals.items()}
 
 
