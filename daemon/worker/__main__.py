@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 from typing import Any
 
@@ -83,11 +82,7 @@ def main() -> None:
 
         tp.main(ns, contract.GRPC_OPTIONS, _limits(ns))
         return
-    servers = serve(ns)
-    signal.signal(signal.SIGTERM, lambda *_: listen.stop(servers, 2))
-    servers[-1].wait_for_termination()
-    for server in servers:  # the private socket stops last: wait for the others' drains too
-        server.wait_for_termination()
+    listen.serve_until_terminated(serve(ns), grace=2)
     # Calls are drained and the worker keeps no state (it creates no shared memory: shm.py): skip the
     # interpreter's teardown, seconds with torch and a model loaded, that a daemon's stop waits for.
     logging.shutdown()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+import threading
 from collections.abc import Callable
 from concurrent import futures
 from typing import Any
@@ -123,6 +125,17 @@ def start(
     return servers
 
 
-def stop(servers: list[Any], grace: float) -> None:
-    for server in servers:
-        server.stop(grace=grace)
+def stop(servers: list[Any], grace: float) -> list[threading.Event]:
+    """Stop every server at once (each drains its calls for up to `grace` s); the events say when."""
+    return [server.stop(grace=grace) for server in servers]
+
+
+def serve_until_terminated(servers: list[Any], grace: float) -> None:
+    """Serve until SIGTERM, then stop the servers and wait until all have ended. Blocking waits (a
+    signal interrupts them): gRPC's `wait_for_termination` wakes the process ten times a second to
+    look, ~1.5 ms of CPU a second for each idle worker on a 2-core VM."""
+    terminated = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: terminated.set())
+    terminated.wait()
+    for stopped in stop(servers, grace):
+        stopped.wait()

@@ -40,7 +40,6 @@ import argparse
 import logging
 import os
 import secrets
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -413,7 +412,5 @@ def main(ns: argparse.Namespace, options: list[tuple[str, int]], limits: Any = N
     # to clients by the model's route, behind the same token, limits, queue depth and epoch.
     service = LeaderService(group, runner)
     service.limits = limits
-    servers = listen.start(service, ns, worker_pb2_grpc.add_WorkerServicer_to_server)
-    signal.signal(signal.SIGTERM, lambda *_: listen.stop(servers, 2))
-    servers[-1].wait_for_termination()
+    listen.serve_until_terminated(listen.start(service, ns, worker_pb2_grpc.add_WorkerServicer_to_server), grace=2)
     os._exit(0)  # the other ranks wait in a broadcast; torchrun ends them when we are gone

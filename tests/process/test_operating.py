@@ -88,6 +88,12 @@ def _wait_for(what: str, check: Callable[[], Any], timeout: float = 60) -> Any:
         time.sleep(0.1)
 
 
+def _voluntary_switches(pid: int) -> int:
+    """How many times the main thread of `pid` has gone to sleep (a thread that never wakes: none)."""
+    with open(f"/proc/{pid}/task/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+
+
 def _trace_request(model: str, invokes: int = 1) -> nnd_pb2.TraceRequest:
     graph = graph_pb2.Graph()
     graph.nodes.add(id=1, module=graph_pb2.ModuleValue(path="lm_head", point=graph_pb2.OUTPUT))
@@ -182,6 +188,12 @@ def test_metrics_and_logs_follow_loads_traces_a_generation_a_refusal_and_a_kille
     # The helper and the worker forked from the fork server (control/forking.py), which still serves.
     assert _value(m, "nnd_forkserver_up") == 1 and _value(m, "nnd_forked_processes_total") >= 2
     assert info.dispatched_by == ME and info.loaded_by == ME
+    # An idle worker's main thread sleeps until it is told to stop: it does not look ten times a
+    # second (as gRPC's wait_for_termination does), which costs an idle worker CPU on a VM.
+    main = info.worker_pids[0]
+    woke = _voluntary_switches(main)
+    time.sleep(1.0)
+    assert _voluntary_switches(main) - woke <= 1
 
     # The worker's log, through the daemon: one line per finished request, with the user.
     logs = d.cli("logs", path).stdout
