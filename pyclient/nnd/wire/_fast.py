@@ -31,6 +31,7 @@ _HEAD = struct.Struct("<I")
 _BODY = struct.Struct("<Q")
 _ADMITTED = b"\x01"
 _KEEP_IDLE = 4  # connections kept open between calls, per route
+_HEADERS_KEPT = 16  # serialized FastCall headers kept, per route
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -82,6 +83,12 @@ def _send_frame(sock: socket.socket, header: bytes, body: bytes) -> None:
     else:  # not copied into one buffer first
         sock.sendall(prefix)
         sock.sendall(body)
+
+
+def _set_timeout(sock: socket.socket, timeout: float | None) -> None:
+    # settimeout is a system call (the socket's blocking mode) even when nothing changes.
+    if sock.gettimeout() != timeout:
+        sock.settimeout(timeout)
 
 
 def _closed(exc: OSError, initial: tuple[tuple[str, str], ...]) -> FastError:
@@ -215,6 +222,7 @@ class FastChannel:
         self._lock = threading.Lock()
         self._idle: list[socket.socket] = []
         self._pid = os.getpid()
+        self._headers: dict[tuple[str, tuple[tuple[str, str], ...], float], bytes] = {}
 
     def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -247,7 +255,7 @@ class FastChannel:
     def give_back(self, sock: socket.socket) -> None:
         with self._lock:
             if self._pid == os.getpid() and len(self._idle) < _KEEP_IDLE:
-                sock.settimeout(None)
+                _set_timeout(sock, None)
                 self._idle.append(sock)
                 return
         sock.close()
@@ -263,16 +271,12 @@ class FastChannel:
         """Send the call; raises Unreachable if it could not be sent whole (then nothing ran). `more`: a
         streaming call's later messages, whose `ready()` gives those put since (and `ended` says whether
         the client has said all): the call writes them before each read (see FastCall)."""
-        header = nnd_pb2.FastCall(
-            method=method,
-            metadata=[nnd_pb2.FastMetadata(key=k, value=v) for k, v in metadata],
-            timeout_s=timeout or 0.0,
-        ).SerializeToString()
+        header = self._header(method, tuple(metadata), timeout or 0.0)
         deadline = None if timeout is None else time.monotonic() + timeout
         for _ in range(2):
             sock, reused = self._take()
             try:
-                sock.settimeout(None if timeout is None else max(timeout, 0.001))
+                _set_timeout(sock, None if timeout is None else max(timeout, 0.001))
                 _send_frame(sock, header, request)
             except OSError as exc:
                 sock.close()
@@ -281,6 +285,23 @@ class FastChannel:
                 raise Unreachable(f"cannot send to {self.path}: {exc}") from None
             return FastCall(self, sock, deadline, more=more)
         raise Unreachable(f"cannot send to {self.path}")
+
+    def _header(self, method: str, metadata: tuple[tuple[str, str], ...], timeout_s: float) -> bytes:
+        """A call's FastCall, serialized: the same for every call of a block that has no timeout, so
+        kept (a few per channel: methods x metadata)."""
+        key = (method, metadata, timeout_s)
+        header = self._headers.get(key)
+        if header is None:
+            header = nnd_pb2.FastCall(
+                method=method,
+                metadata=[nnd_pb2.FastMetadata(key=k, value=v) for k, v in metadata],
+                timeout_s=timeout_s,
+            ).SerializeToString()
+            if timeout_s == 0.0:  # a timeout is a deadline: rarely the same twice
+                if len(self._headers) >= _HEADERS_KEPT:
+                    self._headers.clear()
+                self._headers[key] = header
+        return header
 
     def close(self) -> None:
         with self._lock:
