@@ -1,6 +1,6 @@
 """daemon/worker/fastroute.py on its own (a real FastRoute on a unix socket, in this process), for what
-keeps a call's wake-ups few: a unary call answered before its handler returns (`Context.answer`: the
-client has its answer, and its connection takes the next call, while the handler finishes), and the
+keeps a call's wake-ups few: a call answered before its handler returns (`Context.answer`: the client
+has its last message and OK, and its connection takes the next call, while the handler finishes), and the
 pool thread that served a call waiting on its connection for the next one (`_linger`), with the
 socket's guards kept on a call taken that way: the idle bound on a frame sent in part, and the
 cancellation of a call whose client goes away. And the worker's Status, which waits for the
@@ -52,6 +52,21 @@ class Handlers:
                 self.finished.set()
         return b"echo:" + request
 
+    def steer(self, requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
+        """Interact as a run drives it: pause (post, then read the client's next message), then answer
+        with its last message, and go on (its bookkeeping) until released."""
+        assert next(requests) == b"start"
+        context.post(b"paused")
+        got = context.exchange(30)
+        context.answer(b"done:" + got)
+        self.started.set()
+        try:
+            assert self.release.wait(30)
+        finally:
+            self.finished.set()
+        return
+        yield
+
 
 @pytest.fixture
 def route(tmp_path) -> Iterator[tuple[fastroute.FastRoute, Handlers]]:
@@ -60,7 +75,11 @@ def route(tmp_path) -> Iterator[tuple[fastroute.FastRoute, Handlers]]:
     served.add_generic_rpc_handlers(
         (
             grpc.method_handlers_generic_handler(
-                "nnd.v1.Nnd", {"TraceOnce": grpc.unary_unary_rpc_method_handler(handlers)}
+                "nnd.v1.Nnd",
+                {
+                    "TraceOnce": grpc.unary_unary_rpc_method_handler(handlers),
+                    "Interact": grpc.stream_stream_rpc_method_handler(handlers.steer),
+                },
             ),
         )
     )
@@ -79,8 +98,8 @@ def _connect(served: fastroute.FastRoute) -> socket.socket:
     return sock
 
 
-def _send(sock: socket.socket, body: bytes) -> None:
-    header = nnd_pb2.FastCall(method="TraceOnce").SerializeToString()
+def _send(sock: socket.socket, body: bytes, method: str = "TraceOnce", **fields: Any) -> None:
+    header = nnd_pb2.FastCall(method=method, **fields).SerializeToString()
     sock.sendall(struct.pack("<I", len(header)) + header + struct.pack("<Q", len(body)) + body)
 
 
@@ -183,6 +202,27 @@ def test_an_answer_goes_out_before_its_handler_returns_and_frees_the_connection(
         handlers.release.set()
         assert handlers.finished.wait(30)
         # What failed after the answer is the worker's to log: nothing more reaches the client.
+        _send(sock, b"last")
+        assert _answer(sock) == b"echo:last"
+    finally:
+        sock.close()
+
+
+def test_a_stream_answers_with_its_last_message_and_frees_the_connection(route):
+    served, handlers = route
+    sock = _connect(served)
+    try:
+        _send(sock, b"start", method="Interact")
+        header, body = _frame(sock)
+        assert not header.end and body == b"paused"
+        _send(sock, b"more", method="")  # a later message of the stream: no method
+        assert _answer(sock) == b"done:more"  # its last message and OK, while its handler runs on
+        assert handlers.started.is_set() and not handlers.finished.is_set()
+        _send(sock, b"", method="", half_close=True)  # the client's last word after the end: nothing
+        _send(sock, b"next")
+        assert _answer(sock) == b"echo:next"
+        handlers.release.set()
+        assert handlers.finished.wait(30)
         _send(sock, b"last")
         assert _answer(sock) == b"echo:last"
     finally:

@@ -119,7 +119,7 @@ class Context(asyncserve.CallState):
         self._code: grpc.StatusCode | None = None
         self._details = ""
         self._initial: tuple[Any, ...] | None = None
-        self.answered = False  # a unary call's response and OK went out before its handler returned
+        self.answered = False  # the call's last response and OK went out before its handler returned
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
@@ -155,11 +155,11 @@ class Context(asyncserve.CallState):
         self._send(_reply(nnd_pb2.FastReply(initial_metadata=_pairs(self._initial))), b"")
 
     def answer(self, response: Any) -> None:
-        """A unary call's response and its OK status, written now: the handler has its answer and what
-        it still does (unwinding, bookkeeping) is off the client's wait. Nothing it does later reaches
-        the client; the connection takes the client's next call at once."""
-        if self.answered or self.inbox is not None:
-            raise RuntimeError("answer() is for a unary call, once")
+        """A call's last response and its OK status, written now (one write): the handler has its answer
+        and what it still does (unwinding, bookkeeping) is off the client's wait. Nothing it does later
+        reaches the client; the connection takes the client's next call at once."""
+        if self.answered:
+            raise RuntimeError("a call is answered once")
         if self._done:  # its client went away: nobody to answer
             return
         self.answered = True
@@ -171,6 +171,8 @@ class Context(asyncserve.CallState):
 
     # -- a stream its handler drives (Interact: the run writes and reads its own stream) ----------
     def _send(self, header: bytes, body: Any) -> None:
+        if self.answered:
+            raise RuntimeError("a message after the call's answer")
         try:
             _write(self._conn, header, body)
         except _Ended:
@@ -682,6 +684,8 @@ class FastRoute:
                 responses: Iterator[Any] = behavior(request, context)
                 try:
                     for response in responses:
+                        if context.answered:
+                            raise RuntimeError("a response after the call's answer")
                         _write(conn, _EMPTY, serialize(response))
                 finally:
                     close = getattr(responses, "close", None)

@@ -194,10 +194,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._answer(context, whole)  # counted and logged already: only the admission's end comes after
         return whole
 
-    def _answer(self, context: grpc.ServicerContext, whole: bytes) -> None:
+    def _answer(self, context: grpc.ServicerContext, whole: Any) -> None:
         """Where the call can answer before its handler returns (the fast route's `Context.answer`), the
-        client has its results now, and what its call does after (its admission's end, the gateway's and
-        the socket's unwinding) runs while it reads them. Status waits for that (Activity.hold_status)."""
+        client has its results (`whole`, the call's last message) and the call's OK now, and what its
+        call does after (its admission's end, the gateway's and the socket's unwinding) runs while it
+        reads them. Status waits for that (Activity.hold_status)."""
         answer = getattr(context, "answer", None)
         if answer is None:
             return
@@ -397,6 +398,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             with self.activity.track(kind, client, steps, **who_here) as tracked, _log_if_cancelled(stop, tracked):
                 held.append(tracked)
                 self._interact_here(run, context, stop, interaction, tracked, on_error, ending)
+            if ending:  # the run's last message, with the call's OK, now that the run is counted and logged
+                self._answer(context, ending.pop())
             return
         out: queue.Queue[Any] = queue.Queue()
 
@@ -477,7 +480,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             with contextlib.suppress(grpc.RpcError):
                 send_ending()  # what the run sent before it failed goes out before the status
             raise on_error(exc) from None
-        send_ending()  # the status goes out after the last message
+        if not hasattr(context, "answer"):
+            send_ending()  # the status goes out after the last message
+        # else the last message stays in `ending`: `interact` sends it with the call's OK (Context.answer)
 
     def _interact_alone(
         self, run: worker_pb2.WorkerRunRequest, emit: Callable[[Any], None], stop: Stop, interaction: Any,
