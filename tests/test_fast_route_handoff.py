@@ -43,8 +43,8 @@ class Handlers:
             assert self.cancelled.wait(30)
             return b"never read"
         if request == b"answer-then-fail":
+            self.started.set()  # before the answer: the client may read it before this thread runs on
             context.answer(b"answered")
-            self.started.set()
             try:
                 assert self.release.wait(30)
                 raise RuntimeError("after the answer")
@@ -58,8 +58,8 @@ class Handlers:
         assert next(requests) == b"start"
         context.post(b"paused")
         got = context.exchange(30)
+        self.started.set()  # before the answer (as above)
         context.answer(b"done:" + got)
-        self.started.set()
         try:
             assert self.release.wait(30)
         finally:
@@ -152,8 +152,8 @@ def test_the_next_call_on_a_connection_is_taken_by_the_thread_that_waited_for_it
         assert _answer(sock) == b"echo:two"
         assert served.lingered == 1 and handlers.threads[0] == handlers.threads[1]
         # Left alone, the thread gives the connection back to the loop, which serves it as before.
+        time.sleep(fastroute.LINGER_S * 2)
         _until(lambda: served.waiting == 0, "the waiting thread never gave the connection back")
-        time.sleep(fastroute.LINGER_S * 2)  # past any wait: this call must come through the loop
         _send(sock, b"three")
         assert _answer(sock) == b"echo:three"
     finally:
