@@ -9,7 +9,6 @@ bookkeeping of a call answered before it ran (Activity.hold_status)."""
 from __future__ import annotations
 
 import socket
-import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ import pytest
 
 from nnd.v1 import nnd_pb2, worker_pb2
 from nnd_daemon.worker import activity, fastroute
+from tests.support.fastframes import frame, reply
 
 IDLE_S = 0.5
 
@@ -99,32 +99,14 @@ def _connect(served: fastroute.FastRoute) -> socket.socket:
 
 
 def _send(sock: socket.socket, body: bytes, method: str = "TraceOnce", **fields: Any) -> None:
-    header = nnd_pb2.FastCall(method=method, **fields).SerializeToString()
-    sock.sendall(struct.pack("<I", len(header)) + header + struct.pack("<Q", len(body)) + body)
-
-
-def _exact(sock: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        got = sock.recv(n - len(out))
-        if not got:
-            raise ConnectionError("closed")
-        out += got
-    return out
-
-
-def _frame(sock: socket.socket) -> tuple[nnd_pb2.FastReply, bytes]:
-    (size,) = struct.unpack("<I", _exact(sock, 4))
-    header = nnd_pb2.FastReply.FromString(_exact(sock, size))
-    (size,) = struct.unpack("<Q", _exact(sock, 8))
-    return header, _exact(sock, size)
+    sock.sendall(frame(nnd_pb2.FastCall(method=method, **fields).SerializeToString(), body))
 
 
 def _answer(sock: socket.socket) -> bytes:
     """A unary call's reply: its response, then its end, which must be OK."""
-    header, body = _frame(sock)
+    header, body = reply(sock)
     assert not header.end, header
-    end, _ = _frame(sock)
+    end, _ = reply(sock)
     assert end.end and end.code == grpc.StatusCode.OK.value[0], end
     return body
 
@@ -141,13 +123,35 @@ def _waited_on(served: fastroute.FastRoute) -> None:
     _until(lambda: served.waiting == 1, "no pool thread waited on the connection")
 
 
-def test_the_next_call_on_a_connection_is_taken_by_the_thread_that_waited_for_it(route):
-    served, handlers = route
+def _served_once(served: fastroute.FastRoute) -> socket.socket:
+    """A connection that has had one call answered, its thread now waiting on it for the next."""
     sock = _connect(served)
     try:
         _send(sock, b"one")
         assert _answer(sock) == b"echo:one"
         _waited_on(served)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _free_while_it_runs(sock: socket.socket, handlers: Handlers) -> None:
+    """After an answer: its handler still runs, and the connection takes the next call meanwhile; once
+    the handler ends (failing, or not), nothing more of its call reaches the client."""
+    assert handlers.started.is_set() and not handlers.finished.is_set()
+    _send(sock, b"next")
+    assert _answer(sock) == b"echo:next"
+    handlers.release.set()
+    assert handlers.finished.wait(30)
+    _send(sock, b"last")
+    assert _answer(sock) == b"echo:last"
+
+
+def test_the_next_call_on_a_connection_is_taken_by_the_thread_that_waited_for_it(route):
+    served, handlers = route
+    sock = _served_once(served)
+    try:
         _send(sock, b"two")
         assert _answer(sock) == b"echo:two"
         assert served.lingered == 1 and handlers.threads[0] == handlers.threads[1]
@@ -162,11 +166,8 @@ def test_the_next_call_on_a_connection_is_taken_by_the_thread_that_waited_for_it
 
 def test_a_frame_begun_while_a_thread_waited_is_still_cut_off_at_the_idle_bound(route):
     served, _ = route
-    sock = _connect(served)
+    sock = _served_once(served)
     try:
-        _send(sock, b"one")
-        assert _answer(sock) == b"echo:one"
-        _waited_on(served)
         sock.sendall(b"\x10\x00")  # two bytes of a header's length, and no more
         started = time.monotonic()
         assert sock.recv(1) == b""  # closed by the worker (within the socket's 30 s timeout)
@@ -177,11 +178,8 @@ def test_a_frame_begun_while_a_thread_waited_is_still_cut_off_at_the_idle_bound(
 
 def test_a_call_taken_by_a_waiting_thread_is_cancelled_when_its_client_goes(route):
     served, handlers = route
-    sock = _connect(served)
+    sock = _served_once(served)
     try:
-        _send(sock, b"one")
-        assert _answer(sock) == b"echo:one"
-        _waited_on(served)
         _send(sock, b"block")
         assert handlers.started.wait(30)
         assert served.lingered == 1
@@ -196,14 +194,7 @@ def test_an_answer_goes_out_before_its_handler_returns_and_frees_the_connection(
     try:
         _send(sock, b"answer-then-fail")
         assert _answer(sock) == b"answered"  # its handler still runs
-        assert handlers.started.is_set() and not handlers.finished.is_set()
-        _send(sock, b"next")  # the connection takes the next call meanwhile
-        assert _answer(sock) == b"echo:next"
-        handlers.release.set()
-        assert handlers.finished.wait(30)
-        # What failed after the answer is the worker's to log: nothing more reaches the client.
-        _send(sock, b"last")
-        assert _answer(sock) == b"echo:last"
+        _free_while_it_runs(sock, handlers)
     finally:
         sock.close()
 
@@ -213,18 +204,12 @@ def test_a_stream_answers_with_its_last_message_and_frees_the_connection(route):
     sock = _connect(served)
     try:
         _send(sock, b"start", method="Interact")
-        header, body = _frame(sock)
+        header, body = reply(sock)
         assert not header.end and body == b"paused"
         _send(sock, b"more", method="")  # a later message of the stream: no method
         assert _answer(sock) == b"done:more"  # its last message and OK, while its handler runs on
-        assert handlers.started.is_set() and not handlers.finished.is_set()
         _send(sock, b"", method="", half_close=True)  # the client's last word after the end: nothing
-        _send(sock, b"next")
-        assert _answer(sock) == b"echo:next"
-        handlers.release.set()
-        assert handlers.finished.wait(30)
-        _send(sock, b"last")
-        assert _answer(sock) == b"echo:last"
+        _free_while_it_runs(sock, handlers)
     finally:
         sock.close()
 

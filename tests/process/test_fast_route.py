@@ -25,6 +25,8 @@ from nnd import errors
 from nnd.v1 import contract, nnd_pb2
 from nnd.wire.connection import Connection
 from tests.support.daemonproc import Daemon, start_daemon
+from tests.support.fastframes import frame as _frame
+from tests.support.fastframes import reply as _reply
 
 PROMPT = "The Eiffel Tower is in"
 PER_UID = 4  # --max-waiting-calls of the module's daemon: the fast socket's connections per uid
@@ -80,30 +82,9 @@ def _connect(path: str) -> tuple[socket.socket, bytes]:
     return sock, sock.recv(1)
 
 
-def _frame(header: bytes, body: bytes) -> bytes:
-    return struct.pack("<I", len(header)) + header + struct.pack("<Q", len(body)) + body
-
-
 def _call(method: str, request: Any, metadata: list[tuple[str, str]]) -> bytes:
     call = nnd_pb2.FastCall(method=method, metadata=[nnd_pb2.FastMetadata(key=k, value=v) for k, v in metadata])
     return _frame(call.SerializeToString(), request.SerializeToString())
-
-
-def _read_exact(sock: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        got = sock.recv(n - len(out))
-        if not got:
-            raise ConnectionError("closed")
-        out += got
-    return out
-
-
-def _reply(sock: socket.socket) -> tuple[nnd_pb2.FastReply, bytes]:
-    (size,) = struct.unpack("<I", _read_exact(sock, 4))
-    header = nnd_pb2.FastReply.FromString(_read_exact(sock, size))
-    (size,) = struct.unpack("<Q", _read_exact(sock, 8))
-    return header, _read_exact(sock, size)
 
 
 def _closed(sock: socket.socket) -> bool:
