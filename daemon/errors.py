@@ -142,6 +142,9 @@ def same_shape(handler: grpc.RpcMethodHandler | None, behavior: Callable[..., An
     )
 
 
+_WRAPPED_KEPT = 512
+
+
 class ErrorInterceptor(grpc.ServerInterceptor):
     """Every method's failure becomes its status here: an NndError its own code, message
     and trailers; a request that did not parse INVALID_ARGUMENT; anything else INTERNAL,
@@ -165,6 +168,10 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         self._translate = translate
         # Told of every failure as it becomes a status (the daemon's metrics count refusals).
         self._on_error = on_error
+        # The wrapped handler of each (handler, method) seen: the servers' handlers live as long as they
+        # do, so a call need not build two closures and a handler again (the handler is kept, so its
+        # id is never another's).
+        self._wrapped: dict[tuple[int, str], tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     def intercept_service(
         self,
@@ -175,6 +182,17 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED
             return None
         method = details.method or "?"
+        key = (id(handler), method)
+        kept = self._wrapped.get(key)
+        if kept is not None and kept[0] is handler:
+            return kept[1]
+        wrapped = self._wrap(handler, method)
+        if len(self._wrapped) >= _WRAPPED_KEPT:  # handlers made per call (none of nnd's): no growth
+            self._wrapped.clear()
+        self._wrapped[key] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         behavior: Callable[..., Any] = (
             handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
         )

@@ -144,3 +144,30 @@ def test_a_refused_token_stays_unauthenticated_behind_the_token_check():
             assert info.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
         server.stop(None)
+
+
+def test_a_methods_wrapper_is_built_once_and_names_its_own_method():
+    class Details(grpc.HandlerCallDetails):
+        def __init__(self, method: str) -> None:
+            self.method = method
+            self.invocation_metadata = ()
+
+    seen: list[str] = []
+    mapped = errors.ErrorInterceptor(logging.getLogger("nnd.test"), on_error=lambda method, err: seen.append(method))
+    handler = grpc.unary_unary_rpc_method_handler(_unary)
+    first = mapped.intercept_service(lambda d: handler, Details("/x/A"))
+    assert mapped.intercept_service(lambda d: handler, Details("/x/A")) is first  # no wrapper per call
+    other = mapped.intercept_service(lambda d: handler, Details("/x/B"))
+    assert other is not first
+
+    class Context:
+        def abort(self, code: grpc.StatusCode, details: str) -> None:
+            raise RuntimeError(code)
+
+        def set_trailing_metadata(self, metadata: Any) -> None:
+            pass
+
+    for wrapped, name in ((first, "/x/A"), (other, "/x/B")):
+        with pytest.raises(RuntimeError):
+            wrapped.unary_unary(b"not-found", Context())
+        assert seen[-1] == name
