@@ -8,6 +8,7 @@ bookkeeping of a call answered before it ran (Activity.hold_status)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -123,17 +124,14 @@ def _waited_on(served: fastroute.FastRoute) -> None:
     _until(lambda: served.waiting == 1, "no pool thread waited on the connection")
 
 
-def _served_once(served: fastroute.FastRoute) -> socket.socket:
+@contextlib.contextmanager
+def _served_once(served: fastroute.FastRoute) -> Iterator[socket.socket]:
     """A connection that has had one call answered, its thread now waiting on it for the next."""
-    sock = _connect(served)
-    try:
+    with contextlib.closing(_connect(served)) as sock:
         _send(sock, b"one")
         assert _answer(sock) == b"echo:one"
         _waited_on(served)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+        yield sock
 
 
 def _free_while_it_runs(sock: socket.socket, handlers: Handlers) -> None:
@@ -150,8 +148,7 @@ def _free_while_it_runs(sock: socket.socket, handlers: Handlers) -> None:
 
 def test_the_next_call_on_a_connection_is_taken_by_the_thread_that_waited_for_it(route):
     served, handlers = route
-    sock = _served_once(served)
-    try:
+    with _served_once(served) as sock:
         _send(sock, b"two")
         assert _answer(sock) == b"echo:two"
         assert served.lingered == 1 and handlers.threads[0] == handlers.threads[1]
@@ -160,31 +157,23 @@ def test_the_next_call_on_a_connection_is_taken_by_the_thread_that_waited_for_it
         _until(lambda: served.waiting == 0, "the waiting thread never gave the connection back")
         _send(sock, b"three")
         assert _answer(sock) == b"echo:three"
-    finally:
-        sock.close()
 
 
 def test_a_frame_begun_while_a_thread_waited_is_still_cut_off_at_the_idle_bound(route):
     served, _ = route
-    sock = _served_once(served)
-    try:
+    with _served_once(served) as sock:
         sock.sendall(b"\x10\x00")  # two bytes of a header's length, and no more
         started = time.monotonic()
         assert sock.recv(1) == b""  # closed by the worker (within the socket's 30 s timeout)
         assert time.monotonic() - started >= IDLE_S * 0.9
-    finally:
-        sock.close()
 
 
 def test_a_call_taken_by_a_waiting_thread_is_cancelled_when_its_client_goes(route):
     served, handlers = route
-    sock = _served_once(served)
-    try:
+    with _served_once(served) as sock:
         _send(sock, b"block")
         assert handlers.started.wait(30)
         assert served.lingered == 1
-    finally:
-        sock.close()
     assert handlers.cancelled.wait(30), "the call went on after its client went away"
 
 
@@ -219,7 +208,7 @@ def test_status_waits_for_the_bookkeeping_of_a_call_answered_before_it():
     acts.begin("", 0, "m")
     with acts.track("trace", "client"):
         pass
-    acts.hold_status()  # the answer goes out here, before the request's admission ends
+    release = acts.hold_status()  # the answer goes out here, before the request's admission ends
     filled = threading.Event()
     status = worker_pb2.WorkerStatus()
 
@@ -231,7 +220,7 @@ def test_status_waits_for_the_bookkeeping_of_a_call_answered_before_it():
     reader.start()
     assert not filled.wait(0.2)  # Status waits (it can only be later, never sooner, under load)
     acts.end()
-    acts.release_status()
+    release()
     assert filled.wait(30)
     reader.join()
     assert status.active == 0 and status.idle_since > 0 and not status.requests

@@ -17,7 +17,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from nnd.v1 import nnd_pb2, worker_pb2
@@ -104,27 +104,33 @@ class Activity:
         self._runs: dict[str, _Histogram] = {}
         self._tokens = 0
         self._refusals: dict[str, int] = {}
-        # Calls answered before their bookkeeping ran (`hold_status`): Status waits for them, so a client
-        # that reads it after its answer sees its request counted and gone, as when the answer came last.
-        self._answered = 0
+        # Calls answered before their bookkeeping ran (`hold_status`): Status waits for those open when it
+        # starts, so a client that reads it after its answer sees its request counted and gone, as when
+        # the answer came last (and a steady stream of later answers cannot hold Status up).
+        self._answering: set[int] = set()
+        self._answer_ids = itertools.count()
         self._settled = threading.Condition(self._lock)
 
-    def hold_status(self) -> None:
-        """A call's answer goes out before its bookkeeping: Status waits until `release_status`."""
+    def hold_status(self) -> Callable[[], None]:
+        """A call's answer goes out before its bookkeeping: a Status that starts before the returned
+        function is called waits for it."""
         with self._lock:
-            self._answered += 1
+            token = next(self._answer_ids)
+            self._answering.add(token)
 
-    def release_status(self) -> None:
-        with self._lock:
-            self._answered -= 1
-            if not self._answered:
+        def release() -> None:
+            with self._lock:
+                self._answering.discard(token)
                 self._settled.notify_all()
 
+        return release
+
     def _wait_settled(self) -> None:
-        """Under the lock: until no answered call is still being accounted (bounded: a thread that died
-        mid-bookkeeping must not stop Status)."""
-        if self._answered:
-            self._settled.wait_for(lambda: not self._answered, timeout=SETTLE_S)
+        """Under the lock: until the calls answered before now are accounted (bounded: a thread that
+        died mid-bookkeeping must not stop Status)."""
+        if self._answering:
+            pending = set(self._answering)
+            self._settled.wait_for(lambda: not (pending & self._answering), timeout=SETTLE_S)
 
     def begin(self, keep_alive: str, depth: int, model: str, user: str = "", share: float = 0.0) -> None:
         """Count a request in; RESOURCE_EXHAUSTED if `depth` (0: no limit) are already in, or if
@@ -194,9 +200,8 @@ class Activity:
 
     def fill(self, status: worker_pb2.WorkerStatus) -> None:
         """Status's activity fields: what runs and waits, counts, and idle time."""
-        status.requests.extend(self.snapshot())
+        status.requests.extend(self.snapshot())  # (after the calls answered before it are accounted)
         with self._lock:
-            self._wait_settled()
             status.active = self.active
             status.accepted = self.accepted
             status.keep_alive = self.keep_alive

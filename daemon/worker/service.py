@@ -202,9 +202,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         answer = getattr(context, "answer", None)
         if answer is None:
             return
-        self.activity.hold_status()
-        if not context.add_callback(self.activity.release_status):  # the call ended (its client went away)
-            self.activity.release_status()
+        release = self.activity.hold_status()
+        if not context.add_callback(release):  # the call ended (its client went away)
+            release()
             return
         answer(whole)
 
