@@ -425,6 +425,83 @@ def test_members_claimed_into_a_run_never_take_the_model_themselves() -> None:
     assert not run_lock.locked() and run_lock.waiting() == 0
 
 
+def test_members_claimed_into_a_run_sleep_until_it_is_over() -> None:
+    """A member claimed into another's run leaves the model's line at once, but its thread is woken only
+    when the run is over: woken at the claim it only went back to sleep, a GIL hand-off per member a
+    forward on the worker's busy core. Forced: the run itself looks at the line and the wake-ups."""
+    from nnd.v1 import worker_pb2
+    from nnd_daemon.worker import batching
+    from nnd_daemon.worker.stop import Stop
+    from nnd_daemon.worker.turns import Turns
+
+    class WatchedTurns(Turns):
+        def __init__(self) -> None:
+            super().__init__()
+            self.woken = 0
+
+        def _withdraw(self, ticket: Any) -> None:
+            self.woken += 1
+            super()._withdraw(ticket)
+
+    run_lock = WatchedTurns()
+    during: list[tuple[int, int]] = []
+
+    def run_merged(merged: Any, emit: Callable[[Any], None], cancelled: Callable[[], bool]) -> None:
+        during.append((run_lock.waiting(), run_lock.woken))
+        emit(nnd_pb2.TraceResponse(done=nnd_pb2.TraceDone()))
+
+    def run_alone(*_: Any) -> None:
+        raise AssertionError("every member is merged")
+
+    batcher = batching.Batcher(run_lock, run_merged, run_alone, window_s=0)
+    members = []
+    for i in range(4):
+        request = worker_pb2.WorkerRunRequest(request=nnd_pb2.TraceRequest(model="m"))
+        request.request.invokes.add().tokens.ids.extend([i, i + 1])
+        trace = batching.prepare(request, None)
+        assert trace is not None
+        members.append(batching.Member(request, trace, lambda r: None, lambda: False, lambda: None, stop=Stop()))
+    assert run_lock.acquire()
+    threads = [threading.Thread(target=batcher.submit, args=(m,)) for m in members]
+    for t in threads:
+        t.start()
+    _wait_until(lambda: run_lock.waiting() == 4)
+    run_lock.release()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    # During the run: nobody in line (the three claimed left it), and none of them woken yet.
+    assert during == [(0, 0)]
+    assert run_lock.woken == 3  # each claimed member once, when the run was over
+    assert all(m.finished.is_set() and m.error is None for m in members)
+    assert not run_lock.locked() and run_lock.waiting() == 0
+
+
+def test_a_leader_waiting_for_returning_clients_is_woken_once_they_are_all_back() -> None:
+    """The leader holding the model for the last run's clients (`_await_returning`) is woken when as
+    many wait as it expects, not at every arrival (each wake-up only put it back to sleep)."""
+    from nnd_daemon.worker.turns import Turns
+
+    run_lock = Turns()
+    batcher, merged_runs = _merging_batcher(run_lock, 60, "every member is merged")
+    wakes: list[int] = []
+    notify_all = batcher._cond.notify_all
+
+    def counted(*args: Any) -> None:
+        wakes.append(len(batcher._pending))
+        notify_all(*args)
+
+    batcher._cond.notify_all = counted
+    batcher._expect = 4  # a run of four just ended: its clients come back one by one to an idle model
+    batcher._overlap_at = time.monotonic()
+    threads = [_submit_tokens(batcher, 2 * i) for i in range(4)]
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert merged_runs == [4]
+    assert wakes == [4]
+
+
 def _merging_batcher(run_lock: Any, window_s: float, alone: str) -> tuple[Any, list[int]]:
     """A Batcher whose merged runs record their invoke counts (the list returned) and whose lone runs
     fail the test with `alone`."""

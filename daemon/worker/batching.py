@@ -113,26 +113,51 @@ def prepare(request: worker_pb2.WorkerRunRequest, tokenizer: Any) -> prepared.Pr
 
 
 class _Claim:
-    """What a member waiting for the model listens to besides its turn: being claimed into another
-    member's run (it needs no turn then: the model must not pass through its hands on the way to the
-    next request) and its request's end (`stop`, worker/stop.py). Turns.acquire takes it as its `stop`."""
+    """What a member waiting for the model listens to besides its turn: the end of the run that claimed
+    it (it needs no turn then: the model must not pass through its hands on the way to the next request)
+    and its request's end (`stop`, worker/stop.py). Turns.acquire takes it as its `stop`.
+
+    A claimed member leaves the model's line at once (`claim`, through Turns' `on_leave`) but its thread
+    is woken only when its run is over (`done`): woken at the claim, it only went back to sleep until
+    the run ended, and with eight clients those wake-ups were eight GIL hand-offs a forward on the
+    worker's one busy core."""
 
     def __init__(self, stop: Any = None) -> None:
         self.stop = stop
         self._lock = threading.Lock()
         self._wakers: list[Callable[[], None]] = []
+        self._leavers: list[Callable[[], None]] = []
         self.claimed = False
+        self.over = False
 
-    def set(self) -> None:
+    def claim(self) -> None:
+        """Claimed into another member's run: out of the model's line, still asleep."""
         with self._lock:
             self.claimed = True
+            leavers, self._leavers = self._leavers, []
+        for leave in leavers:
+            leave()
+
+    def on_leave(self, leave: Callable[[], None]) -> None:
+        with self._lock:
+            now = self.claimed
+            if not now:
+                self._leavers.append(leave)
+        if now:
+            leave()
+
+    def done(self) -> None:
+        """The member's run is over (or it was finished without one): wake its wait for the model."""
+        with self._lock:
+            self.over = True
             wakers, self._wakers = self._wakers, []
+            self._leavers.clear()
         for wake in wakers:
             wake()
 
     def on_set(self, wake: Callable[[], None]) -> Callable[[], None]:
         with self._lock:
-            now = self.claimed
+            now = self.over
             if not now:
                 self._wakers.append(wake)
         forget_stop = self.stop.on_set(wake) if self.stop is not None else (lambda: None)
@@ -169,6 +194,11 @@ class Member:
 
     def __post_init__(self) -> None:
         self.claim = _Claim(self.stop)
+
+    def finish(self) -> None:
+        """Its responses are all emitted (or its error set): its thread goes on."""
+        self.finished.set()
+        self.claim.done()
 
     @property
     def length(self) -> int | None:
@@ -222,7 +252,10 @@ class Batcher:
             if busy or self._pending:
                 self._overlap_at = now
             self._pending.append(member)
-            self._cond.notify_all()  # a leader waiting for the last run's clients (`_await_returning`)
+            if len(self._pending) >= self._expect:
+                # A leader waiting for the last run's clients (`_await_returning`) goes on now. Waking it
+                # at every arrival only put it back to sleep (a GIL hand-off each, mid-gathering).
+                self._cond.notify_all()
             # Gather only when requests have lately overlapped and the model is idle: a busy model
             # gathers by itself (whoever takes it next takes every compatible waiting request),
             # and a lone sequential client never waits.
@@ -241,7 +274,7 @@ class Batcher:
                     from nnd_daemon import errors
 
                     raise errors.Cancelled("request cancelled before it ran")
-            # Woken at once when another member's run claims this one (then it waits for that run, below)
+            # Woken at once when the run that claimed this one is over (then `finished` is set, below)
             # or its request ends; the timeout only bounds how late a cancellation without a Stop is seen.
             if not self._take_turn(member):
                 continue
@@ -257,13 +290,16 @@ class Batcher:
                 self._run_group(group)
                 self._last_run_s = time.monotonic() - began
             finally:
-                if group:
-                    with self._cond:
-                        self._expect = min(MAX_MEMBERS, len(self._pending) + len(group))
-                self.run_lock.release()
-                # Every claimed member waits on `finished` with no timeout: whatever happened in this
-                # run, none of them may be left waiting (a liveness guarantee, not error handling).
-                _finish_all(group)
+                try:
+                    if group:
+                        with self._cond:
+                            self._expect = min(MAX_MEMBERS, len(self._pending) + len(group))
+                    # Every claimed member waits on `finished` with no timeout: whatever happened in this
+                    # run, none of them may be left waiting (a liveness guarantee, not error handling).
+                    # Before the model is let go, so that none is still in line for it (`_Claim`).
+                    _finish_all(group)
+                finally:
+                    self.run_lock.release()
             break
         member.finished.wait()
         if member.error is not None:
@@ -313,7 +349,7 @@ class Batcher:
             m.claimed = True
             self._pending.remove(m)
             if m is not leader:
-                m.claim.set()  # its wait for the model ends now, without the model passing through it
+                m.claim.claim()  # out of the model's line; its thread sleeps on until the run is over
         return group
 
     def _run_group(self, group: list[Member]) -> None:
@@ -372,7 +408,7 @@ class Batcher:
             except BaseException as exc:  # noqa: BLE001 - reported to that member only
                 m.error = exc
             m.buffer.clear()
-            m.finished.set()
+            m.finish()
 
     @staticmethod
     def _start(m: Member) -> bool:
@@ -383,7 +419,7 @@ class Batcher:
             m.started()
         except BaseException as exc:  # noqa: BLE001 - reported to that member only
             m.error = exc if isinstance(exc, errors.NndError) else errors.Cancelled("request cancelled before it ran")
-            m.finished.set()
+            m.finish()
             return False
         return True
 
@@ -398,7 +434,7 @@ class Batcher:
             self.run_alone(_tokenized(m), m.emit, m.cancelled)
         except BaseException as exc:  # noqa: BLE001 - reported to that member only
             m.error = exc
-        m.finished.set()
+        m.finish()
 
     def offer(
         self,
@@ -428,7 +464,7 @@ def _finish_all(group: list[Member]) -> None:
         if not m.finished.is_set():
             if m.error is None:
                 m.error = errors.NndError("internal error in worker: a batched run ended without running this request")
-            m.finished.set()
+            m.finish()
 
 
 def for_service(service: Any, window_ms: float, max_invokes: int = 0) -> Batcher:

@@ -67,6 +67,8 @@ class Turns:
         forget: Any = None
         if stop is not None and hasattr(stop, "on_set"):  # a bare threading.Event (tests) is only checked after
             forget = stop.on_set(lambda: self._withdraw(ticket))
+            if hasattr(stop, "on_leave"):  # out of line without being woken (worker/batching.py's claim)
+                stop.on_leave(lambda: self._leave(ticket))
             left = stop.remaining()
             if left is not None:
                 limit = left if limit is None else min(limit, left)
@@ -89,6 +91,12 @@ class Turns:
             if not ticket.granted and ticket in self._queue:
                 self._queue.remove(ticket)
         ticket.event.set()
+
+    def _leave(self, ticket: _Ticket) -> None:
+        """`ticket` needs the model no more but its thread sleeps on (it is woken later, by its `stop`)."""
+        with self._mutex:
+            if not ticket.granted and ticket in self._queue:
+                self._queue.remove(ticket)
 
     def _hand_over(self) -> None:
         # Under the mutex: ownership passes straight to the first waiter; the model never looks free.
