@@ -48,3 +48,17 @@ def test_an_out_of_range_read_is_an_index_error_naming_the_line(gpt2):
         with gpt2.trace(PROMPT):
             gpt2.transformer.h[0].output[:, seq_len].save()
     assert "output[:, seq_len].save()" in str(info.value)
+
+
+def test_a_slice_bound_that_is_not_an_integer_is_refused_naming_the_line(gpt2):
+    # A traced bound is built into a slice on the daemon (`h[:, : h.size(1) - 1]`); a float one is refused
+    # there, as Python refuses `x[: 2.5]`, with the user's line, instead of being rounded.
+    with pytest.raises(nnd.InvalidRequest) as info:
+        with gpt2.trace(PROMPT):
+            gpt2.lm_head.output[:, :, : gpt2.transformer.h[0].output.norm()].save()
+    assert "output.norm()].save()" in str(info.value) and "slice bound must be an integer" in str(info.value)
+    with gpt2.trace(PROMPT):  # an integer one reads the same rows as the constant would
+        h = gpt2.transformer.h[0].output
+        traced = h[:, 1 : h.size(1) - 1].save()
+        whole = gpt2.transformer.h[0].output.save()
+    assert torch.equal(traced, whole[:, 1:-1])

@@ -94,6 +94,15 @@ def _to_tuple(x: Any) -> tuple[Any, ...]:
     raise AttributeError(f"to_tuple applies to a model output (logits, hidden states...), not a {type(x).__name__}")
 
 
+def _slice(start: Any = None, stop: Any = None, step: Any = None) -> slice:
+    """`x[:, : h.size(1) - 1]`: a slice whose bounds the graph computes (the client sends this op only when a
+    bound is a traced value). Each bound must be an integer, as Python's own indexing asks."""
+    try:
+        return slice(*(None if b is None else operator.index(b) for b in (start, stop, step)))
+    except TypeError as e:
+        raise errors.InvalidArgument(f"a slice bound must be an integer: {e}") from None
+
+
 def _setitem(target: Any, index: Any, value: Any) -> None:
     target[index] = value
 
@@ -315,6 +324,7 @@ def _table() -> dict[str, OpSpec]:
         table[name] = OpSpec(_bounded(name, getattr(operator, name)), mutates=True, aliases=True)
     table["setitem"] = OpSpec(_setitem, mutates=True)
     table["getattr"] = OpSpec(_getattr, aliases=True)
+    table["slice"] = OpSpec(_slice)
     table["to_tuple"] = OpSpec(_to_tuple, aliases=True)
     table["requires_grad_"] = OpSpec(_requires_grad_, aliases=True)
     table["retain_grad"] = OpSpec(_retain_grad)

@@ -343,6 +343,36 @@ def cache_declared_after_a_read_is_refused(model: Any) -> dict[str, Any]:
     return found
 
 
+def shapes_read_at_each_generation_step(model: Any) -> dict[str, Any]:
+    # Step 0 runs the prompt; each later step one new token: a shape read in the loop is its own step's,
+    # and code that indexes with it (the last position) reads that step's row.
+    shapes, last, lens = [], [], []
+    with model.generate(PROMPT, max_new_tokens=3, min_new_tokens=3) as tracer:
+        for step in tracer.iter[0:3]:  # noqa: B007
+            h = model.transformer.h[0].output
+            shapes.append(list(model.lm_head.output.shape))
+            n = h.shape[1]
+            last.append(h[:, n - 1].save())
+            lens.append(len(h[0]))
+    return {"shapes": shapes, "last": last, "lens": lens}
+
+
+def slices_bounded_by_traced_sizes(model: Any) -> dict[str, Any]:
+    # `x.size(d)` is a traced value in nnd (the daemon knows it when it runs): slices bounded by it are built
+    # there, at every step of a generation too.
+    with model.trace(PROMPT):
+        h = model.transformer.h[0].output
+        width = h.size(-1)
+        inner = model.transformer.h[1].output[:, 1 : h.size(1) - 1 : 2].save()
+        head = model.lm_head.output[:, :, :width].save()
+    tails = []
+    with model.generate(PROMPT, max_new_tokens=3, min_new_tokens=3) as tracer:
+        for step in tracer.iter[0:3]:  # noqa: B007
+            h = model.transformer.h[0].output
+            tails.append(h[:, h.size(1) - 2 :].save())
+    return {"inner": inner, "head": head, "tails": tails}
+
+
 BLOCKS = {
     f.__name__: f
     for f in (
@@ -370,5 +400,7 @@ BLOCKS = {
         barriers_per_layer_with_items_across_many_invokes,
         streamer_inside_iter_loops,
         cache_declared_after_a_read_is_refused,
+        shapes_read_at_each_generation_step,
+        slices_bounded_by_traced_sizes,
     )
 }

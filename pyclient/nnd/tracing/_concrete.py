@@ -57,6 +57,14 @@ def scan_graph(graph: graph_pb2.Graph, target: int) -> tuple[graph_pb2.Graph, in
     return out, save.id
 
 
+def from_the_run(tracer: Tracer) -> bool:
+    """Whether a shape read in this block must come from the run itself (a sync point) rather than a scan.
+    A scan runs one plain forward of the prompt; a generation's forwards differ: each step after the first
+    sees one new token per row, transformers computes the logits of the last position only
+    (`logits_to_keep`), and beam search multiplies the rows. Only the run knows those shapes."""
+    return bool(tracer.backend.generates)
+
+
 def query(tracer: Tracer, proxy: Proxy) -> Any:
     """The scanned value of `proxy`: a MetaTensor, or a tuple/list/dict of them."""
     ref = proxy._ref()

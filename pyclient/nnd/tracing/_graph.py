@@ -197,6 +197,10 @@ class GraphBuilder:
         if isinstance(obj, Proxy):
             ref = obj._ref()
             return graph_pb2.Arg(ref=ref), ("r", self.keys[ref])
+        if isinstance(obj, slice) and _holds_proxy([obj.start, obj.stop, obj.step]):
+            # `h[:, : n - 1]` with n read from a traced value: the daemon builds the slice when n is known.
+            ref = self.op("slice", [obj.start, obj.stop, obj.step])
+            return graph_pb2.Arg(ref=ref), ("r", self.keys[ref])
         plain = _plain_key(obj, _PLAIN_DEPTH)
         if plain is not None:  # `[:, -1]` in a loop over prompts or steps: encoded once (callers copy the Arg)
             known = _plain_args.get(plain)
@@ -274,7 +278,7 @@ def _refs(msg: Any) -> set[int]:
         for field, value in m.ListFields():
             if field.type != field.TYPE_MESSAGE:
                 continue
-            if field.label == field.LABEL_REPEATED:
+            if field.is_repeated:
                 items = value.values() if hasattr(value, "values") and callable(value.values) else value
                 stack.extend(v for v in items if hasattr(v, "DESCRIPTOR"))
             else:
@@ -330,4 +334,9 @@ def _wants_grad(obj: Any) -> bool:
 def _holds_proxy(items: Sequence[Any]) -> bool:
     from nnd.tracing._proxy import Proxy
 
-    return any(isinstance(i, Proxy) or (isinstance(i, (tuple, list)) and _holds_proxy(i)) for i in items)
+    return any(
+        isinstance(i, Proxy)
+        or (isinstance(i, (tuple, list)) and _holds_proxy(i))
+        or (isinstance(i, slice) and _holds_proxy([i.start, i.stop, i.step]))
+        for i in items
+    )

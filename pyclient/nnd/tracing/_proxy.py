@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from nnd.tracing import _source
+from nnd.tracing import _concrete, _source
 from nnd.tracing._usage import ValueNotKnown, value_not_known
 from nnd.wire import _meta, _torchmod
 
@@ -144,10 +144,16 @@ class Proxy:
     @property
     def shape(self) -> Any:
         """The shape, known at once: the daemon scans the graph recorded so far
-        (cached, so repeated reads cost no extra RPC)."""
+        (cached, so repeated reads cost no extra RPC). In a generate block the
+        shape is read from the run itself, a sync point, as nnsight reads it:
+        a step after the first sees one new token per row, and transformers
+        keeps the logits of the last position only."""
         if not self._live():
             return self.value.shape
-        meta = self._tracer._recorder()._concrete(self)
+        recorder = self._tracer._recorder()
+        if _concrete.from_the_run(recorder):
+            return _meta.Size(int(d) for d in Proxy(self._tracer, None, pending=(self, "shape"))._real())
+        meta = recorder._concrete(self)
         if not hasattr(meta, "shape"):
             raise TypeError(f"this value is a {type(meta).__name__}, which has no shape")
         return _meta.Size(meta.shape)
@@ -171,7 +177,10 @@ class Proxy:
     def __len__(self) -> int:
         if not self._live():
             return len(self.value)
-        return len(self._tracer._recorder()._concrete(self))
+        meta = self._tracer._recorder()._concrete(self)
+        if hasattr(meta, "shape") and meta.shape and _concrete.from_the_run(self._tracer._recorder()):
+            return self.shape[0]  # a generation's tensor: its own length (see `shape`)
+        return len(meta)
 
     def __iter__(self) -> Iterator[Any]:
         if not self._live():
