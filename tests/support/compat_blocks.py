@@ -373,6 +373,21 @@ def slices_bounded_by_traced_sizes(model: Any) -> dict[str, Any]:
     return {"inner": inner, "head": head, "tails": tails}
 
 
+def keyword_inputs_looked_up_by_name(model: Any) -> dict[str, Any]:
+    # A module's keyword inputs as the dict they are: membership and .get(), in a trace and at each step.
+    missing = []  # a list outside the block: what the body appends stays (a plain str has no .save())
+    with model.trace(PROMPT):
+        args, kwargs = model.transformer.inputs
+        mask = kwargs.get("attention_mask").save() if "attention_mask" in kwargs else None
+        missing.append(kwargs.get("no_such_input", "default"))
+    found = []
+    with model.generate(PROMPT, max_new_tokens=2, min_new_tokens=2) as tracer:
+        for step in tracer.iter[0:2]:  # noqa: B007
+            args, kwargs = model.transformer.h[0].inputs
+            found.append(("attention_mask" in kwargs, "no_such_input" in kwargs))
+    return {"mask": mask, "missing": missing, "found": found}
+
+
 BLOCKS = {
     f.__name__: f
     for f in (
@@ -402,5 +417,6 @@ BLOCKS = {
         cache_declared_after_a_read_is_refused,
         shapes_read_at_each_generation_step,
         slices_bounded_by_traced_sizes,
+        keyword_inputs_looked_up_by_name,
     )
 }

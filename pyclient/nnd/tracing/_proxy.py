@@ -182,6 +182,28 @@ class Proxy:
             return self.shape[0]  # a generation's tensor: its own length (see `shape`)
         return len(meta)
 
+    def __contains__(self, item: Any) -> bool:
+        """`"attention_mask" in kwargs`: a dict's keys are known from the scan in a trace; anything else
+        (a tensor's values, a generation step's inputs) is read from the run, a sync point."""
+        if not self._live():
+            return item in self.value
+        recorder = self._tracer._recorder()
+        if not _concrete.from_the_run(recorder):
+            meta = recorder._concrete(self)
+            if isinstance(meta, dict):
+                return item in meta
+        return bool(_record(self, "contains", [self, item])._real(item=True))
+
+    def _is_dict(self) -> bool:
+        try:
+            return isinstance(self._tracer._recorder()._concrete(self), dict)
+        except Exception:  # noqa: BLE001 - not scannable here: not known to be a dict, recorded as a method call
+            return False
+
+    def _get(self, key: Any, default: Any = None) -> Any:
+        """`kwargs.get(name, default)` on a dict (a module's keyword inputs)."""
+        return self[key] if key in self else default
+
     def __iter__(self) -> Iterator[Any]:
         if not self._live():
             yield from self.value
@@ -197,6 +219,8 @@ class Proxy:
             return getattr(self.value, name)
         if name == "item":  # a sync point whose one element may come as a number: nothing to decode or call
             return lambda *args, **kwargs: _item(self._real(item=True), *args, **kwargs)
+        if name == "get" and self._is_dict():
+            return self._get
         if name in _CONCRETE_METHODS:  # `.tolist()`, `.numpy()`: a sync point
             return lambda *args, **kwargs: getattr(self._real(), name)(*args, **kwargs)
         return Proxy(self._tracer, None, pending=(self, name))
