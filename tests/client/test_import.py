@@ -16,8 +16,8 @@ print(elapsed, ",".join(heavy))
 
 
 def test_import_does_not_pull_heavy_modules():
+    # What it imports is the point here; how long that takes is bench/bench_import.py's (no timed asserts).
     out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, check=True).stdout.split()
-    assert float(out[0]) < 0.3
     assert len(out) == 1, f"import nnd imported {out[1]}"
 
 

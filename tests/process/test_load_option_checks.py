@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -294,10 +293,11 @@ def _helper_pid(d: Daemon) -> int | None:
 def _health(address: str) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    # The daemon still answers after the load: a wedged one never does, so a bound far over any answer time
+    # on a loaded 2-core CI box (1.12 s was seen there) tells them apart without timing the answer.
     with grpc.insecure_channel(address) as channel:
-        start = time.monotonic()
-        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status
-        assert status == health_pb2.HealthCheckResponse.SERVING and time.monotonic() - start < 1
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_fuzzed_load_options_end_in_clean_statuses(served, tiny_models):
