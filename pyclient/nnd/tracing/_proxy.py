@@ -171,8 +171,14 @@ class Proxy:
 
     @property
     def ndim(self) -> int:
-        """The number of dimensions, known at once (see `shape`)."""
-        return len(self.shape) if self._live() else self.value.ndim
+        """The number of dimensions, known at once (see `shape`; a generation's steps keep it, so the
+        scan's answer holds for every step)."""
+        if not self._live():
+            return self.value.ndim
+        meta = self._tracer._recorder()._concrete(self)
+        if not hasattr(meta, "shape"):
+            raise TypeError(f"this value is a {type(meta).__name__}, which has no ndim")
+        return len(meta.shape)
 
     def __len__(self) -> int:
         if not self._live():
