@@ -236,3 +236,29 @@ def test_encoder_decoder_aliases_name_both_stacks(arch: Pair) -> None:
         cross = _value(remote.layers[0].cross_attention, reads["decoder.block.0.layer.1.EncDecAttention"]).save()
     torch.testing.assert_close(encoded, seen["encoder.block.1"], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(cross, seen["decoder.block.0.layer.1.EncDecAttention"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", cases("overloaded", only=("bert",)), indirect=True)
+def test_a_submodule_named_output_is_reached_as_E_output_as_in_nnsight(arch: Pair) -> None:
+    # `.output` is every module's value, so nnsight 0.8 serves BERT's `output` submodules as `.E_output`.
+    layer = arch.layer(0)
+    seen, _ = _ref_forward(arch, {layer: None, f"{layer}.output": None, f"{layer}.output.dense": None})
+    with arch.remote.trace(PROMPT):
+        block = arch.remote.layers[0]
+        value = block.output[0].save() if _is_tuple(arch, layer) else block.output.save()
+        sub = block.E_output.output.save()
+        dense = block.E_output.dense.output.save()
+    torch.testing.assert_close(value, seen[layer], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sub, seen[f"{layer}.output"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dense, seen[f"{layer}.output.dense"], rtol=1e-5, atol=1e-5)
+
+    def half(t: torch.Tensor) -> None:
+        t.mul_(0.5)
+
+    _, expected = _ref_forward(arch, {f"{layer}.attention.output.dense": half})
+    with arch.remote.trace(PROMPT):
+        arch.remote.layers[0].attention.E_output.dense.output *= 0.5
+        out = arch.remote.lm_head.output.save()
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(AttributeError, match="has no module 'E_intermediate'"):
+        arch.remote.layers[0].E_intermediate  # noqa: B018 - only served names move

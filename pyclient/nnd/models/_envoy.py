@@ -18,6 +18,15 @@ if TYPE_CHECKING:
     from nnd.tracing._tracer import Tracer
 
 
+# nnsight's name for a submodule called after a value every module serves (`output`, `input`...): the value
+# keeps the name, the submodule is reached as `E_<name>`.
+OVERLOAD_PREFIX = "E_"
+
+
+def _serves(name: str) -> bool:
+    return bool(name) and not name.startswith("_") and isinstance(getattr(Envoy, name, None), property)
+
+
 class Envoy:
     """One module of the model. Reach children as attributes
     (`model.transformer.h`) or by index (`h[5]`, `h[-1]`, `h[2:4]`), iterate
@@ -53,6 +62,9 @@ class Envoy:
         aliases = self.__dict__.get("_aliases")
         if aliases and name in aliases:  # rename= and the daemon's standard names
             return aliases[name]
+        served = name[len(OVERLOAD_PREFIX) :] if name.startswith(OVERLOAD_PREFIX) else ""
+        if children is not None and served in children and _serves(served):
+            return children[served]  # BERT's `output` module: `.output` is the value, `.E_output` the module
         info = self._tensor_info(name)
         if info is not None:  # a parameter or buffer (`lm_head.weight`)
             return self._tensor(info)
