@@ -16,12 +16,13 @@ minutes, which one measurement of each would read as a change of ratio. The row
 gives the median of the rounds' ratios and each round's.
 
 Each cell also reports CPU time per trace of the clients, the daemon and the
-worker: on a small machine the clients' own CPU (recording, gRPC, decoding)
-bounds what batching in the worker can give. The row also prints that bound,
-from figures measured in the same run: the plain forward of 1 row and of 8 rows
-in-process, and one client's CPU per trace; with every trace merged and every
-core busy, k clients reach at most cores ÷ (CPU per trace alone − forward(1) +
-forward(k) ÷ k).
+worker, and the row prints what that CPU allows: the worker serves on one
+thread, so it passes at most 1000 ÷ (its CPU ms per trace) traces a second, and
+all cores busy pass at most cores × 1000 ÷ (client + daemon + worker CPU ms per
+trace), both from the batching round itself. (It used to set in-process forwards
+of 1 and 8 rows against one client's CPU; the two are taken minutes apart, and on
+this VM a forward's CPU after a sleep differs by 2x, which once gave a "ceiling"
+of 16x.)
 
 Run as a script (`python bench_concurrency.py ADDRESS MODEL N`) it is one client.
 """
@@ -161,37 +162,15 @@ def _split(m: dict[str, float]) -> str:
     )
 
 
-def _forward_ms(path: str, rows: tuple[int, ...], repeats: int) -> list[float]:
-    """CPU ms of the plain HF forward of PROMPT repeated in each of `rows` batch rows (in this process),
-    the mean of `repeats`: CPU time, as the per-trace figures it is set against (wall time on a loaded
-    box would count the neighbours)."""
-    import torch
-
-    tok, model = harness.hf_model(path)
-    ids = tok(PROMPT, return_tensors="pt").input_ids
-    out = []
-    with torch.no_grad():
-        for r in rows:
-            batch = ids.repeat(r, 1)
-            for _ in range(10):
-                model(batch)
-            cpu0 = time.process_time()
-            for _ in range(repeats):
-                model(batch)
-            out.append(1e3 * (time.process_time() - cpu0) / repeats)
-    return out
-
-
-def _ceiling(one: dict[str, float], k: int, forward_1: float, forward_k: float) -> tuple[float, float]:
-    """Traces/s k clients could reach at best on this machine, and that ÷ one client's rate.
-
-    Best case: every trace is merged with k-1 others (its forward costs forward_k / k instead of
-    forward_1) and every core is busy; the rest of a trace's CPU (client, daemon, worker) is what one
-    client measured. On a machine with fewer cores than processes, this bounds the ratio."""
-    alone = one["client_ms"] + one["daemon_ms"] + one["worker_ms"]
-    merged = alone - forward_1 + forward_k / k
-    tps = (os.cpu_count() or 1) * 1e3 / merged
-    return tps, tps / one["tps"]
+def _ceiling(on: dict[str, float], one: dict[str, float]) -> tuple[float, float, float]:
+    """What the batching round's own CPU per trace allows on this machine: the worker serves on one
+    thread (one forward at a time, its handling under the GIL), so it passes at most 1000 / its CPU ms
+    per trace; all cores busy pass at most cores x 1000 / (client + daemon + worker CPU ms per trace).
+    Returns (the lower of the two, that / one client's traces/s, the all-cores figure)."""
+    worker = 1e3 / on["worker_ms"]
+    cores = (os.cpu_count() or 1) * 1e3 / (on["client_ms"] + on["daemon_ms"] + on["worker_ms"])
+    best = min(worker, cores)
+    return best, best / one["tps"], cores
 
 
 def run(quick: bool) -> list[Row]:
@@ -215,11 +194,10 @@ def run(quick: bool) -> list[Row]:
     ratios_off = [off["tps"] / one["tps"] for one, off in zip(measured["one"], measured["off"], strict=True)]
     ratio, ratio_off = statistics.median(ratios), statistics.median(ratios_off)
     one, off, on = (_median(measured[label]) for label in ("one", "off", "on"))
-    forward_1, forward_k = _forward_ms(path, (1, k), 30 if quick else 200)
-    best_tps, best_ratio = _ceiling(one, k, forward_1, forward_k)
+    best_tps, best_ratio, cores_tps = _ceiling(on, one)
     raw: dict[str, Any] = {"clients": k, "traces_per_client": n, "rounds": measured, "ratios": ratios}
     raw |= {f"{a}_{b}": v for a, r in (("one", one), ("off", off), ("on", on)) for b, v in r.items()}
-    raw |= {"forward_1_ms": forward_1, f"forward_{k}_ms": forward_k, "ceiling_tps": best_tps}
+    raw |= {"ceiling_tps": best_tps, "cores_tps": cores_tps}
     each = ", ".join(f"{r:.2f}×" for r in ratios)
     return [
         Row(
@@ -233,9 +211,9 @@ def run(quick: bool) -> list[Row]:
             f"concurrency: traces/s, GPT-2 4×64, {n} traces per client, {k} clients, batching on (2 ms)",
             "1 client",
             f"{one['tps']:.0f}/s",
-            f"{on['tps']:.0f}/s ({on['merged_share']:.0%} of traces merged; {_split(on)}; ceiling on this machine "
-            f"{best_tps:.0f}/s = {best_ratio:.2f}×: forward {forward_1:.2f} ms for 1 row, {forward_k:.2f} ms for {k}, "
-            f"on {os.cpu_count()} cores)",
+            f"{on['tps']:.0f}/s ({on['merged_share']:.0%} of traces merged; {_split(on)}; ceiling at this CPU per "
+            f"trace {best_tps:.0f}/s = {best_ratio:.2f}×: the worker's one thread at {on['worker_ms']:.1f} ms a trace; "
+            f"all {os.cpu_count()} cores would pass {cores_tps:.0f}/s)",
             ratio,
             target=harness.target("≥ 2.5", ratio >= 2.5)
             + f" (median of {rounds} paired rounds, 1 client then {k} back to back: {each}; cells: the median round)",

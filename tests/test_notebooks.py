@@ -155,6 +155,28 @@ def test_a_daemon_error_shows_the_users_cell_and_line(daemon, tiny_models, tmp_p
     assert "still here" in _text(nb.cells[2])
 
 
+def test_an_open_loop_in_a_cell_ends_with_nnsights_pass_past_the_last_step(daemon, tiny_models, tmp_path):
+    # A cell's code is the notebook's globals: the extra pass (tracing/_loops.py) runs from the cell's
+    # source as IPython keeps it, its streamer read holds the last token, and it leaves no name behind.
+    nb = _notebook(
+        _setup(daemon, tiny_models["gpt2"]),
+        "steps, toks = [], []\n"
+        f"with model.generate({PROMPT!r}, max_new_tokens=3, min_new_tokens=3) as tracer:\n"
+        "    for step in tracer.iter[:]:\n"
+        "        steps.append(step)\n"
+        "        toks.append(model.generator.streamer.output.save())\n"
+        "        model.transformer.h[0].output.save()\n"
+        "    ids = tracer.result.save()\n"
+        "print('steps', steps, len(toks), [t.tolist() for t in toks[1:]] == [[i] for i in ids[0, -3:].tolist()],"
+        " '_nnd_pass' in globals())",
+    )
+    kernel = _Kernel(nb, tmp_path)
+    with kernel.client.setup_kernel():
+        kernel.run(0, 1)
+    text = _text(nb.cells[1])
+    assert "steps [0, 1, 2, 3] 4 True False" in text, text
+
+
 def test_ctrl_c_mid_generation_reads_as_one_line_and_the_kernel_carries_on(daemon, tiny_models, tmp_path):
     marker = tmp_path / "step1"
     nb = _notebook(

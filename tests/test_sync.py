@@ -216,7 +216,9 @@ def test_loop_body_runs_per_step_and_appends_one_value_each(gpt2, reference):
             bodies.append(step)
             hs.append(gpt2.transformer.h[0].output.save())
         out = tracer.result.save()
-    assert bodies == [0, 1, 2]
+    # As nnsight 0.8.1: an open loop runs one more pass, cut at its first module access (so it appends
+    # the step number but no value).
+    assert bodies == [0, 1, 2, 3]
     assert len(hs) == 3
     for got, want in zip(hs, seen, strict=True):
         assert torch.allclose(got, want, atol=1e-5)

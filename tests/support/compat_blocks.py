@@ -388,6 +388,35 @@ def keyword_inputs_looked_up_by_name(model: Any) -> dict[str, Any]:
     return {"mask": mask, "missing": missing, "found": found}
 
 
+def open_ended_loop_runs_one_pass_past_the_end(model: Any) -> dict[str, Any]:
+    # nnsight ends an open `tracer.iter[:]` with one more pass, cut at its first module access: Python
+    # before that runs, and the streamer there holds the last token generated.
+    steps, streamed, hs = [], [], []
+    with model.generate(PROMPT, max_new_tokens=3, min_new_tokens=3) as tracer:
+        for step in tracer.iter[:]:
+            steps.append(step)
+            streamed.append(model.generator.streamer.output.save())
+            hs.append(model.transformer.h[0].output[:, -1].save())
+    return {"steps": steps, "streamed": streamed, "hs": hs}
+
+
+def open_ended_loop_pass_past_the_end_rebinds_and_breaks(model: Any) -> dict[str, Any]:
+    # The extra pass rebinds names as the loop's own passes do, and a `break` ends it.
+    last, passes, seen = -1, 0, []
+    with model.generate(PROMPT, max_new_tokens=3, min_new_tokens=3) as tracer:
+        for step in tracer.iter[:]:
+            last = step
+            passes += 1
+            model.transformer.h[0].output.save()
+    with model.generate(PROMPT, max_new_tokens=3, min_new_tokens=3) as tracer:
+        for step in tracer.iter[:]:
+            seen.append(step)
+            if step == 5:
+                break
+            model.transformer.h[0].output.save()
+    return {"last": last, "passes": passes, "seen": seen}
+
+
 BLOCKS = {
     f.__name__: f
     for f in (
@@ -418,5 +447,7 @@ BLOCKS = {
         shapes_read_at_each_generation_step,
         slices_bounded_by_traced_sizes,
         keyword_inputs_looked_up_by_name,
+        open_ended_loop_runs_one_pass_past_the_end,
+        open_ended_loop_pass_past_the_end_rebinds_and_breaks,
     )
 }

@@ -213,6 +213,8 @@ class RemoteGenerate(RemoteTrace):
 
         torch = _torchmod.available()
         rows = [list(step.ids) for step in tracer.tokens]
+        if scope in tracer._past_the_end:  # the pass after an open loop's end: the last token handed over
+            return _streamed_at(tracer, len(rows), rows, torch) if rows else None
         if scope in tracer._unrolled:  # one pass of a `tracer.iter` loop: what nnsight's streamer holds then
             return _streamed_at(tracer, tracer._unrolled[scope], rows, torch)
         if scope:

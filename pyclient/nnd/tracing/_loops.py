@@ -15,6 +15,8 @@ at every selected step.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -48,6 +50,13 @@ def selector(key: Any) -> graph_pb2.StepSelector:
     else:
         raise TypeError(f"select steps with a slice, an int or a list of ints, not {key!r}")
     return sel
+
+
+class PastTheEnd(BaseException):  # noqa: N818 - a control signal: no user `except Exception` may take it
+    """Raised at a module access (or a sync point) in the pass after an open-ended loop's last step."""
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Step:
@@ -96,6 +105,14 @@ class Loop:
         self._trace_before: Any = None
 
     def __iter__(self) -> Iterator[Any]:
+        yield from self._passes()
+        tracer = self._tracer
+        if tracer.backend.unroll_loops and tracer.backend.generates and self._steps.WhichOneof("kind") == "all":
+            # The `for` statement asks for one more item: as nnsight, run its body once more, past the last
+            # step, up to its first module access (the streamer there holds the last generated token).
+            self._past_the_end(sys._getframe(1))
+
+    def _passes(self) -> Iterator[Any]:
         tracer = self._tracer
         if not tracer.backend.unroll_loops:  # a stored edit: its loop runs at the steps of every later generation
             scope = tracer._builder.push_scope(self._steps)
@@ -105,14 +122,41 @@ class Loop:
                 tracer._builder.pop_scope()
             return
         for step in steps_of(self._steps, tracer._steps_known()):
-            one = graph_pb2.StepSelector()
-            one.steps.steps.append(step)
-            scope = tracer._builder.push_scope(one)
-            tracer._unrolled[scope] = step
-            try:
+            with self._pass(step):
                 yield step
-            finally:
-                tracer._builder.pop_scope()
+
+    @contextlib.contextmanager
+    def _pass(self, step: int, *, past_the_end: bool = False) -> Iterator[None]:
+        one = graph_pb2.StepSelector()
+        one.steps.steps.append(step)
+        builder = self._tracer._builder
+        scope = builder.push_scope(one)
+        self._tracer._unrolled[scope] = step
+        if past_the_end:
+            self._tracer._past_the_end.add(scope)
+        try:
+            yield
+        finally:
+            builder.pop_scope()
+            graph, tracer = builder.graph, self._tracer
+            used = any(n.scope == scope for n in graph.nodes) or any(
+                read == scope for _, read in [*tracer._client_scopes.values(), *tracer._client_saves]
+            )
+            if past_the_end and scope == len(graph.scopes) and not used:
+                # Nothing recorded in it (it ended at its first module access): the daemon need not hear of it.
+                del graph.scopes[-1]
+                del tracer._unrolled[scope]
+                tracer._past_the_end.discard(scope)
+
+    def _past_the_end(self, frame: Any) -> None:
+        """nnsight 0.8 ends an open-ended loop with one more pass that is cut at its first module access
+        (what the generation never makes): Python before it runs, and a streamer read there gets the
+        last generated token. The pass runs here, from the `for` statement's source, so the statements
+        after the loop still run (nnsight skips them)."""
+        if frame is None or frame.f_code.co_filename.startswith(_PACKAGE):
+            return  # not a user's `for` statement (`with tracer.all()` drives the passes itself)
+        with self._pass(self._tracer._steps_known(), past_the_end=True):
+            _withbody.run_for_body_once(frame, self._tracer._steps_known(), PastTheEnd)
 
     def __enter__(self) -> Any:
         warnings.warn(
@@ -125,7 +169,7 @@ class Loop:
         if self._tracer.backend.unroll_loops:
             # As nnsight: the body runs once per step (see _withbody.py); Python then skips it.
             frame = sys._getframe(1)
-            self._per_step, self._trace_before = _withbody.run_per_step(frame, iter(self))
+            self._per_step, self._trace_before = _withbody.run_per_step(frame, self._passes())
             if self._per_step:
                 return None
         self._scope = self._tracer._builder.push_scope(self._steps)

@@ -22,7 +22,7 @@ from nnd.tracing import (
     _withbody,
 )
 from nnd.tracing._cache import Cache, CacheView
-from nnd.tracing._loops import Loop, StepIter, every_step
+from nnd.tracing._loops import Loop, PastTheEnd, StepIter, every_step
 from nnd.tracing._proxy import Proxy
 from nnd.v1 import graph_pb2, nnd_pb2
 from nnd.wire import _meta, _results, _torchmod
@@ -146,6 +146,7 @@ class Tracer:
         self._recording = False
         # Unrolled loop passes: scope -> its step; saves made in them -> their scope (one value, not a list).
         self._unrolled: dict[int, int] = {}
+        self._past_the_end: set[int] = set()  # the pass after an open-ended loop's last step (_loops.py)
         self._unrolled_saves: dict[int, int] = {}
         # `obj.save()` on any object, and the containers the user's frame held when the block opened:
         # the block's values inside them are delivered (_objects.py).
@@ -312,7 +313,12 @@ class Tracer:
         return every_step(self)
 
     # -- used by envoys and proxies
+    def _past_end(self) -> None:
+        if self._past_the_end and self._builder.scope in self._past_the_end:
+            raise PastTheEnd  # the generation makes no such step: the pass ends here, as in nnsight
+
     def _module(self, path: str, point: int, *, invoke: Any = _NO_INPUT, op: str = "") -> Proxy:
+        self._past_end()
         if self._turns is not None:
             self._turns.access(path, point)
         which = self._invoke if invoke is _NO_INPUT else invoke
@@ -320,12 +326,14 @@ class Tracer:
         return Proxy(self, self._builder.module(path, point, which, 0, op))
 
     def _set(self, path: str, point: int, value: Any, *, op: str = "") -> None:
+        self._past_end()
         if self._turns is not None:
             self._turns.access(path, point)
         self._touched.add(self._invoke)
         self._builder.set(path, point, self._invoke, 0, value, op)
 
     def _skip(self, path: str, value: Any, *, op: str = "") -> None:
+        self._past_end()
         if self._turns is not None:
             self._turns.access(path, graph_pb2.INPUT)
         self._touched.add(self._invoke)
@@ -356,6 +364,7 @@ class Tracer:
     def _sync(self, proxy: Proxy, *, item: bool = False) -> Any:
         """The real value of `proxy` now, mid-run (a sync point; _interact.py). `item`: Python reads it as
         one number, which a tensor of one element then comes as."""
+        self._past_end()
         return self.backend.sync(self, proxy._ref(), item=item)
 
     # -- running
@@ -437,8 +446,8 @@ class Tracer:
         return request
 
     def loop_steps(self) -> list[int]:
-        """The steps of the unrolled `tracer.iter` passes recorded."""
-        return list(self._unrolled.values())
+        """The steps of the unrolled `tracer.iter` passes recorded (not the pass past an open loop's end)."""
+        return [step for scope, step in self._unrolled.items() if scope not in self._past_the_end]
 
     def fail(self, why: str) -> None:
         """The block did not complete: its values' errors say why."""

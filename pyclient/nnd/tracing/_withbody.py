@@ -104,6 +104,57 @@ def run_per_step(frame: FrameType, steps: Iterable[Any]) -> tuple[bool, Any]:
     return True, _skip_body(frame)
 
 
+def enclosing_for(tree: ast.AST, line: int) -> ast.For | None:
+    """The innermost `for` statement of `tree` whose header holds `line`."""
+    found: ast.For | None = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.For) and node.body and node.lineno <= line < node.body[0].lineno:
+            if found is None or node.lineno >= found.lineno:
+                found = node
+    return found
+
+
+def run_for_body_once(frame: FrameType, value: Any, stop: type[BaseException]) -> bool:
+    """Run the body of the `for` statement at `frame`'s line once more, its target bound to `value`,
+    until `stop` is raised in it (nnsight's pass past an open-ended loop's end, _loops.py). False when
+    the body cannot be found or cannot run outside its statement (`break`, `continue`): nothing ran."""
+    lines = linecache.getlines(frame.f_code.co_filename, frame.f_globals)
+    if not lines:
+        return False
+    try:
+        node = enclosing_for(_pyast.parse("".join(lines)), frame.f_lineno)
+    except SyntaxError:
+        return False
+    if node is None or node.orelse or not isinstance(node.target, ast.Name) or node.body[0].lineno == node.lineno:
+        return False
+    # Inside a loop of one item of its own, so `break` and `continue` end this pass as they would the loop's.
+    once = ast.For(
+        target=ast.Name(id="_nnd_pass", ctx=ast.Store()),
+        iter=ast.Tuple(elts=[ast.Constant(value=None)], ctx=ast.Load()),
+        body=node.body,
+        orelse=[],
+    )
+    ast.copy_location(once, node)
+    ast.fix_missing_locations(once)
+    try:
+        code = _pyast.compile_tree(ast.Module(body=[once], type_ignores=[]), frame.f_code.co_filename)
+    except SyntaxError:  # `return` or `yield` only mean something inside the original function
+        return False
+    function = bool(frame.f_code.co_flags & _CO_OPTIMIZED)
+    before = dict(frame.f_locals) if function else {}
+    namespace: dict[str, Any] = {**frame.f_globals, **before} if function else frame.f_globals
+    namespace[node.target.id] = value
+    try:
+        exec(code, namespace)  # noqa: S102 - the user's own loop body, in the user's process
+    except stop:
+        pass
+    finally:
+        namespace.pop("_nnd_pass", None)  # the wrapper's own name (a notebook's namespace is its globals)
+    if function:
+        _write_back(frame, namespace, before)
+    return True
+
+
 def _write_back(frame: FrameType, namespace: dict[str, Any], before: dict[str, Any]) -> None:
     """Copy the names the body (re)bound into the function's frame."""
     local_names = set(frame.f_code.co_varnames) | set(frame.f_code.co_cellvars) | set(frame.f_code.co_freevars)
