@@ -225,6 +225,26 @@ def test_loop_body_runs_per_step_and_appends_one_value_each(gpt2, reference):
     assert out.tolist() == ids.tolist()
 
 
+def test_a_generation_that_stops_early_leaves_only_its_steps_in_the_users_lists(gpt2):
+    # nnsight runs the loop's Python for the steps made, plus one pass cut at its first module access
+    # (whose streamer read holds the last token): nothing of the steps never made reaches the lists.
+    with gpt2.generate(PROMPT, max_new_tokens=6, min_new_tokens=6, do_sample=False) as tracer:
+        ids = tracer.result.save()
+    prompt = ids.shape[1] - 6
+    hs, streamed = [], []
+    with pytest.warns(UserWarning, match="never reached"):
+        with gpt2.generate(PROMPT, max_new_tokens=6, do_sample=False, eos_token_id=int(ids[0, prompt + 1])) as tracer:
+            for _ in tracer.iter[:]:
+                streamed.append(gpt2.generator.streamer.output)
+                hs.append(gpt2.transformer.h[0].output[:, -1])
+            out = tracer.result.save()
+    made = out.shape[1] - prompt
+    assert 1 <= made < 6
+    assert len(hs) == made and all(isinstance(h, torch.Tensor) for h in hs)
+    assert len(streamed) == made + 1 and streamed[0].shape == (1, prompt)
+    assert [int(s) for s in streamed[1:]] == out[0, prompt:].tolist()
+
+
 def test_per_step_condition_on_the_step_number(gpt2, reference):
     vector = 30 * torch.linspace(-1, 1, 64)
 

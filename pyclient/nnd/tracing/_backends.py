@@ -213,8 +213,6 @@ class RemoteGenerate(RemoteTrace):
 
         torch = _torchmod.available()
         rows = [list(step.ids) for step in tracer.tokens]
-        if scope in tracer._past_the_end:  # the pass after an open loop's end: the last token handed over
-            return _streamed_at(tracer, len(rows), rows, torch) if rows else None
         if scope in tracer._unrolled:  # one pass of a `tracer.iter` loop: what nnsight's streamer holds then
             return _streamed_at(tracer, tracer._unrolled[scope], rows, torch)
         if scope:
@@ -255,18 +253,28 @@ class Scan(RemoteTrace):
 
 def _drop_unreached(tracer: Tracer, reached: int) -> None:
     """Take out of the block's containers the values recorded at loop steps >= `reached`."""
+    from nnd.tracing import _objects
     from nnd.tracing._proxy import Proxy
 
     scopes = {scope for scope, step in tracer._unrolled.items() if step >= reached}
     node_scope = {n.id: n.scope for n in tracer._builder.graph.nodes}
+    client_scope = {key: scope for key, (_, scope) in tracer._client_scopes.items()}
 
     def unreached(item: Any) -> bool:
-        return isinstance(item, Proxy) and not item._resolved and node_scope.get(item._node) in scopes
+        if not isinstance(item, Proxy):
+            return False
+        if item._node is None and item._pending is None:  # the streamer's ids: handed over before each step,
+            # so the first step not made still has its value (the last token), and only later ones have none
+            return tracer._unrolled.get(client_scope.get(id(item), 0), -1) > reached
+        return not item._resolved and node_scope.get(item._node) in scopes
 
     def walk(holder: Any, depth: int = 0) -> None:
         if depth > 8:
             return
-        if type(holder) is list:
+        if type(holder) is _objects.Tail:  # an outer list the block appended to: only its new items
+            holder.items[holder.start :] = [item for item in holder.items[holder.start :] if not unreached(item)]
+            items = holder.items[holder.start :]
+        elif type(holder) is list:
             holder[:] = [item for item in holder if not unreached(item)]
             items = list(holder)
         elif type(holder) is dict:
