@@ -378,14 +378,26 @@ def test_a_request_cancelled_as_its_batch_starts_does_not_strand_the_others(lead
     else:
         assert isinstance(outcomes["first"], errors.Cancelled)
 
+def _four_members() -> list[Any]:
+    """Four one-invoke traces of two tokens each, ready to submit."""
+    from nnd.v1 import worker_pb2
+    from nnd_daemon.worker import batching
+    from nnd_daemon.worker.stop import Stop
+
+    members = []
+    for i in range(4):
+        request = worker_pb2.WorkerRunRequest(request=nnd_pb2.TraceRequest(model="m"))
+        request.request.invokes.add().tokens.ids.extend([i, i + 1])
+        trace = batching.prepare(request, None)
+        assert trace is not None
+        members.append(batching.Member(request, trace, lambda r: None, lambda: False, lambda: None, stop=Stop()))
+    return members
+
 
 def test_members_claimed_into_a_run_never_take_the_model_themselves() -> None:
     """Requests queued behind a busy model are merged into the next run; they then wait for that run
     only. They used to wait for a turn too, so when the run ended the model went to each of them in
     turn (each woke, saw it was done, passed it on) before the next request could have it."""
-    from nnd.v1 import worker_pb2
-    from nnd_daemon.worker import batching
-    from nnd_daemon.worker.stop import Stop
     from nnd_daemon.worker.turns import Turns
 
     class CountingTurns(Turns):
@@ -400,13 +412,7 @@ def test_members_claimed_into_a_run_never_take_the_model_themselves() -> None:
 
     run_lock = CountingTurns()
     batcher, merged_runs = _merging_batcher(run_lock, 0, "every member is merged")
-    members = []
-    for i in range(4):
-        request = worker_pb2.WorkerRunRequest(request=nnd_pb2.TraceRequest(model="m"))
-        request.request.invokes.add().tokens.ids.extend([i, i + 1])
-        trace = batching.prepare(request, None)
-        assert trace is not None
-        members.append(batching.Member(request, trace, lambda r: None, lambda: False, lambda: None, stop=Stop()))
+    members = _four_members()
     assert run_lock.acquire()  # the model is busy while all four queue
     threads = [threading.Thread(target=batcher.submit, args=(m,)) for m in members]
     for t in threads:
@@ -429,9 +435,7 @@ def test_members_claimed_into_a_run_sleep_until_it_is_over() -> None:
     """A member claimed into another's run leaves the model's line at once, but its thread is woken only
     when the run is over: woken at the claim it only went back to sleep, a GIL hand-off per member a
     forward on the worker's busy core. Forced: the run itself looks at the line and the wake-ups."""
-    from nnd.v1 import worker_pb2
     from nnd_daemon.worker import batching
-    from nnd_daemon.worker.stop import Stop
     from nnd_daemon.worker.turns import Turns
 
     class WatchedTurns(Turns):
@@ -454,13 +458,7 @@ def test_members_claimed_into_a_run_sleep_until_it_is_over() -> None:
         raise AssertionError("every member is merged")
 
     batcher = batching.Batcher(run_lock, run_merged, run_alone, window_s=0)
-    members = []
-    for i in range(4):
-        request = worker_pb2.WorkerRunRequest(request=nnd_pb2.TraceRequest(model="m"))
-        request.request.invokes.add().tokens.ids.extend([i, i + 1])
-        trace = batching.prepare(request, None)
-        assert trace is not None
-        members.append(batching.Member(request, trace, lambda r: None, lambda: False, lambda: None, stop=Stop()))
+    members = _four_members()
     assert run_lock.acquire()
     threads = [threading.Thread(target=batcher.submit, args=(m,)) for m in members]
     for t in threads:

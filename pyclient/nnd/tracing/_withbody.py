@@ -46,13 +46,19 @@ def _with_node(frame: FrameType) -> ast.With | None:
     return enclosing_with(tree, frame.f_lineno)
 
 
-def enclosing_with(tree: ast.AST, line: int) -> ast.With | None:
-    """The innermost `with` statement of `tree` whose header holds `line` (a block opening there)."""
-    found: ast.With | None = None
+def _enclosing(tree: ast.AST, line: int, kind: type[Any]) -> Any:
+    """The innermost `kind` statement of `tree` whose header holds `line`."""
+    found = None
     for node in ast.walk(tree):
-        if isinstance(node, ast.With) and node.body and node.lineno <= line < node.body[0].lineno:
+        if isinstance(node, kind) and node.body and node.lineno <= line < node.body[0].lineno:
             if found is None or node.lineno >= found.lineno:
                 found = node
+    return found
+
+
+def enclosing_with(tree: ast.AST, line: int) -> ast.With | None:
+    """The innermost `with` statement of `tree` whose header holds `line` (a block opening there)."""
+    found: ast.With | None = _enclosing(tree, line, ast.With)
     return found
 
 
@@ -106,11 +112,7 @@ def run_per_step(frame: FrameType, steps: Iterable[Any]) -> tuple[bool, Any]:
 
 def enclosing_for(tree: ast.AST, line: int) -> ast.For | None:
     """The innermost `for` statement of `tree` whose header holds `line`."""
-    found: ast.For | None = None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.For) and node.body and node.lineno <= line < node.body[0].lineno:
-            if found is None or node.lineno >= found.lineno:
-                found = node
+    found: ast.For | None = _enclosing(tree, line, ast.For)
     return found
 
 
