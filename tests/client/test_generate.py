@@ -110,6 +110,21 @@ def test_steps_the_generation_never_reached_warn(model, fake):
                 model.lm_head.output.save()
 
 
+def test_only_a_for_statement_over_the_steps_gets_the_pass_past_the_end(model, fake):
+    # The pass past an open loop's end reruns the body of the `for` that asked for one more step; a loop
+    # over a copy of the steps (its header consumed them all first) is not that loop, and runs as written.
+    fake[0].reply = gen_reply()
+    direct, copied = [], []
+    with model.generate("hi", max_new_tokens=3) as tracer:
+        for step in tracer.iter[:]:
+            direct.append(step)
+            model.lm_head.output.save()
+        for step in list(tracer.iter[:]):
+            copied.append(step)
+            model.lm_head.output.save()
+    assert direct == [0, 1, 2, 3] and copied == [0, 1, 2]
+
+
 def test_stream_yields_tokens_and_cancels(model, fake):
     started = threading.Event()
 

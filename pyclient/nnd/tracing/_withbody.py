@@ -129,6 +129,8 @@ def run_for_body_once(frame: FrameType, value: Any, stop: type[BaseException]) -
         return False
     if node is None or node.orelse or not isinstance(node.target, ast.Name) or node.body[0].lineno == node.lineno:
         return False
+    if not _steps_loop(node.iter):  # `for x in list(tracer.iter[:])`: the loop is not the one that asked
+        return False
     # Inside a loop of one item of its own, so `break` and `continue` end this pass as they would the loop's.
     once = ast.For(
         target=ast.Name(id="_nnd_pass", ctx=ast.Store()),
@@ -155,6 +157,17 @@ def run_for_body_once(frame: FrameType, value: Any, stop: type[BaseException]) -
     if function:
         _write_back(frame, namespace, before)
     return True
+
+
+def _steps_loop(expr: ast.expr) -> bool:
+    """Whether a `for` statement iterates a tracer's steps itself: `tracer.iter[...]`, `tracer.iter`,
+    `tracer.all()` (any object's, as written)."""
+    if isinstance(expr, ast.Subscript):
+        expr = expr.value
+    elif isinstance(expr, ast.Call) and not expr.args and not expr.keywords:
+        expr = expr.func
+        return isinstance(expr, ast.Attribute) and expr.attr == "all"
+    return isinstance(expr, ast.Attribute) and expr.attr == "iter"
 
 
 def _write_back(frame: FrameType, namespace: dict[str, Any], before: dict[str, Any]) -> None:
