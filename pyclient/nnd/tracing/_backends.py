@@ -258,14 +258,14 @@ def _drop_unreached(tracer: Tracer, reached: int) -> None:
 
     scopes = {scope for scope, step in tracer._unrolled.items() if step >= reached}
     node_scope = {n.id: n.scope for n in tracer._builder.graph.nodes}
-    client_scope = {key: scope for key, (_, scope) in tracer._client_scopes.items()}
 
     def unreached(item: Any) -> bool:
         if not isinstance(item, Proxy):
             return False
         if item._node is None and item._pending is None:  # the streamer's ids: handed over before each step,
             # so the first step not made still has its value (the last token), and only later ones have none
-            return tracer._unrolled.get(client_scope.get(id(item), 0), -1) > reached
+            read = tracer._client_scopes.get(id(item))
+            return read is not None and tracer._unrolled.get(read[1], -1) > reached
         return not item._resolved and node_scope.get(item._node) in scopes
 
     def walk(holder: Any, depth: int = 0) -> None:

@@ -138,15 +138,21 @@ class Loop:
             yield
         finally:
             builder.pop_scope()
-            graph, tracer = builder.graph, self._tracer
-            used = any(n.scope == scope for n in graph.nodes) or any(
-                read == scope for _, read in [*tracer._client_scopes.values(), *tracer._client_saves]
-            )
-            if past_the_end and scope == len(graph.scopes) and not used:
-                # Nothing recorded in it (it ended at its first module access): the daemon need not hear of it.
-                del graph.scopes[-1]
-                del tracer._unrolled[scope]
-                tracer._past_the_end.discard(scope)
+            if past_the_end:
+                self._drop_if_unused(scope)
+
+    def _drop_if_unused(self, scope: int) -> None:
+        """A pass past the end that recorded nothing (it ended at its first module access): the daemon
+        need not hear of its scope."""
+        tracer = self._tracer
+        graph = tracer._builder.graph
+        if scope != len(graph.scopes) or any(n.scope == scope for n in graph.nodes):
+            return
+        if any(read == scope for _, read in [*tracer._client_scopes.values(), *tracer._client_saves]):
+            return
+        del graph.scopes[-1]
+        del tracer._unrolled[scope]
+        tracer._past_the_end.discard(scope)
 
     def _past_the_end(self, frame: Any) -> None:
         """nnsight 0.8 ends an open-ended loop with one more pass that is cut at its first module access

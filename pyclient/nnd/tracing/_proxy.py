@@ -150,13 +150,15 @@ class Proxy:
         keeps the logits of the last position only."""
         if not self._live():
             return self.value.shape
-        recorder = self._tracer._recorder()
-        if _concrete.from_the_run(recorder):
+        if _concrete.from_the_run(self._tracer._recorder()):
             return _meta.Size(int(d) for d in Proxy(self._tracer, None, pending=(self, "shape"))._real())
-        meta = recorder._concrete(self)
+        return _meta.Size(self._scanned_shape("shape"))
+
+    def _scanned_shape(self, what: str) -> Any:
+        meta = self._tracer._recorder()._concrete(self)
         if not hasattr(meta, "shape"):
-            raise TypeError(f"this value is a {type(meta).__name__}, which has no shape")
-        return _meta.Size(meta.shape)
+            raise TypeError(f"this value is a {type(meta).__name__}, which has no {what}")
+        return meta.shape
 
     @property
     def dtype(self) -> Any:
@@ -173,12 +175,7 @@ class Proxy:
     def ndim(self) -> int:
         """The number of dimensions, known at once (see `shape`; a generation's steps keep it, so the
         scan's answer holds for every step)."""
-        if not self._live():
-            return self.value.ndim
-        meta = self._tracer._recorder()._concrete(self)
-        if not hasattr(meta, "shape"):
-            raise TypeError(f"this value is a {type(meta).__name__}, which has no ndim")
-        return len(meta.shape)
+        return len(self._scanned_shape("ndim")) if self._live() else self.value.ndim
 
     def __len__(self) -> int:
         if not self._live():

@@ -34,8 +34,8 @@ class SkipBody(Exception):  # noqa: N818 - a control signal, not an error the us
     """Raised on the first line of a `with` body that has already run per step."""
 
 
-def _with_node(frame: FrameType) -> ast.With | None:
-    """The innermost `with` statement whose header holds the frame's current line."""
+def _statement_at(frame: FrameType, kind: type[Any]) -> Any:
+    """The innermost `kind` statement (`with`, `for`) whose header holds the frame's current line."""
     lines = linecache.getlines(frame.f_code.co_filename, frame.f_globals)
     if not lines:
         return None
@@ -43,7 +43,12 @@ def _with_node(frame: FrameType) -> ast.With | None:
         tree = _pyast.parse("".join(lines))
     except SyntaxError:
         return None
-    return enclosing_with(tree, frame.f_lineno)
+    return _enclosing(tree, frame.f_lineno, kind)
+
+
+def _with_node(frame: FrameType) -> ast.With | None:
+    """The innermost `with` statement whose header holds the frame's current line."""
+    return _statement_at(frame, ast.With)
 
 
 def _enclosing(tree: ast.AST, line: int, kind: type[Any]) -> Any:
@@ -58,8 +63,7 @@ def _enclosing(tree: ast.AST, line: int, kind: type[Any]) -> Any:
 
 def enclosing_with(tree: ast.AST, line: int) -> ast.With | None:
     """The innermost `with` statement of `tree` whose header holds `line` (a block opening there)."""
-    found: ast.With | None = _enclosing(tree, line, ast.With)
-    return found
+    return _enclosing(tree, line, ast.With)
 
 
 def _target(node: ast.With, frame: FrameType) -> str | None:
@@ -91,10 +95,7 @@ def run_per_step(frame: FrameType, steps: Iterable[Any]) -> tuple[bool, Any]:
     if code is None:
         return False, None
     target = _target(node, frame)
-    function = bool(frame.f_code.co_flags & _CO_OPTIMIZED)
-    before = dict(frame.f_locals) if function else {}
-    # A function's names join its globals in one namespace, so comprehensions and lambdas in the body see them.
-    namespace: dict[str, Any] = {**frame.f_globals, **before} if function else frame.f_globals
+    function, before, namespace = _namespace(frame)
     iterator = iter(steps)
     try:
         for step in iterator:
@@ -110,23 +111,11 @@ def run_per_step(frame: FrameType, steps: Iterable[Any]) -> tuple[bool, Any]:
     return True, _skip_body(frame)
 
 
-def enclosing_for(tree: ast.AST, line: int) -> ast.For | None:
-    """The innermost `for` statement of `tree` whose header holds `line`."""
-    found: ast.For | None = _enclosing(tree, line, ast.For)
-    return found
-
-
 def run_for_body_once(frame: FrameType, value: Any, stop: type[BaseException]) -> bool:
     """Run the body of the `for` statement at `frame`'s line once more, its target bound to `value`,
     until `stop` is raised in it (nnsight's pass past an open-ended loop's end, _loops.py). False when
     the body cannot be found or cannot run outside its statement (`break`, `continue`): nothing ran."""
-    lines = linecache.getlines(frame.f_code.co_filename, frame.f_globals)
-    if not lines:
-        return False
-    try:
-        node = enclosing_for(_pyast.parse("".join(lines)), frame.f_lineno)
-    except SyntaxError:
-        return False
+    node: ast.For | None = _statement_at(frame, ast.For)
     if node is None or node.orelse or not isinstance(node.target, ast.Name) or node.body[0].lineno == node.lineno:
         return False
     if not _steps_loop(node.iter):  # `for x in list(tracer.iter[:])`: the loop is not the one that asked
@@ -144,9 +133,7 @@ def run_for_body_once(frame: FrameType, value: Any, stop: type[BaseException]) -
         code = _pyast.compile_tree(ast.Module(body=[once], type_ignores=[]), frame.f_code.co_filename)
     except SyntaxError:  # `return` or `yield` only mean something inside the original function
         return False
-    function = bool(frame.f_code.co_flags & _CO_OPTIMIZED)
-    before = dict(frame.f_locals) if function else {}
-    namespace: dict[str, Any] = {**frame.f_globals, **before} if function else frame.f_globals
+    function, before, namespace = _namespace(frame)
     namespace[node.target.id] = value
     try:
         exec(code, namespace)  # noqa: S102 - the user's own loop body, in the user's process
@@ -162,12 +149,20 @@ def run_for_body_once(frame: FrameType, value: Any, stop: type[BaseException]) -
 def _steps_loop(expr: ast.expr) -> bool:
     """Whether a `for` statement iterates a tracer's steps itself: `tracer.iter[...]`, `tracer.iter`,
     `tracer.all()` (any object's, as written)."""
+    if isinstance(expr, ast.Call) and not expr.args and not expr.keywords:
+        return isinstance(expr.func, ast.Attribute) and expr.func.attr == "all"
     if isinstance(expr, ast.Subscript):
         expr = expr.value
-    elif isinstance(expr, ast.Call) and not expr.args and not expr.keywords:
-        expr = expr.func
-        return isinstance(expr, ast.Attribute) and expr.attr == "all"
     return isinstance(expr, ast.Attribute) and expr.attr == "iter"
+
+
+def _namespace(frame: FrameType) -> tuple[bool, dict[str, Any], dict[str, Any]]:
+    """Where a body taken out of `frame` runs: (the frame is a function's, its locals before, the namespace).
+    A function's names join its globals in one namespace, so comprehensions and lambdas in the body see
+    them (`_write_back` returns what it rebinds); module code (a notebook cell) runs in its globals."""
+    function = bool(frame.f_code.co_flags & _CO_OPTIMIZED)
+    before = dict(frame.f_locals) if function else {}
+    return function, before, ({**frame.f_globals, **before} if function else frame.f_globals)
 
 
 def _write_back(frame: FrameType, namespace: dict[str, Any], before: dict[str, Any]) -> None:
