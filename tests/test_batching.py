@@ -475,6 +475,39 @@ def test_members_claimed_into_a_run_sleep_until_it_is_over() -> None:
     assert not run_lock.locked() and run_lock.waiting() == 0
 
 
+def test_merged_members_are_answered_by_the_run_before_they_wake() -> None:
+    """A merged run answers each member from its own thread (which holds the GIL) before it wakes that
+    member: woken to answer, eight members took the GIL in turns after every forward, a context switch
+    per hand-off with their clients waiting. Each answer is sent once, with the member's own results."""
+    from nnd_daemon.worker.turns import Turns
+
+    run_lock = Turns()
+    answers: list[tuple[int, int, bool, list[str]]] = []  # (member, thread, finished then, its responses)
+    batcher, merged_runs = _merging_batcher(run_lock, 0, "every member is merged")
+    members = _four_members()
+    outs: list[list[Any]] = [[] for _ in members]
+    for i, m in enumerate(members):
+        m.emit = outs[i].append
+        m.answer = lambda i=i, m=m: answers.append(
+            (i, threading.get_ident(), m.finished.is_set(), [r.WhichOneof("kind") for r in outs[i]])
+        )
+    assert run_lock.acquire()
+    threads = [threading.Thread(target=batcher.submit, args=(m,)) for m in members]
+    for t in threads:
+        t.start()
+    _wait_until(lambda: run_lock.waiting() == 4)
+    run_lock.release()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert merged_runs == [4]
+    assert sorted(i for i, *_ in answers) == [0, 1, 2, 3]  # each member answered once
+    assert len({thread for _, thread, *_ in answers}) == 1  # all by the one thread that ran them
+    assert not any(finished for _, _, finished, _ in answers)  # before any was woken
+    assert all(kinds and kinds == [r.WhichOneof("kind") for r in outs[i]] for i, _, _, kinds in answers)
+    assert all(m.error is None for m in members)
+
+
 def test_a_leader_waiting_for_returning_clients_is_woken_once_they_are_all_back() -> None:
     """The leader holding the model for the last run's clients (`_await_returning`) is woken when as
     many wait as it expects, not at every arrival (each wake-up only put it back to sleep)."""

@@ -190,6 +190,7 @@ class Member:
     error: BaseException | None = None
     buffer: list[Any] = field(default_factory=list)  # its responses of a merged run, until the run ends
     stop: Any = None  # its request's Stop (worker/stop.py), when it has one: its wait ends with it
+    answer: Callable[[], None] | None = None  # sends its emitted responses to its client (see _run_group)
     claim: _Claim = field(init=False)
 
     def __post_init__(self) -> None:
@@ -405,6 +406,10 @@ class Batcher:
             try:
                 for response in m.buffer:
                     m.emit(response)
+                if m.answer is not None:
+                    # Answered from this thread, which holds the GIL: woken to answer, the members
+                    # took the GIL in turns, each hand-off a context switch with the answers waiting.
+                    m.answer()
             except BaseException as exc:  # noqa: BLE001 - reported to that member only
                 m.error = exc
             m.buffer.clear()
@@ -444,6 +449,7 @@ class Batcher:
         cancelled: Callable[[], bool],
         started: Callable[[], None],
         stop: Any = None,
+        answer: Callable[[], None] | None = None,
     ) -> bool:
         """Run `request` through the batcher if it qualifies (True: done, its error raised); False: not taken.
         `stop`: the request's Stop (worker/stop.py), whose end also ends its wait for the model."""
@@ -452,7 +458,7 @@ class Batcher:
         trace = prepare(request, tokenizer)
         if trace is None:
             return False
-        self.submit(Member(request, trace, emit, cancelled, started, stop=stop))
+        self.submit(Member(request, trace, emit, cancelled, started, stop=stop, answer=answer))
         return True
 
 

@@ -174,6 +174,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # cannot tell queued from running if the worker dies, and takes it to have run.
         who = dict(user=self._user(context), rows=max(1, len(request.request.invokes)))
         out: list[Any] = []
+        answered: list[bytes] = []
+
+        def answer_now() -> None:
+            """Called by whoever ran the request, before it wakes this thread (a merged run's leader):
+            the client has its answer without waiting for this thread to get the GIL back."""
+            whole = onemessage.join(out, limit=onemessage.MAX_ONE)
+            if whole is not None:
+                self._answer(context, whole)
+                answered.append(whole)
+
         with self.activity.track("trace", _client(context), intake.steps_of(request), **who) as tracked, _log_if_cancelled(stop, tracked):
 
             def started() -> None:
@@ -181,9 +191,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 self.holder = "trace"
 
             try:
-                self._work(request, out.append, stop, started)
+                self._work(request, out.append, stop, started, answer_now)
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status (errors.ErrorInterceptor)
                 raise on_error(exc) from None
+        if answered:
+            return answered[0]
         whole = onemessage.join(out, limit=onemessage.MAX_ONE)
         if whole is None:
             raise errors.FailedPrecondition(
@@ -307,9 +319,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         emit: Callable[[Any], None],
         stop: Stop,
         started: Callable[[], None],
+        answer: Callable[[], None] | None = None,
     ) -> None:
-        """Run `request` merged with concurrent ones (batching.py) or alone, one forward at a time."""
-        if self.batcher is not None and self.batcher.offer(request, self.tokenizer, emit, stop.is_set, started, stop):
+        """Run `request` merged with concurrent ones (batching.py) or alone, one forward at a time.
+        `answer`: sends the emitted results to the client, for a merged run's leader to call."""
+        if self.batcher is not None and self.batcher.offer(
+            request, self.tokenizer, emit, stop.is_set, started, stop, answer=answer
+        ):
             return
         self._turn(stop)
         try:
