@@ -4,7 +4,6 @@ cancellation frees the worker, seeds repeat, limits are stated."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -85,16 +84,15 @@ def test_seeded_sampling_repeats(gpt2):
     assert sample(7) != sample(8) or sample(7) != sample(9)
 
 
-def test_cancelled_generation_frees_the_worker(gpt2):
+def test_a_closed_stream_leaves_the_model_serving(gpt2):
+    # That the worker stops the generation at the next step is tests/process/test_fast_route.py's
+    # (a 1000-step run, the worker's own log); here: the client's close leaves nothing stuck.
     it = gpt2.stream(PROMPT, max_new_tokens=120, min_new_tokens=120)
     next(it)
     it.close()  # cancels the call
-    t0 = time.perf_counter()
     with gpt2.trace(PROMPT):
         out = gpt2.lm_head.output.save()
     assert out.shape[-1] == 320
-    # a 1000-token generation would take far longer than the trace did
-    assert time.perf_counter() - t0 < 30
 
 
 def test_deadline_is_honoured(daemon, tiny_models):

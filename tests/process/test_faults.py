@@ -238,12 +238,13 @@ def test_a_busy_worker_is_not_taken_for_a_hung_one(faulty, stub, long_gpt2):
     with ThreadPoolExecutor(40) as pool:
         waiting = [pool.submit(_outcome, lambda: list(stub.Trace(_small_trace(model), timeout=120))) for _ in range(40)]
         time.sleep(1.0)
-        started = time.monotonic()
+        # Starved of threads, these got no answer while the generation held the model: they must answer
+        # while it still runs (checked after), however slowly a loaded machine answers.
         assert _model(stub, model).state == nnd_pb2.DISPATCHED  # `nnd ps` answers
         with grpc.insecure_channel(faulty.address) as channel:
-            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=60)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
-        assert time.monotonic() - started < 5
+        assert running.is_active(), "the generation ended first"
         time.sleep(5.0)  # longer than the watchdog takes to call a worker hung (3 x 1.5 s)
         running.cancel()
         outcomes = [w.result(timeout=60) for w in waiting]
