@@ -476,9 +476,10 @@ def test_members_claimed_into_a_run_sleep_until_it_is_over() -> None:
 
 
 def test_merged_members_are_answered_by_the_run_before_they_wake() -> None:
-    """A merged run answers each member from its own thread (which holds the GIL) before it wakes that
-    member: woken to answer, eight members took the GIL in turns after every forward, a context switch
-    per hand-off with their clients waiting. Each answer is sent once, with the member's own results."""
+    """A merged run answers its members from its own thread (which holds the GIL), all of them before it
+    wakes any: woken to answer, eight members took the GIL in turns after every forward, a context switch
+    per hand-off with their clients waiting; woken as each was answered, they unwound between the
+    answers to the others. Each answer is sent once, with the member's own results."""
     from nnd_daemon.worker.turns import Turns
 
     run_lock = Turns()
@@ -489,7 +490,7 @@ def test_merged_members_are_answered_by_the_run_before_they_wake() -> None:
     for i, m in enumerate(members):
         m.emit = outs[i].append
         m.answer = lambda i=i, m=m: answers.append(
-            (i, threading.get_ident(), m.finished.is_set(), [r.WhichOneof("kind") for r in outs[i]])
+            (i, threading.get_ident(), any(x.finished.is_set() for x in members), [r.WhichOneof("kind") for r in outs[i]])
         )
     assert run_lock.acquire()
     threads = [threading.Thread(target=batcher.submit, args=(m,)) for m in members]
@@ -503,7 +504,7 @@ def test_merged_members_are_answered_by_the_run_before_they_wake() -> None:
     assert merged_runs == [4]
     assert sorted(i for i, *_ in answers) == [0, 1, 2, 3]  # each member answered once
     assert len({thread for _, thread, *_ in answers}) == 1  # all by the one thread that ran them
-    assert not any(finished for _, _, finished, _ in answers)  # before any was woken
+    assert not any(finished for _, _, finished, _ in answers)  # all of them before any member was woken
     assert all(kinds and kinds == [r.WhichOneof("kind") for r in outs[i]] for i, _, _, kinds in answers)
     assert all(m.error is None for m in members)
 

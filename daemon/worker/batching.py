@@ -413,6 +413,9 @@ class Batcher:
             except BaseException as exc:  # noqa: BLE001 - reported to that member only
                 m.error = exc
             m.buffer.clear()
+        # Woken only once every answer is out: a member woken earlier unwinds on the GIL between this
+        # thread's writes, and the clients answered after it wait for that.
+        for m in live:
             m.finish()
 
     @staticmethod
