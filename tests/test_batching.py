@@ -431,6 +431,20 @@ def test_members_claimed_into_a_run_never_take_the_model_themselves() -> None:
     assert not run_lock.locked() and run_lock.waiting() == 0
 
 
+def _run_queued(batcher: Any, run_lock: Any, members: list[Any]) -> None:
+    """Submit `members` on threads of their own while the model is busy, free it once all of them are in
+    line, and wait for every one to be done."""
+    assert run_lock.acquire()
+    threads = [threading.Thread(target=batcher.submit, args=(m,)) for m in members]
+    for t in threads:
+        t.start()
+    _wait_until(lambda: run_lock.waiting() == len(members))
+    run_lock.release()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+
+
 def test_members_claimed_into_a_run_sleep_until_it_is_over() -> None:
     """A member claimed into another's run leaves the model's line at once, but its thread is woken only
     when the run is over: woken at the claim it only went back to sleep, a GIL hand-off per member a
@@ -459,15 +473,7 @@ def test_members_claimed_into_a_run_sleep_until_it_is_over() -> None:
 
     batcher = batching.Batcher(run_lock, run_merged, run_alone, window_s=0)
     members = _four_members()
-    assert run_lock.acquire()
-    threads = [threading.Thread(target=batcher.submit, args=(m,)) for m in members]
-    for t in threads:
-        t.start()
-    _wait_until(lambda: run_lock.waiting() == 4)
-    run_lock.release()
-    for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads)
+    _run_queued(batcher, run_lock, members)
     # During the run: nobody in line (the three claimed left it), and none of them woken yet.
     assert during == [(0, 0)]
     assert run_lock.woken == 3  # each claimed member once, when the run was over
@@ -492,15 +498,7 @@ def test_merged_members_are_answered_by_the_run_before_they_wake() -> None:
         m.answer = lambda i=i, m=m: answers.append(
             (i, threading.get_ident(), any(x.finished.is_set() for x in members), [r.WhichOneof("kind") for r in outs[i]])
         )
-    assert run_lock.acquire()
-    threads = [threading.Thread(target=batcher.submit, args=(m,)) for m in members]
-    for t in threads:
-        t.start()
-    _wait_until(lambda: run_lock.waiting() == 4)
-    run_lock.release()
-    for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads)
+    _run_queued(batcher, run_lock, members)
     assert merged_runs == [4]
     assert sorted(i for i, *_ in answers) == [0, 1, 2, 3]  # each member answered once
     assert len({thread for _, thread, *_ in answers}) == 1  # all by the one thread that ran them
