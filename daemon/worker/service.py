@@ -174,11 +174,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # cannot tell queued from running if the worker dies, and takes it to have run.
         who = dict(user=self._user(context), rows=max(1, len(request.request.invokes)))
         out: list[Any] = []
-        answered: list[bytes] = []
+        answered: list[bytes] = []  # the one message, once it went out
 
-        def answer_now() -> None:
-            """Called by whoever ran the request, before it wakes this thread (a merged run's leader):
-            the client has its answer without waiting for this thread to get the GIL back."""
+        def answer() -> None:
+            """Send the results as one message, if they fit. A merged run's leader calls this before it
+            wakes this thread (the client then has its answer without waiting for this thread to get the
+            GIL back); otherwise this thread does, once the request is counted and logged."""
             whole = onemessage.join(out, limit=onemessage.MAX_ONE)
             if whole is not None:
                 self._answer(context, whole)
@@ -191,20 +192,18 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 self.holder = "trace"
 
             try:
-                self._work(request, out.append, stop, started, answer_now)
+                self._work(request, out.append, stop, started, answer)
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status (errors.ErrorInterceptor)
                 raise on_error(exc) from None
-        if answered:
-            return answered[0]
-        whole = onemessage.join(out, limit=onemessage.MAX_ONE)
-        if whole is None:
+        if not answered:
+            answer()  # only the admission's end comes after
+        if not answered:
             raise errors.FailedPrecondition(
                 "the trace's results do not fit in one message; send it as Trace, which streams them "
                 "(a trace changes nothing: it runs again)",
                 trailers=((contract.ROUTE_KEY, contract.STREAM),),
             )
-        self._answer(context, whole)  # counted and logged already: only the admission's end comes after
-        return whole
+        return answered[0]
 
     def _answer(self, context: grpc.ServicerContext, whole: Any) -> None:
         """Where the call can answer before its handler returns (the fast route's `Context.answer`), the
