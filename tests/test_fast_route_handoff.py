@@ -43,6 +43,11 @@ class Handlers:
             self.started.set()
             assert self.cancelled.wait(30)
             return b"never read"
+        if request == b"answer-then-hold":  # answers, then runs on until released
+            context.answer(b"answered")
+            self.started.set()
+            assert self.release.wait(30)
+            return b"never read"
         if request == b"answer-then-fail":
             self.started.set()  # before the answer: the client may read it before this thread runs on
             context.answer(b"answered")
@@ -135,7 +140,8 @@ def _served_once(served: fastroute.FastRoute) -> Iterator[socket.socket]:
 
 
 def _free_while_it_runs(sock: socket.socket, handlers: Handlers) -> None:
-    """After an answer: its handler still runs, and the connection takes the next call meanwhile; once
+    """After an answer: its handler still runs, and the connection takes the next call meanwhile (once
+    the call has waited HAND_OVER_S for that handler's thread, another serves it); once
     the handler ends (failing, or not), nothing more of its call reaches the client."""
     assert handlers.started.is_set() and not handlers.finished.is_set()
     _send(sock, b"next")
@@ -157,6 +163,22 @@ def test_the_next_call_on_a_connection_is_taken_by_the_thread_that_waited_for_it
         _until(lambda: served.waiting == 0, "the waiting thread never gave the connection back")
         _send(sock, b"three")
         assert _answer(sock) == b"echo:three"
+
+
+def test_a_call_sent_before_the_thread_that_answered_the_last_has_unwound_waits_for_that_thread(route, monkeypatch):
+    # Batched runs answer their members before the members' threads wake: the clients send again at once.
+    # The call goes to the thread still serving the connection once it unwinds, not to a new pool thread.
+    monkeypatch.setattr(fastroute, "HAND_OVER_S", 30.0)  # (the interleaving forced: it waits for the thread)
+    served, handlers = route
+    with contextlib.closing(_connect(served)) as sock:
+        _send(sock, b"answer-then-hold")
+        assert _answer(sock) == b"answered"
+        _send(sock, b"next")
+        _until(lambda: served.parked == 1, "the loop did not leave the call for the connection's thread")
+        assert handlers.threads == [handlers.threads[0]]  # not served meanwhile
+        handlers.release.set()
+        assert _answer(sock) == b"echo:next"
+        assert handlers.threads[1] == handlers.threads[0] and served.handed == 1 and served.parked == 0
 
 
 def test_a_frame_begun_while_a_thread_waited_is_still_cut_off_at_the_idle_bound(route):
