@@ -76,6 +76,7 @@ class Executor:
     ) -> None:
         self.plan = plan
         self.modules = modules.table(model)
+        self._weight_storages: dict[int, Any] | None = None  # weights.storages, read at the first write
         self.rows = batch_rows
         self.batch_size = batch_size
         self.total_steps = total_steps
@@ -272,6 +273,7 @@ class Executor:
                         state[0] = value
                         changed = True
                     else:
+                        self.refuse_weight_write(node, rows.leaves(state[0]))
                         start, stop = self.rows[node.invoke]
                         self.guard(
                             node,
@@ -303,7 +305,7 @@ class Executor:
             (start, stop) == (0, self.batch_size)
             and isinstance(current, torch.Tensor)
             and isinstance(value, torch.Tensor)
-            and value.shape != current.shape
+            and (value.shape != current.shape or self.weight_named(current) is not None)  # a weight: swapped, never written
         )
 
     def take_skip(self, path: str) -> tuple[bool, Any]:
@@ -523,11 +525,13 @@ class Executor:
                 state[1] = dict(value[1])
                 return
             start, stop = self.rows[node.invoke]
+            self.refuse_weight_write(node, rows.leaves((args, kwargs)))
             self.guard(node, lambda: rows.write_rows((args, kwargs), value, start, stop, self.batch_size))
             return
         if not whole:
             start, stop = self.rows[node.invoke]
             current = args[0] if args else next(iter(kwargs.values()), None)
+            self.refuse_weight_write(node, rows.leaves(current))
             self.guard(node, lambda: rows.write_rows(current, value, start, stop, self.batch_size))
         elif args:
             args[0] = value
@@ -628,6 +632,8 @@ class Executor:
         kwargs = {k: self.resolve(frame, a) for k, a in node.kwargs.items()}
         if node.op.context:  # a model's module may write into its input (inplace activations): not into a weight
             args = [self.own_copy(a, v) for a, v in zip(node.args, args, strict=True)]
+        if node.op.mutates or "out" in kwargs:
+            self.refuse_weight_write(node, [args[0]] if node.op.mutates and args else [], kwargs.get("out"))
         target = None
         if node.places:  # else no argument holds a constant tensor to move
             target = self.activation(frame, [*node.args, *node.kwargs.values()], [*args, *kwargs.values()])
@@ -646,6 +652,34 @@ class Executor:
             raise wrap(e, node.proto) from None
         except Exception as e:
             raise wrap(e, node.proto, name, scan=self.scan) from None
+
+    def refuse_weight_write(self, node: PlanNode, written: list[Any], out: Any = None) -> None:
+        """Run-time half of plan.py's check_weight_write: a value the model computed may be a weight
+        itself (`self.A_log.float()` of a float32 weight is the parameter; a view of a weight shares its
+        memory). Written in place, it would change the model every client shares, for good."""
+        outs = list(out) if isinstance(out, (tuple, list)) else [out] if out is not None else []
+        for tensor in [*written, *outs]:
+            if isinstance(tensor, torch.Tensor):
+                name = self.weight_named(tensor)
+                if name is not None:
+                    raise wrap(
+                        errors.InvalidArgument(
+                            f"writes in place into the model's weight {name}: this value is that weight's memory "
+                            "(an operation that returned its input unchanged, like `.float()` of a float32 weight, "
+                            "or a view of it). The model's weights are shared by every client of the daemon and "
+                            "never change. Write into a copy (`x = x.clone()`) instead.",
+                            exc_type="RuntimeError",
+                        ),
+                        node.proto,
+                    )
+
+    def weight_named(self, tensor: torch.Tensor) -> str | None:
+        """The model weight whose memory `tensor` is (weights.shared), read only in a run that writes."""
+        if self.scan:  # meta tensors: no memory, and nothing a Scan writes outlives it
+            return None
+        if self._weight_storages is None:
+            self._weight_storages = weights.storages(self.modules)
+        return weights.shared(tensor, self._weight_storages)
 
     def check_mutation(self, frame: Frame, node: PlanNode) -> None:
         """Run-time half of the causality check: no in-place write into a module value whose hook is over."""

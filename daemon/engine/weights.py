@@ -17,6 +17,7 @@ whatever form the worker keeps it in:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,6 +47,55 @@ def check(table: Mapping[str, torch.nn.Module], ref: graph_pb2.ModuleTensor, whe
             f"{where}\nthe module {owner} ({type(module).__name__}) has no parameter or buffer {ref.name!r}; "
             f"its own are: {held}"
         )
+
+
+# Per model: the address of its first parameter when indexed, and each weight's storage address ->
+# (its module, its path, its name). Built once (~0.3 ms on GPT-2 4x64, ~0.9 ms on 12x768), again when the
+# weights have moved (the first parameter's address tells).
+_INDEXES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, dict[int, tuple[torch.nn.Module, str, str]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def storages(table: Mapping[str, torch.nn.Module]) -> dict[int, tuple[torch.nn.Module, str, str]]:
+    """Where each parameter and buffer of the model keeps its numbers (its storage's address) -> whose it is.
+    Meta tensors have none, and a tensor whose storage cannot be read (a DTensor's) is left out."""
+    root = table.get("")
+    first = _address(next(root.parameters(), None)) if root is not None else 0
+    cached = _INDEXES.get(root) if root is not None else None
+    if cached is not None and cached[0] == first:
+        return cached[1]
+    found: dict[int, tuple[torch.nn.Module, str, str]] = {}
+    for path, module in table.items():
+        for name in names(module):
+            address = _address(getattr(module, name, None))
+            if address:
+                found.setdefault(address, (module, path, name))
+    if root is not None:
+        _INDEXES[root] = (first, found)
+    return found
+
+
+def _address(tensor: Any) -> int:
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+        return 0
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except Exception:  # noqa: BLE001 - a wrapper subclass without a storage of its own
+        return 0
+
+
+def shared(tensor: Any, index: Mapping[int, tuple[torch.nn.Module, str, str]]) -> str | None:
+    """The name of the model's weight whose memory `tensor` is (or views), if it is one. An entry is
+    checked against the weight as it is now: memory a moved weight left may hold an activation."""
+    address = _address(tensor)
+    entry = index.get(address) if address else None
+    if entry is None:
+        return None
+    module, path, name = entry
+    if _address(getattr(module, name, None)) != address:
+        return None
+    return f"{path + '.' if path else ''}{name}"
 
 
 def read(table: Mapping[str, torch.nn.Module], ref: graph_pb2.ModuleTensor, shard: sharding.Sharding) -> torch.Tensor:
