@@ -181,6 +181,29 @@ def test_a_call_sent_before_the_thread_that_answered_the_last_has_unwound_waits_
         assert handlers.threads[1] == handlers.threads[0] and served.handed == 1 and served.parked == 0
 
 
+def test_a_refused_requests_body_is_dropped_and_the_connection_serves_the_next_call(tmp_path):
+    # A request over the socket's bound is refused before its body is read; the client sends the frame
+    # whole all the same. Those bytes are dropped, not read as frames (before: the loop took them for a
+    # second call mid-call and closed the connection, the refusal sometimes lost with it).
+    handlers = Handlers()
+    served = fastroute.FastRoute(str(tmp_path / "small.sock"), threads=4, idle_s=30, max_body=1000)
+    served.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("nnd.v1.Nnd", {"TraceOnce": grpc.unary_unary_rpc_method_handler(handlers)}),)
+    )
+    served.start()
+    try:
+        with contextlib.closing(_connect(served)) as sock:
+            _send(sock, b"x" * 300_000)  # more than a socket buffer: sent only as the worker drops it
+            header, _ = reply(sock)
+            assert header.end and header.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], header
+            assert "nothing ran" in header.details
+            _send(sock, b"next")
+            assert _answer(sock) == b"echo:next"
+            assert handlers.threads and len(handlers.threads) == 1  # the refused request never ran
+    finally:
+        served.stop()
+
+
 def test_a_frame_begun_while_a_thread_waited_is_still_cut_off_at_the_idle_bound(route):
     served, _ = route
     with _served_once(served) as sock:

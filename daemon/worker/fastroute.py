@@ -94,6 +94,9 @@ class _Conn:
         self.body: bytearray | None = None
         self.got = 0
         self.since: float | None = None  # when the frame being read began
+        # Bytes of a refused request's body still to come, read and dropped: the client sends its frame
+        # whole, and those bytes are not the start of its next call.
+        self.skip = 0
         self.call: Context | None = None
         self.closed = False
         self.write_lock = threading.Lock()
@@ -563,7 +566,7 @@ class FastRoute:
             self._submit(conn, server, started)
 
     def _readable_locked(self, conn: _Conn) -> _Started | None:
-        if conn.call is not None and conn.call.inbox is None:
+        if conn.call is not None and conn.call.inbox is None and not conn.skip:
             # Mid-call a client sends nothing: this is its end (EOF) or a second call before the first
             # ended. Either way the call is cancelled and the connection closed.
             try:
@@ -591,6 +594,14 @@ class FastRoute:
         the call a whole frame starts (for a pool thread to serve), if any."""
         if conn.since is None:
             conn.since = time.monotonic()
+        if conn.skip:
+            while conn.skip:  # a refused body: dropped as it comes (a recv that finds nothing raises)
+                data = conn.sock.recv(min(conn.skip, 1 << 16))
+                if not data:
+                    raise _Ended()
+                conn.skip -= len(data)
+            conn.since = None  # the frame is over: what comes next is the next call's
+            return None
         while conn.body is None:
             need = _HEAD.size if conn.header_len < 0 else _HEAD.size + conn.header_len + _BODY.size
             data = conn.sock.recv(need - len(conn.head))
@@ -616,7 +627,11 @@ class FastRoute:
                 )
             if refusal:
                 header = bytes(conn.head[_HEAD.size : _HEAD.size + conn.header_len])
-                return self._start(conn, header, None, size, refusal)
+                started = self._start(conn, header, None, size, refusal)
+                conn.skip = size  # its body follows, unread: dropped, so the stream stays framed
+                if size:
+                    conn.since = time.monotonic()  # (its bytes must keep coming: the idle bound applies)
+                return started
             try:  # untouched pages cost nothing: memory grows as the body arrives, as gRPC's buffers do
                 conn.body = bytearray(size)
             except MemoryError:
