@@ -273,7 +273,7 @@ class Executor:
                         state[0] = value
                         changed = True
                     else:
-                        self.refuse_weight_write(node, rows.leaves(state[0]))
+                        self.refuse_weight_write(node, sharding.leaves(state[0]))
                         start, stop = self.rows[node.invoke]
                         self.guard(
                             node,
@@ -525,13 +525,13 @@ class Executor:
                 state[1] = dict(value[1])
                 return
             start, stop = self.rows[node.invoke]
-            self.refuse_weight_write(node, rows.leaves((args, kwargs)))
+            self.refuse_weight_write(node, sharding.leaves((args, kwargs)))
             self.guard(node, lambda: rows.write_rows((args, kwargs), value, start, stop, self.batch_size))
             return
         if not whole:
             start, stop = self.rows[node.invoke]
             current = args[0] if args else next(iter(kwargs.values()), None)
-            self.refuse_weight_write(node, rows.leaves(current))
+            self.refuse_weight_write(node, sharding.leaves(current))
             self.guard(node, lambda: rows.write_rows(current, value, start, stop, self.batch_size))
         elif args:
             args[0] = value
@@ -633,7 +633,8 @@ class Executor:
         if node.op.context:  # a model's module may write into its input (inplace activations): not into a weight
             args = [self.own_copy(a, v) for a, v in zip(node.args, args, strict=True)]
         if node.op.mutates or "out" in kwargs:
-            self.refuse_weight_write(node, [args[0]] if node.op.mutates and args else [], kwargs.get("out"))
+            written = [args[0]] if node.op.mutates and args else []
+            self.refuse_weight_write(node, written + sharding.leaves(kwargs.get("out")))
         target = None
         if node.places:  # else no argument holds a constant tensor to move
             target = self.activation(frame, [*node.args, *node.kwargs.values()], [*args, *kwargs.values()])
@@ -653,12 +654,11 @@ class Executor:
         except Exception as e:
             raise wrap(e, node.proto, name, scan=self.scan) from None
 
-    def refuse_weight_write(self, node: PlanNode, written: list[Any], out: Any = None) -> None:
+    def refuse_weight_write(self, node: PlanNode, written: list[Any]) -> None:
         """Run-time half of plan.py's check_weight_write: a value the model computed may be a weight
         itself (`self.A_log.float()` of a float32 weight is the parameter; a view of a weight shares its
         memory). Written in place, it would change the model every client shares, for good."""
-        outs = list(out) if isinstance(out, (tuple, list)) else [out] if out is not None else []
-        for tensor in [*written, *outs]:
+        for tensor in written:
             if isinstance(tensor, torch.Tensor):
                 name = self.weight_named(tensor)
                 if name is not None:

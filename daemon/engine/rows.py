@@ -90,14 +90,6 @@ def first_tensor(value: Any) -> torch.Tensor | None:
     return None
 
 
-def leaves(value: Any) -> list[torch.Tensor]:
-    """Every tensor in a structure of tuples, lists and dicts."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    items: Any = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else ()
-    return [t for item in items for t in leaves(item)]
-
-
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
         return fn(value)

@@ -329,7 +329,6 @@ class FastRoute:
         self.lingered = 0  # calls a pool thread took from the connection itself (`_linger`)
         self.waiting = 0  # pool threads waiting on a connection now (`_linger`)
         self.handed = 0  # calls the loop read that the thread serving their connection took (`_hand_over`)
-        self._parked: set[_Conn] = set()  # connections with a call waiting for their serving thread
         # Wakes the loop to look again (a connection handed back with part of a frame read: its idle bound).
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -338,8 +337,7 @@ class FastRoute:
     @property
     def parked(self) -> int:
         """Calls read by the loop that wait for the thread serving their connection (`_hand_over`)."""
-        with self._reading_lock:
-            return len(self._parked)
+        return sum(1 for c in list(self._conns) if c.next is not None)
 
     def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
         self._lookup.generic.extend(handlers)
@@ -417,8 +415,7 @@ class FastRoute:
 
     def _sweep_after(self) -> float | None:
         now = time.monotonic()
-        with self._reading_lock:
-            parked = min((c.next_due for c in self._parked), default=None)
+        parked = min((c.next_due for c in self._conns if c.next is not None), default=None)
         after = None if parked is None else max(0.0, parked - now)
         started = [c.since for c in self._conns if c.since is not None] if self.idle_s > 0 else []
         if started:  # (idle_s 0: no cut-off, as asyncserve's --request-idle-timeout 0)
@@ -496,7 +493,6 @@ class FastRoute:
             pass
         with self._reading_lock:
             conn.next = None  # a call waiting for its connection's thread: its client is gone
-            self._parked.discard(conn)
         call = conn.call
         if call is not None:
             call.finish()  # the request's Stop: it ends at its next check
@@ -526,7 +522,6 @@ class FastRoute:
         with self._reading_lock:
             if conn.server is not None:
                 conn.next, conn.next_due = started, time.monotonic() + HAND_OVER_S
-                self._parked.add(conn)
                 return
             conn.server = server = object()
         self._submit(conn, server, started)
@@ -545,8 +540,6 @@ class FastRoute:
             started, conn.next = conn.next, None
             if started is None:
                 conn.server = None
-            else:
-                self._parked.discard(conn)
             return started
 
     def _unpark(self) -> None:
@@ -554,14 +547,11 @@ class FastRoute:
         now = time.monotonic()
         due: list[tuple[_Conn, object, _Started]] = []
         with self._reading_lock:
-            for conn in list(self._parked):
-                if conn.next is None:
-                    self._parked.discard(conn)
-                elif conn.next_due <= now:
+            for conn in self._conns:  # (the loop's own set: this runs on the loop)
+                if conn.next is not None and conn.next_due <= now:
                     conn.server = server = object()
                     due.append((conn, server, conn.next))
                     conn.next = None
-                    self._parked.discard(conn)
         for conn, server, started in due:
             self._submit(conn, server, started)
 
@@ -693,7 +683,7 @@ class FastRoute:
         except BaseException:
             # Nothing else serves the connection now: a call left for this run must not wait for ever.
             log.exception("fast route: the thread serving a connection failed; closed")
-            self._close(conn)
+            _shut(conn)
             raise
 
     def _linger(self, conn: _Conn) -> _Started | None:
@@ -743,11 +733,7 @@ class FastRoute:
             except (BlockingIOError, InterruptedError):
                 continue
             except (OSError, _Ended):
-                # What it read is gone: make sure the loop sees the end and closes the connection.
-                try:
-                    conn.sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                _shut(conn)  # what it read is gone
                 return None
             if started is not None or conn.call is not None:
                 return started
@@ -824,6 +810,15 @@ class FastRoute:
             _write(conn, end, b"")
         except _Ended:
             pass
+
+
+def _shut(conn: _Conn) -> None:
+    """From a pool thread: end the connection through the loop, which sees its end and closes it (the
+    loop alone closes connections: it owns the selector and the set of them)."""
+    try:
+        conn.sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _end(context: Context, code: grpc.StatusCode, details: str) -> bytes:
