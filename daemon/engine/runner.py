@@ -25,7 +25,7 @@ import torch
 from nnd.v1 import graph_pb2, nnd_pb2, worker_pb2
 
 from .. import errors
-from . import generation, inputs, plan, plancache, scan, wire
+from . import generation, gradmode, inputs, plan, plancache, scan, wire
 from .executor import Executor, StopForward
 from .failures import where, wrap
 from .interact import Interaction
@@ -241,23 +241,6 @@ def _edit_graphs(request: nnd_pb2.TraceRequest, edits: Mapping[str, worker_pb2.E
     return out
 
 
-def _grad_scope(model: torch.nn.Module, stack: contextlib.ExitStack, needs_grad: bool) -> None:
-    """torch.no_grad, or (for a backward pass) enable_grad with every weight frozen until the end."""
-    if not needs_grad:
-        stack.enter_context(torch.no_grad())
-        return
-    stack.enter_context(torch.enable_grad())
-    thawed = [p for p in model.parameters() if p.requires_grad]
-    for p in thawed:
-        p.requires_grad_(False)
-
-    def restore() -> None:
-        for p in thawed:
-            p.requires_grad_(True)
-
-    stack.callback(restore)
-
-
 def _run(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -326,7 +309,8 @@ def _run(
         )
         if interaction is not None:
             executor.check_wants()
-        _grad_scope(model, stack, the_plan.needs_grad and mode != "scan")
+        # Inference mode where nothing outlives the request (gradmode.py): not a session's trace, not a scan.
+        gradmode.enter(model, stack, needs_grad=the_plan.needs_grad and mode != "scan", may_be_fast=external is None and mode != "scan")
         stack.enter_context(executor.hooks.installed())
         try:
             executor.poll()
