@@ -41,6 +41,9 @@ def enter(model: torch.nn.Module, stack: contextlib.ExitStack, *, needs_grad: bo
     if not needs_grad and may_be_fast and _plain_weights(model):
         stack.enter_context(torch.inference_mode())
         _DIRTY[model] = True
+        # And again at its end: a generation lends the model between steps (worker/turns.py), and what its
+        # later steps keep comes after a lent request's `_thaw`.
+        stack.callback(_DIRTY.__setitem__, model, True)
         return True
     if _DIRTY.pop(model, False):
         _thaw(model)

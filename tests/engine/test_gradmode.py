@@ -3,6 +3,7 @@ used where nothing outlives the request, leaves nothing behind that a later requ
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -126,3 +127,19 @@ def test_weights_that_are_not_plain_parameters_never_run_in_inference_mode():
     plain, packed = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     packed.weight = Packed(packed.weight.detach())
     assert gradmode._plain_weights(plain) and not gradmode._plain_weights(packed)
+
+
+def test_what_a_fast_run_keeps_after_a_request_it_lent_the_model_to_is_copied_before_the_next_backward():
+    """A generation (fast) lends the model between its steps; a backward run meanwhile copies what was kept
+    so far, and what the generation's later steps keep must still be copied before the next backward."""
+    module = torch.nn.Linear(2, 2)
+    with contextlib.ExitStack() as generation:
+        gradmode.enter(module, generation, needs_grad=False, may_be_fast=True)
+        with contextlib.ExitStack() as lent:  # another client's backward, between two steps
+            with torch.inference_mode(False):
+                gradmode.enter(module, lent, needs_grad=True, may_be_fast=True)
+        module.kept = torch.ones(2)  # a later step of the generation keeps a tensor
+    assert module.kept.is_inference()
+    with contextlib.ExitStack() as backward:
+        gradmode.enter(module, backward, needs_grad=True, may_be_fast=True)
+        assert not module.kept.is_inference()
