@@ -34,8 +34,8 @@ _PLAIN: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictio
 _DIRTY: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
-def enter(model: torch.nn.Module, stack: contextlib.ExitStack, *, needs_grad: bool, may_be_fast: bool) -> bool:
-    """Enter the request's autograd mode on `stack`; True if it is inference mode.
+def enter(model: torch.nn.Module, stack: contextlib.ExitStack, *, needs_grad: bool, may_be_fast: bool) -> None:
+    """Enter the request's autograd mode on `stack`.
 
     `may_be_fast`: the request keeps nothing after it ends (not a session's trace, not a scan)."""
     if not needs_grad and may_be_fast and _plain_weights(model):
@@ -44,12 +44,12 @@ def enter(model: torch.nn.Module, stack: contextlib.ExitStack, *, needs_grad: bo
         # And again at its end: a generation lends the model between steps (worker/turns.py), and what its
         # later steps keep comes after a lent request's `_thaw`.
         stack.callback(_DIRTY.__setitem__, model, True)
-        return True
+        return
     if _DIRTY.pop(model, False):
         _thaw(model)
     if not needs_grad:
         stack.enter_context(torch.no_grad())
-        return False
+        return
     stack.enter_context(torch.enable_grad())
     thawed = [p for p in model.parameters() if p.requires_grad]
     for p in thawed:
@@ -60,7 +60,6 @@ def enter(model: torch.nn.Module, stack: contextlib.ExitStack, *, needs_grad: bo
             p.requires_grad_(True)
 
     stack.callback(restore)
-    return False
 
 
 def _plain_weights(model: torch.nn.Module) -> bool:
@@ -71,12 +70,13 @@ def _plain_weights(model: torch.nn.Module) -> bool:
 
 
 def _thaw(model: torch.nn.Module) -> None:
-    """Replace each inference tensor a module kept (a buffer, a tensor attribute) by a normal copy."""
+    """Replace each inference tensor a module kept (a buffer, a tensor attribute) by a normal copy.
+    (Parameters are not among them: they live in `_parameters`, and were made before any request.)"""
     with torch.no_grad():
         for module in model.modules():
             for name, buffer in list(module._buffers.items()):
                 if buffer is not None and buffer.is_inference():
                     module._buffers[name] = buffer.clone()
             for name, value in list(vars(module).items()):
-                if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) and value.is_inference():
+                if isinstance(value, torch.Tensor) and value.is_inference():
                     setattr(module, name, value.clone())

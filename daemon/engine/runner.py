@@ -310,7 +310,10 @@ def _run(
         if interaction is not None:
             executor.check_wants()
         # Inference mode where nothing outlives the request (gradmode.py): not a session's trace, not a scan.
-        gradmode.enter(model, stack, needs_grad=the_plan.needs_grad and mode != "scan", may_be_fast=external is None and mode != "scan")
+        scanning = mode == "scan"
+        gradmode.enter(
+            model, stack, needs_grad=the_plan.needs_grad and not scanning, may_be_fast=external is None and not scanning
+        )
         stack.enter_context(executor.hooks.installed())
         try:
             executor.poll()
