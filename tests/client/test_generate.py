@@ -160,3 +160,71 @@ def test_generated_ids_as_tensor(model, fake):
     assert out.tolist() == [[1, 2, 3]]
     node = last_generate(fake).graph.nodes[0]
     assert node.module.point == graph_pb2.RESULT
+
+
+def _parses(monkeypatch) -> list[str]:
+    """Every parse of the caller's source from now on (the caches emptied first)."""
+    from nnd.tracing import _blocknames, _pyast, _withbody
+
+    for cache in (_pyast._trees, _withbody._statements, _withbody._codes, _blocknames._cache):
+        cache.clear()
+    seen: list[str] = []
+    real = _pyast.parse
+
+    def counted(source: str):
+        seen.append(source)
+        return real(source)
+
+    monkeypatch.setattr(_pyast, "parse", counted)
+    return seen
+
+
+def test_a_loop_of_generations_reads_its_source_once(model, fake, monkeypatch):
+    # A sweep over prompts opens the same block each time: finding its loop's body (for the pass past
+    # the end, and the `with` form's per-step runs) parses the file once, not per block, and every
+    # block still runs its body per step.
+    fake[0].reply = gen_reply()
+    parses = _parses(monkeypatch)
+    runs = []
+    for _ in range(3):
+        direct = []
+        with model.generate("hi", max_new_tokens=3) as tracer:
+            for step in tracer.iter[:]:
+                direct.append(step)
+                model.lm_head.output.save()
+            with pytest.warns(FutureWarning):
+                with tracer.all():
+                    model.lm_head.output.save()
+        runs.append((direct, len(last_generate(fake).graph.scopes)))
+    assert runs == [([0, 1, 2, 3], 6)] * 3  # a scope per step for each loop; the `for` runs once past the end
+    assert len(parses) == 1
+
+
+def test_a_changed_file_is_read_again(model, fake, monkeypatch, tmp_path):
+    # The same file, rewritten between two imports of it (a script edited while the notebook runs):
+    # each version's code finds its own body, not the first version's.
+    import importlib.util
+    import linecache
+
+    fake[0].reply = gen_reply()
+    parses = _parses(monkeypatch)
+    path = tmp_path / "sweep.py"
+    body = (
+        "def run(model, seen):\n"
+        "    with model.generate('hi', max_new_tokens=3) as tracer:\n"
+        "        for step in tracer.iter[{steps}]:\n"
+        "            seen.append(({tag!r}, step))\n"
+    )
+    got = []
+    for tag, steps in (("first", ":"), ("first", ":"), ("second", "0:2")):
+        path.write_text(body.format(tag=tag, steps=steps))
+        linecache.checkcache(str(path))
+        spec = importlib.util.spec_from_file_location("sweep", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        seen = []
+        module.run(model, seen)
+        got.append(seen)
+    assert got[0] == got[1] == [("first", 0), ("first", 1), ("first", 2), ("first", 3)]
+    assert got[2] == [("second", 0), ("second", 1)]
+    assert len(parses) == 2  # one per version of the text

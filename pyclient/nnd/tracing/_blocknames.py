@@ -21,7 +21,6 @@ every name, as before.
 from __future__ import annotations
 
 import ast
-import linecache
 from dataclasses import dataclass
 from types import CodeType, FrameType
 
@@ -50,7 +49,6 @@ class BlockNames:
 
 
 _cache: dict[tuple[CodeType, int], BlockNames | None] = {}
-_trees: dict[str, tuple[tuple[str, ...], ast.Module | None]] = {}
 
 
 def of(frame: FrameType) -> BlockNames | None:
@@ -70,26 +68,8 @@ def of(frame: FrameType) -> BlockNames | None:
     return names
 
 
-def _tree(frame: FrameType) -> ast.Module | None:
-    filename = frame.f_code.co_filename
-    lines = tuple(linecache.getlines(filename, frame.f_globals))
-    cached = _trees.get(filename)
-    if cached is not None and cached[0] == lines:
-        return cached[1]
-    tree: ast.Module | None = None
-    if lines:
-        try:
-            tree = _pyast.parse("".join(lines))
-        except SyntaxError:
-            tree = None
-    if len(_trees) > 256:
-        _trees.clear()
-    _trees[filename] = (lines, tree)
-    return tree
-
-
 def _compute(frame: FrameType) -> BlockNames | None:
-    tree = _tree(frame)
+    tree = _pyast.source_tree(frame.f_code.co_filename, frame.f_globals)
     if tree is None:
         return None
     found = enclosing_with(tree, frame.f_lineno)
