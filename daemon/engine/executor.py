@@ -53,9 +53,14 @@ class Frame:
         self.pending: set[int] = set(pending)
         # In id order; a dict, so a node run by a nested run_ready (inside a backward pass) leaves at once.
         self.runnable: dict[int, None] = dict.fromkeys(runnable)
+        self.live = False  # in the executor's `_live` (Executor._revive)
 
     def done(self) -> bool:
         return not self.pending
+
+
+def _order(frame: Frame) -> tuple[int, int]:
+    return (frame.scope, frame.step)
 
 
 class Executor:
@@ -86,9 +91,17 @@ class Executor:
         self.constant = constant  # makes decoded constants fake in a Scan
         self.root = Frame(0, 0, plan.frame_nodes(0))
         self.loops: dict[tuple[int, int], Frame] = {}
-        # Every frame, root first, then loops by (scope, step): run_ready's order; and the loop frames by step.
+        # Every frame, root first, then loops by (scope, step): run_ready's order; and the loop frames by step
+        # and by scope. `_live`: those that may have nodes to run, in the same order (a generation makes a
+        # frame per step, and run_ready runs at every hook: walking the spent ones made each step's cost
+        # grow with the steps before it).
         self._frames: list[Frame] = [self.root]
+        self._live: list[Frame] = []
         self._at_step: dict[int, list[Frame]] = {}
+        self._of_scope: dict[int, list[Frame]] = {0: [self.root]}
+        self._revived = 0  # frames made live so far: a pass of run_ready that saw fewer goes round again
+        if self.root.runnable:
+            self._revive(self.root)
         self._picked: dict[tuple[int, int], range | frozenset[int]] = {}  # selected()'s memo
         self._selecting: tuple[tuple[int, int], dict[int, list[int]]] | None = None  # _scopes_at's index
         self.events: dict[HookKey, list[int]] = {}
@@ -146,9 +159,19 @@ class Executor:
 
     def _add_loop(self, scope: int, step: int, nodes: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> Frame:
         frame = self.loops[(scope, step)] = Frame(scope, step, nodes)
-        bisect.insort(self._frames, frame, lo=1, key=lambda f: (f.scope, f.step))
+        bisect.insort(self._frames, frame, lo=1, key=_order)
         bisect.insort(self._at_step.setdefault(step, []), frame, key=lambda f: f.scope)
+        bisect.insort(self._of_scope.setdefault(scope, []), frame, key=lambda f: f.step)
+        if frame.runnable:
+            self._revive(frame)
         return frame
+
+    def _revive(self, frame: Frame) -> None:
+        """`frame` has nodes to run (again): run_ready looks at it until they have run."""
+        if not frame.live:
+            frame.live = True
+            self._revived += 1
+            bisect.insort(self._live, frame, key=_order)
 
     def _index_loop_node(self, node: PlanNode) -> None:
         assert node.target is not None
@@ -371,7 +394,7 @@ class Executor:
                 raise errors.InvalidArgument(f"a sync point asks for node {i}, which is not a value of the request")
 
     def frames_of(self, scope: int) -> list[Frame]:
-        return [self.root] if scope == 0 else [f for f in self._frames if f.scope == scope]
+        return self._of_scope.get(scope, [])
 
     def has_value(self, node_id: int) -> bool:
         node = self.plan.nodes.get(node_id)
@@ -422,6 +445,7 @@ class Executor:
             frame.pending.add(node.id)
         if node.kind in RUNNABLE:
             frame.runnable[node.id] = None
+            self._revive(frame)
         if node.target is None:
             return []
         hook = (node.target.path, node.hook, node.target.call + (frame.step if frame.scope else 0))
@@ -600,7 +624,8 @@ class Executor:
         progress = True
         while progress:
             progress = False
-            for frame in tuple(self._frames) if frames is None else frames:
+            revived = self._revived
+            for frame in tuple(self._live) if frames is None else frames:
                 if not frame.runnable:
                     continue
                 for nid in list(frame.runnable):
@@ -613,6 +638,12 @@ class Executor:
                     frame.values[nid] = self.execute(frame, node)
                     frame.pending.discard(nid)
                     progress = True
+            if frames is None and self._revived != revived:  # a frame got nodes meanwhile (a pause in a backward)
+                progress = True
+        if frames is None and any(not f.runnable for f in self._live):
+            for frame in self._live:
+                frame.live = bool(frame.runnable)
+            self._live = [f for f in self._live if f.live]
 
     def execute(self, frame: Frame, node: PlanNode) -> Any:
         if node.kind == "tensor":

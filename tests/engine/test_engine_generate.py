@@ -121,3 +121,40 @@ def test_cancel_during_generation(gpt2):
     assert len(seen) == 1
     for mod in gpt2.model.modules():
         assert not mod._forward_hooks and not mod._forward_pre_hooks
+
+
+def test_each_step_looks_only_at_frames_with_work_left(gpt2, monkeypatch):
+    # A generation makes a frame per step, and the executor looks for nodes to run at every hook. Walking
+    # every frame made each step's cost grow with the steps before it (768 steps with one save each:
+    # 0.8 ms of engine time a step against 0.2 at 32). Spent frames are now dropped from that walk.
+    from nnd_daemon.engine import executor as executor_module
+
+    widest: list[int] = []
+    real = executor_module.Executor.run_ready
+
+    def watched(self, frames=None):
+        widest.append(len(self._live) if frames is None else len(frames))
+        return real(self, frames)
+
+    monkeypatch.setattr(executor_module.Executor, "run_ready", watched)
+    steps = 40
+    g = Graph()
+    scope = g.loop()
+    h = g.save(g.op("getitem", g.module("transformer.h.1", scope=scope), idx(S, -1), scope=scope), scope=scope)
+    every = g.loop(slice(0, steps, 7))
+    w = g.save(g.module("transformer.h.0", scope=every), scope=every)
+    got = gpt2.run(g.request(PROMPT, generate=nnd_pb2.GenerateOptions(max_new_tokens=steps)), mode="generate")
+    assert len(got[h.id]) == steps and len(got[w.id]) == len(range(0, steps, 7))
+    # The same values as HF's own generation, step by step (the last position of block 1's output).
+    seen: list[torch.Tensor] = []
+    handle = gpt2.model.transformer.h[1].register_forward_hook(lambda _m, _a, out: seen.append(out[:, -1].clone()))
+    try:
+        enc = inputs(gpt2.tokenizer, [PROMPT])
+        enc.pop("position_ids")
+        with torch.no_grad():
+            gpt2.model.generate(**enc, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=gpt2.tokenizer.pad_token_id)
+    finally:
+        handle.remove()
+    for ours, theirs in zip(got[h.id], seen, strict=True):
+        assert_close(ours, theirs)
+    assert max(widest) <= 3, widest  # the root and the step's one or two frames, never the spent ones
