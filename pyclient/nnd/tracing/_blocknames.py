@@ -24,8 +24,7 @@ import ast
 from dataclasses import dataclass
 from types import CodeType, FrameType
 
-from nnd.tracing import _pyast
-from nnd.tracing._withbody import enclosing_with
+from nnd.tracing._withbody import with_statement
 
 # Methods that put a value into the container they are called on.
 _FILLING = frozenset({"append", "extend", "insert", "update", "setdefault", "add", "__setitem__"})
@@ -69,10 +68,7 @@ def of(frame: FrameType) -> BlockNames | None:
 
 
 def _compute(frame: FrameType) -> BlockNames | None:
-    tree = _pyast.source_tree(frame.f_code.co_filename, frame.f_globals)
-    if tree is None:
-        return None
-    found = enclosing_with(tree, frame.f_lineno)
+    found = with_statement(frame)
     return None if found is None else _names(found)
 
 

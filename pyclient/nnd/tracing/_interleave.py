@@ -83,7 +83,7 @@ class Turns:
     def defer(self, frame: FrameType, invoke: int) -> Any:
         """Take the invoke body at `frame`'s line; None when its source cannot be found (it then runs
         inline, and barriers in it do nothing). Else the trace function for `_withbody.finish`."""
-        node = _withbody._with_node(frame)
+        node = _withbody.with_statement(frame)
         if node is None or node.body[0].lineno == frame.f_lineno:
             raise NotImplementedError(
                 "tracer.barrier() makes invoke bodies take turns, which needs the block's source "

@@ -37,7 +37,7 @@ class SkipBody(Exception):  # noqa: N818 - a control signal, not an error the us
 # A loop of traces over prompts opens the same block again and again: finding it walks the whole
 # file's tree (~1 ms for 200 lines), compiling its body ~0.3 ms.
 _statements: dict[tuple[CodeType, int, type[Any]], Any] = {}
-_codes: dict[tuple[ast.AST, str], CodeType | None] = {}
+_codes: dict[tuple[ast.AST, str], CodeType | None] = {}  # (statement, what was compiled of it)
 _BOUND = 4096  # entries of each before it is emptied (a notebook's cells come and go)
 
 
@@ -70,8 +70,9 @@ def _compiled(node: ast.AST, how: str, build: Any) -> CodeType | None:
     return code
 
 
-def _with_node(frame: FrameType) -> ast.With | None:
-    """The innermost `with` statement whose header holds the frame's current line."""
+def with_statement(frame: FrameType) -> ast.With | None:
+    """The innermost `with` statement whose header holds the frame's current line (a block opening
+    there); None when the source cannot be read or shows none. Found once per call site."""
     return _statement_at(frame, ast.With)
 
 
@@ -83,11 +84,6 @@ def _enclosing(tree: ast.AST, line: int, kind: type[Any]) -> Any:
             if found is None or node.lineno >= found.lineno:
                 found = node
     return found
-
-
-def enclosing_with(tree: ast.AST, line: int) -> ast.With | None:
-    """The innermost `with` statement of `tree` whose header holds `line` (a block opening there)."""
-    return _enclosing(tree, line, ast.With)
 
 
 def _target(node: ast.With, frame: FrameType) -> str | None:
@@ -107,14 +103,14 @@ def _compile(node: ast.With, filename: str) -> CodeType | None:
         except SyntaxError:  # break/continue/return/yield only mean something inside the original statement
             return None
 
-    return _compiled(node, "body:" + filename, build)
+    return _compiled(node, "body", build)
 
 
 def run_per_step(frame: FrameType, steps: Iterable[Any]) -> tuple[bool, Any]:
     """Run the `with` body at `frame`'s line once per item of `steps` (a generator that
     opens each step's scope around the yield). (False, None): the body could not be found and
     nothing ran; else (True, the trace function to give back to `finish`)."""
-    node = _with_node(frame)
+    node = with_statement(frame)
     # A one-line `with x: body` gives Python no new line to stop the body on: it runs once, as before.
     if node is None or len(node.items) != 1 or node.body[0].lineno == frame.f_lineno:
         return False, None
@@ -164,7 +160,7 @@ def run_for_body_once(frame: FrameType, value: Any, stop: type[BaseException]) -
         except SyntaxError:  # `return` or `yield` only mean something inside the original function
             return None
 
-    code = _compiled(node, "pass:" + filename, build)
+    code = _compiled(node, "pass", build)
     if code is None:
         return False
     function, before, namespace = _namespace(frame)
