@@ -40,6 +40,7 @@ def main() -> None:
         # The bound is on what calls may add. What the imports mapped is not theirs, and it varies by
         # build: a CUDA build of torch maps gigabytes of library images, so an absolute limit that a
         # CPU build fits under stopped the helper at its start (SIGABRT) with a CUDA one.
+        few_arenas()
         mapped = mapped_bytes()
         limit = mapped + ns.memory_bytes
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
@@ -56,6 +57,24 @@ def main() -> None:
     # transformers imported takes a second or more that the daemon's stop would wait for.
     logging.shutdown()
     os._exit(0)
+
+
+def few_arenas() -> None:
+    """At most two malloc arenas. glibc gives each new thread an arena of its own, reserving 64 MiB of
+    address space apiece (up to 8 per core): under RLIMIT_AS those reservations, not what calls
+    allocate, used up a small bound, and a serving thread could not start (the helper then answered
+    nothing). glibc only; elsewhere a no-op."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt(-8, 2)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass
 
 
 def mapped_bytes() -> int:
