@@ -56,6 +56,10 @@ def caller_of(context: Any) -> tuple[str, str] | str:
         return "?"
 
 
+# After a start that failed on the memory bound, how long calls get that error before a start is tried again.
+START_RETRY_S = 60.0
+
+
 def _size(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
@@ -99,6 +103,9 @@ class Helper:
         self.kills = 0
         self._closed = False
         self._capabilities: helper_pb2.HelperCapabilities | None = None
+        # A start that failed on the memory bound, and when: it would fail again the same way, so calls
+        # meanwhile get its error at once instead of each spawning a helper that aborts after ~10 s.
+        self._start_failed: tuple[float, errors.NndError] | None = None
 
     @property
     def pid(self) -> int:
@@ -124,6 +131,9 @@ class Helper:
             raise errors.Unavailable("the daemon is shutting down")
         if self._proc is not None and self._proc.poll() is None and self._stub is not None:
             return self._stub
+        failed = self._start_failed
+        if failed is not None and time.monotonic() - failed[0] < START_RETRY_S:
+            raise failed[1]
         if self._proc is not None:
             self.restarts += 1
             log.warning("starting a new helper process (restart %d)", self.restarts)
@@ -138,8 +148,12 @@ class Helper:
         threading.Thread(target=self._watch, args=(self._proc,), name="helper-watch", daemon=True).start()
         deadline = time.monotonic() + self.start_timeout_s
         while not os.path.exists(self.socket):
-            if self._proc.poll() is not None:
-                raise errors.Unavailable(f"the helper process exited at start: {self._describe_exit()}")
+            code = self._proc.poll()
+            if code is not None:
+                exc = self._failed_start(code)
+                if isinstance(exc, errors.FailedPrecondition):
+                    self._start_failed = (time.monotonic(), exc)
+                raise exc
             if time.monotonic() > deadline:
                 self._kill()
                 raise errors.Unavailable(f"the helper process did not start within {self.start_timeout_s:.0f} s")
@@ -147,6 +161,7 @@ class Helper:
         self._channel = grpc.insecure_channel("unix://" + self.socket, options=contract.GRPC_OPTIONS)
         grpc.channel_ready_future(self._channel).result(timeout=max(1.0, deadline - time.monotonic()))
         self._stub = helper_pb2_grpc.HelperStub(self._channel)
+        self._start_failed = None
         self._ps = psutil.Process(self._proc.pid)
         return self._stub
 
@@ -174,6 +189,17 @@ class Helper:
         except psutil.Error:
             return 0.0
         return t.user + t.system if t is not None else 0.0
+
+    def _failed_start(self, code: int) -> errors.NndError:
+        how = self._describe_exit()
+        if self.memory_bytes > 0 and -code in (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS):
+            # Under a small RLIMIT_AS the helper's threads cannot start (their stacks are address space too).
+            return errors.FailedPrecondition(
+                f"the helper process exited at start ({how}), most likely at its memory limit: "
+                f"helper_memory_bytes={_size(self.memory_bytes)} beyond what its imports mapped leaves no room "
+                "for its threads; start nnd serve with a larger --helper-memory (the default is 4 GiB)"
+            )
+        return errors.Unavailable(f"the helper process exited at start: {how}")
 
     def _describe_exit(self) -> str:
         code = self._proc.poll() if self._proc is not None else None

@@ -14,6 +14,7 @@ import threading
 
 import grpc
 import psutil
+import pytest
 from daemonproc import start_daemon
 
 import nnd
@@ -93,5 +94,26 @@ def test_the_helpers_memory_bound_is_what_calls_add_to_what_its_imports_mapped(t
             if line.startswith("Max address space")
         ]
         assert int(limits.split()[3]) >> 20 == bound, limits
+    finally:
+        d.stop()
+
+
+def test_a_helper_bound_too_small_to_start_says_so(tmp_path, tiny_models):
+    """A `--helper-memory` that leaves the helper no room for its threads: it aborts at its start, and the
+    request that needed it fails saying which setting to raise (before: "exited at start: killed by
+    SIGABRT", nothing about why)."""
+    d = start_daemon(tmp_path, "--helper-memory", "16MiB", ready="health")  # GetServerInfo needs the helper
+    try:
+        with pytest.raises(nnd.NndError) as caught:
+            nnd.TransformersModel(tiny_models["gpt2"], address=d.address, device="cpu")  # a meta build: the helper's
+        assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION, caught.value
+        assert "--helper-memory" in str(caught.value) and "16 MiB" in str(caught.value), caught.value
+        # Later calls get the same answer at once: no helper is started again for each (each aborted after ~10 s).
+        stub = nnd_pb2_grpc.NndStub(grpc.insecure_channel(d.address))
+        with pytest.raises(grpc.RpcError) as again:
+            stub.GetServerInfo(nnd_pb2.GetServerInfoRequest(), timeout=5)
+        assert again.value.code() == grpc.StatusCode.FAILED_PRECONDITION, again.value
+        log = pathlib.Path(d.log_path).read_text()
+        assert log.count("starting a new helper process") <= 1, log
     finally:
         d.stop()
