@@ -444,13 +444,22 @@ class ChunkResponse:
         return "chunk" if group == "kind" else None
 
     def SerializeToString(self) -> bytes:  # noqa: N802 - the protobuf message's method
+        return b"".join(self.pieces(stable=False))
+
+    def pieces(self, *, stable: bool = True) -> tuple[bytes, bytes | memoryview]:
+        """The serialized message as its framing and its data: the data a view of the saved tensor's
+        memory, or (a strided tensor's, whose bytes lie in a staging buffer the next chunk reuses) with
+        `stable`, a copy of its own."""
         size = len(self._data)
         inner = (
             _BLOB_TAG + numlists.varint(self.blob) + _DATA_TAG + numlists.varint(size)
             if self.blob
             else _DATA_TAG + numlists.varint(size)
         )
-        return b"".join((_CHUNK_TAG, numlists.varint(len(inner) + size), inner, self._bytes()))
+        data = self._bytes()
+        if stable and isinstance(self._data, _Strided):
+            data = data.tobytes()
+        return _CHUNK_TAG + numlists.varint(len(inner) + size) + inner, data
 
     def message(self) -> nnd_pb2.TraceResponse:
         msg = nnd_pb2.TraceResponse()

@@ -39,6 +39,7 @@ import grpc
 
 from nnd.v1 import contract, nnd_pb2
 from nnd_daemon import asyncserve
+from nnd_daemon.worker import onemessage
 
 log = logging.getLogger("nnd.worker.fastroute")
 
@@ -242,7 +243,9 @@ def _reply(header: nnd_pb2.FastReply) -> bytes:
 
 
 def _serialized(message: Any) -> Any:
-    return message if isinstance(message, (bytes, bytearray, memoryview)) else message.SerializeToString()
+    if isinstance(message, (bytes, bytearray, memoryview, onemessage.Gathered)):
+        return message
+    return message.SerializeToString()
 
 
 def _write(conn: _Conn, header: bytes, body: Any) -> None:
@@ -255,9 +258,11 @@ def _write_frames(conn: _Conn, frames: list[tuple[bytes, Any]]) -> None:
     `sendmsg`: one wake-up of the client, not two)."""
     parts: list[memoryview] = []
     for header, body in frames:
-        size = len(body)
+        size = len(body)  # bytes: a Gathered's are its parts' (written as they are, not joined)
         parts.append(memoryview(_HEAD.pack(len(header)) + header + _BODY.pack(size)))
-        if size:
+        if isinstance(body, onemessage.Gathered):
+            parts.extend(memoryview(p).cast("B") for p in body.parts if len(p))
+        elif size:
             parts.append(memoryview(body).cast("B"))
     deadline = time.monotonic() + WRITE_TIMEOUT_S
     with conn.write_lock:

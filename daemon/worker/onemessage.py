@@ -27,23 +27,49 @@ _ENDS = frozenset({"done", "paused"})
 _TAG = bytes([nnd_pb2.TraceResponse.DESCRIPTOR.fields_by_name["results"].number << 3 | 2])
 
 
-def join(responses: Sequence[Any], limit: int = MAX_BYTES) -> bytes | None:
+class Gathered:
+    """A serialized message kept as the buffers it is made of, result chunks as views of the saved
+    tensors' memory: the fast route writes them as they are (sendmsg gathers them), and only a
+    transport that needs one `bytes` joins them (`SerializeToString`). A 256 MiB result joined was
+    copied twice into fresh memory (each chunk serialized, then the whole) before it was sent."""
+
+    __slots__ = ("parts", "size")
+
+    def __init__(self, parts: list[bytes | memoryview]) -> None:
+        self.parts = parts
+        self.size = sum(memoryview(p).nbytes for p in parts)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 - the protobuf message's method
+        return b"".join(self.parts)
+
+
+def join(responses: Sequence[Any], limit: int = MAX_BYTES, *, gather: bool = False) -> bytes | Gathered | None:
     """`responses` (a finished Trace's TraceResponse messages, ending with its TraceDone, or an Interact
     run's since its last pause, ending with Paused) as one serialized `TraceResponse{results}`; None
-    when they must stream (too big, or of another kind)."""
+    when they must stream (too big, or of another kind). `gather`: a message over MAX_BYTES comes as
+    the `Gathered` buffers of its parts instead of their copy."""
     if not responses or responses[-1].WhichOneof("kind") not in _ENDS:
         return None
-    parts = []
+    parts: list[bytes | memoryview] = []
     size = 0
     for response in responses:
         if response.WhichOneof("kind") not in _KINDS:
             return None
-        part = response.SerializeToString()
-        size += len(part)
+        # A result chunk (engine/wire.py's ChunkResponse) gives its framing and a view of its data.
+        split = getattr(response, "pieces", None) if gather else None
+        pieces = split() if split is not None else (response.SerializeToString(),)
+        for piece in pieces:
+            size += memoryview(piece).nbytes
+            parts.append(piece)
         if size > limit:
             return None
-        parts.append(part)
-    return _TAG + _varint(size) + b"".join(parts)
+    head = _TAG + _varint(size)
+    if gather and size > MAX_BYTES:
+        return Gathered([head, *parts])
+    return head + b"".join(parts)
 
 
 class Joiner:

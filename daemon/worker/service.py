@@ -174,13 +174,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # cannot tell queued from running if the worker dies, and takes it to have run.
         who = dict(user=self._user(context), rows=max(1, len(request.request.invokes)))
         out: list[Any] = []
-        answered: list[bytes] = []  # the one message, once it went out
+        answered: list[Any] = []  # the one message (bytes, or onemessage.Gathered), once it went out
 
         def answer() -> None:
             """Send the results as one message, if they fit. A merged run's leader calls this before it
             wakes this thread (the client then has its answer without waiting for this thread to get the
             GIL back); otherwise this thread does, once the request is counted and logged."""
-            whole = onemessage.join(out, limit=onemessage.MAX_ONE)
+            whole = onemessage.join(out, limit=onemessage.MAX_ONE, gather=True)
             if whole is not None:
                 self._answer(context, whole)
                 answered.append(whole)

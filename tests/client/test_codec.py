@@ -110,6 +110,47 @@ def test_a_one_message_response_reads_as_the_stream_it_joins():
     assert onemessage.join([big, stream[-1]]) is None
 
 
+def test_a_big_one_message_answer_is_sent_and_read_without_copies_of_its_chunks():
+    """A TraceOnce answer over MAX_BYTES: the worker keeps it as the buffers it is made of, each
+    chunk's data a view of the saved tensor's memory (onemessage.Gathered, written by the fast route
+    with one gathering sendmsg); the client reads the received message's chunks as views of it
+    (_chunks.response), not as protobuf's copies. The bytes are protobuf's, and so are the values."""
+    from nnd.wire import _chunks
+    from nnd_daemon.engine import wire
+    from nnd_daemon.worker import onemessage
+
+    a = torch.arange(300_000, dtype=torch.float32)  # 1.2 MB: several chunks of 256 KiB
+    raw = memoryview(a.numpy()).cast("B")
+    size = 256 * 1024
+    chunks = [wire.ChunkResponse(1, raw[i : i + size]) for i in range(0, len(raw), size)]
+    t1 = values_pb2.Tensor(dtype=values_pb2.FLOAT32, shape=[300_000], blob=1)
+    saved = nnd_pb2.TraceResponse(saved=nnd_pb2.Saved(node=3, value=values_pb2.Value(tensor=t1)))
+    done = nnd_pb2.TraceResponse(done=nnd_pb2.TraceDone(compute_s=0.25))
+    whole = onemessage.join([saved, *chunks, done], limit=onemessage.MAX_ONE, gather=True)
+    assert isinstance(whole, onemessage.Gathered)
+    assert any(isinstance(p, memoryview) and p.obj is raw.obj for p in whole.parts)  # views, not copies
+    as_protobuf = nnd_pb2.TraceResponse(saved=saved.saved)
+    as_protobuf.results.saved.append(saved.saved)
+    as_protobuf.ClearField("saved")
+    for c in chunks:
+        as_protobuf.results.chunk.add(blob=1, data=bytes(c.data))
+    as_protobuf.results.done.compute_s = 0.25
+    joined = whole.SerializeToString()
+    assert joined == onemessage.join([saved, *chunks, done], limit=onemessage.MAX_ONE) == as_protobuf.SerializeToString()
+    assert len(whole) == len(joined)
+
+    received = bytearray(joined)
+    read = _chunks.response(received)
+    assert read.WhichOneof("kind") == "results"
+    assert all(isinstance(c.data, memoryview) and c.data.obj is received for c in read.results.chunk)
+    assert [(c.blob, bytes(c.data)) for c in read.results.chunk] == [(c.blob, c.data) for c in as_protobuf.results.chunk]
+    res = _results.collect([read])
+    assert torch.equal(res.saved[3], a) and res.compute_s == 0.25
+    # A small answer stays bytes, parsed by protobuf as before.
+    small = onemessage.join([saved, wire.ChunkResponse(1, raw[:4000]), done], limit=onemessage.MAX_ONE, gather=True)
+    assert isinstance(small, bytes) and isinstance(_chunks.response(small), nnd_pb2.TraceResponse)
+
+
 def test_short_tensor_data_is_an_error():
     v = values_pb2.Value(tensor=values_pb2.Tensor(dtype=values_pb2.FLOAT32, shape=[4], data=b"\0" * 8))
     with pytest.raises(ValueError, match="needs 16 bytes"):

@@ -1,10 +1,10 @@
 """Data-method stubs whose responses skip protobuf for result chunks.
 
-A big result streams as `TraceResponse{chunk}` messages of a few MiB. Parsing
-one with protobuf copies its data twice more (into the message, then out as
-`bytes`), each time into fresh memory; here the chunk's data is a view of the
-bytes gRPC received, which the client copies once, into the result's buffer
-(_results.py). Every other response is parsed by protobuf as before, and so is
+A big result streams as `TraceResponse{chunk}` messages of a few MiB, or comes
+inside one `TraceResponse{results}` (TraceOnce). Parsing either with protobuf
+copies its data twice more (into the message, then out as `bytes`), each time
+into fresh memory; here the chunk's data is a view of the bytes received, which
+the client copies once, into the result's buffer (_results.py). Every other response is parsed by protobuf as before, and so is
 any chunk laid out otherwise than the two fields in order (another server's).
 """
 
@@ -22,9 +22,13 @@ def _number(descriptor: Any, name: str) -> int:
 
 
 _CHUNK = _number(nnd_pb2.TraceResponse.DESCRIPTOR, "chunk")
+_RESULTS = _number(nnd_pb2.TraceResponse.DESCRIPTOR, "results")
+_RESULTS_CHUNK = _number(nnd_pb2.TraceResults.DESCRIPTOR, "chunk")
 _BLOB = _number(nnd_pb2.Chunk.DESCRIPTOR, "blob")
 _DATA = _number(nnd_pb2.Chunk.DESCRIPTOR, "data")
 _VARINT, _LEN = 0, 2
+# A whole answer this big is read field by field (`_whole`); a smaller one protobuf parses faster.
+_BIG = 1 << 16
 
 
 class Chunk:
@@ -67,8 +71,13 @@ def _chunk(raw: bytes) -> Chunk | None:
     size, at = _varint(buf, at)
     if at + size != len(buf):
         return None
+    return _fields(buf[at:])
+
+
+def _fields(buf: memoryview) -> Chunk | None:
+    """A Chunk message's bytes when they are exactly `blob; data` (or `data`), else None."""
     blob = 0
-    tag, at = _varint(buf, at)
+    tag, at = _varint(buf, 0)
     if tag == (_BLOB << 3 | _VARINT):
         blob, at = _varint(buf, at)
         tag, at = _varint(buf, at)
@@ -80,13 +89,83 @@ def _chunk(raw: bytes) -> Chunk | None:
     return Chunk(blob, buf[at:])
 
 
-def response(raw: bytes) -> nnd_pb2.TraceResponse | Chunk:
-    """A data method's response: a `Chunk` for a result chunk, else the parsed message."""
+class Results:
+    """A `TraceResults` whose chunks are views of the received message (`chunk`); its other fields are
+    the parsed message's."""
+
+    __slots__ = ("_message", "chunk")
+
+    def __init__(self, message: nnd_pb2.TraceResults, chunks: list[Chunk]) -> None:
+        self._message = message
+        self.chunk = chunks
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._message, name)
+
+
+class Whole:
+    """A `TraceResponse{results}` (the whole answer as one message, TraceOnce's) read by `_whole`."""
+
+    __slots__ = ("results",)
+
+    def __init__(self, results: Results) -> None:
+        self.results = results
+
+    def WhichOneof(self, group: str) -> str | None:  # noqa: N802 - the protobuf message's method
+        return "results" if group == "kind" else None
+
+
+def _whole(raw: bytes) -> Whole | None:
+    """`raw` when it is a `TraceResponse{results}`: its chunks' data as views of `raw` (protobuf would
+    copy each into fresh memory: a 256 MiB result twice more before the client's own copy), every other
+    field parsed by protobuf. None for any other message."""
+    buf = memoryview(raw)
+    tag, at = _varint(buf, 0)
+    if tag != (_RESULTS << 3 | _LEN):
+        return None
+    size, at = _varint(buf, at)
+    end = len(buf)
+    if at + size != end:
+        return None
+    rest: list[memoryview] = []
+    chunks: list[Chunk] = []
+    while at < end:
+        start = at
+        tag, at = _varint(buf, at)
+        kind = tag & 7
+        if kind == _LEN:
+            size, at = _varint(buf, at)
+            at += size
+            if tag >> 3 == _RESULTS_CHUNK:
+                chunk = _fields(buf[at - size : at])
+                if chunk is not None:
+                    chunks.append(chunk)
+                    continue
+        elif kind == _VARINT:
+            _, at = _varint(buf, at)
+        elif kind == 1:
+            at += 8
+        elif kind == 5:
+            at += 4
+        else:
+            return None
+        if at > end:
+            raise ValueError("truncated field")
+        rest.append(buf[start:at])
+    return Whole(Results(nnd_pb2.TraceResults.FromString(b"".join(rest)), chunks))
+
+
+def response(raw: bytes) -> nnd_pb2.TraceResponse | Chunk | Whole:
+    """A data method's response: a `Chunk` for a result chunk, a `Whole` for the whole answer in one
+    message, else the parsed message."""
     try:
-        chunk = _chunk(raw)
+        parsed = _chunk(raw) or (_whole(raw) if len(raw) > _BIG else None)
     except ValueError:
-        chunk = None
-    return chunk if chunk is not None else nnd_pb2.TraceResponse.FromString(raw)
+        parsed = None
+    if parsed is not None:
+        return parsed
+    # protobuf takes bytes or a bytearray, not the map a big part is read into (_fast._fresh)
+    return nnd_pb2.TraceResponse.FromString(raw if isinstance(raw, (bytes, bytearray)) else bytes(raw))
 
 
 class DataStub:
@@ -105,11 +184,11 @@ class DataStub:
         self.Trace = stream("Trace", nnd_pb2.TraceRequest)
         self.Generate = stream("Generate", nnd_pb2.TraceRequest)
         self.Session = stream("Session", nnd_pb2.SessionRequest)
-        # A Trace answered in one message (nnd.proto, TraceOnce): a results message, never a chunk.
+        # A Trace answered in one message (nnd.proto, TraceOnce): a results message, never a chunk alone.
         self.TraceOnce = channel.unary_unary(
             f"/nnd.v1.Nnd/{contract.TRACE_ONCE}",
             request_serializer=nnd_pb2.TraceRequest.SerializeToString,
-            response_deserializer=nnd_pb2.TraceResponse.FromString,
+            response_deserializer=response,
             _registered_method=True,
         )
         self.Interact = channel.stream_stream(

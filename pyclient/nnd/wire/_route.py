@@ -121,7 +121,7 @@ class Router:
                     self.fast_calls += 1
                     if unary:
                         try:
-                            response = _fast.unary(sent, nnd_pb2.TraceResponse.FromString)
+                            response = _fast.unary(sent, _chunks.response)
                         finally:
                             sent.cancel()
                         answered = True
