@@ -108,3 +108,35 @@ def test_recycled_memory_never_overwrites_a_live_result(daemon: Daemon, gpt2: st
     gc.collect()
     for text in ("hello world", "world hello", "hello world"):  # now in recycled memory
         _check(_trace(daemon, gpt2, text))
+
+
+def test_big_results_of_traces_are_each_their_own(daemon: Daemon, gpt2: str) -> None:
+    """A trace's big results come as one TraceOnce message on the worker's fast socket, sent as views
+    of the saved tensors (onemessage.Gathered) and received into recycled memory (wire/_warm.py,
+    _fast._fresh): a result kept alive keeps its values while later ones arrive in that memory."""
+    model = nnd.TransformersModel(gpt2, address=daemon.address)
+    router = model._conn.router
+
+    def trace(text: str) -> dict[str, torch.Tensor]:
+        before = (router.fast_calls, router.once_calls)
+        with model.trace(text):
+            h = model.transformer.h[0].output.save()
+            f32 = model.transformer.h[0].output.expand(COPIES, -1, -1).contiguous().save()
+            transposed = model.transformer.h[0].output.expand(COPIES, -1, -1).transpose(0, 2).contiguous().save()
+        assert (router.fast_calls, router.once_calls) == (before[0] + 1, before[1] + 1)  # one framed TraceOnce
+        return {"h": h, "f32": f32, "transposed": transposed}
+
+    def check(got: dict[str, torch.Tensor]) -> None:
+        big = got["h"].expand(COPIES, -1, -1)
+        assert got["f32"].nbytes > 3 * 4 * 2**20
+        assert torch.equal(got["f32"], big.contiguous()) and torch.equal(got["transposed"], big.transpose(0, 2).contiguous())
+
+    first = trace("hello world")
+    second = trace("world hello")  # while first lives
+    check(first)
+    check(second)
+    assert not torch.equal(first["f32"], second["f32"])
+    del first, second
+    gc.collect()
+    for text in ("hello world", "world hello", "hello world"):  # now in the memory the first two left
+        check(trace(text))

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import math
-import mmap
-import threading
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -14,6 +11,7 @@ import numpy as np
 
 from nnd.v1 import nnd_pb2, values_pb2
 from nnd.wire import _codec, _dtypes
+from nnd.wire._warm import WarmBuffers
 
 if TYPE_CHECKING:
     from nnd.wire._shm import Lease
@@ -40,45 +38,8 @@ class StepToken:
         return self.texts[0] if self.texts else ""
 
 
-WARM_MIN = 16 * 2**20  # results this big are reassembled in recycled memory
-WARM_KEEP = 1  # free buffers kept: enough for `x = trace()` in a loop (the old x dies after the new one is made)
-WARM_MAX = 2**30  # bigger buffers are not kept
-
-
-class _WarmBuffers:
-    """Memory for big streamed results, recycled once the results viewing it are garbage.
-
-    A copy into fresh pages runs at a fraction of memcpy speed (a page fault
-    per 4 KiB); a loop of traces with results of the same size reuses the
-    pages of the last one it dropped instead."""
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()  # a collection may run give_back while take holds it
-        self.free: list[mmap.mmap] = []
-
-    def take(self, nbytes: int) -> np.ndarray:
-        size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-        mm = None
-        with self.lock:
-            for i, cand in enumerate(self.free):
-                if len(cand) == size:
-                    mm = self.free.pop(i)
-                    break
-        if mm is None:
-            mm = mmap.mmap(-1, size)  # anonymous, untouched: no zero-filling pass (bytearray(n) makes one)
-        # Every result array is a view of `holder` (numpy keeps it as their base): its finalizer runs
-        # exactly when the last of them is gone.
-        holder = np.frombuffer(mm, dtype=np.uint8)
-        weakref.finalize(holder, self.give_back, mm)
-        return holder[:nbytes]
-
-    def give_back(self, mm: mmap.mmap) -> None:
-        with self.lock:
-            if len(self.free) < WARM_KEEP and len(mm) <= WARM_MAX:
-                self.free.append(mm)
-
-
-_warm = _WarmBuffers()
+WARM_MIN = 16 * 2**20  # results this big are reassembled in recycled memory (_warm.py)
+_warm = WarmBuffers()
 
 
 def _buffer(nbytes: int) -> np.ndarray:
