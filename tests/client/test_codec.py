@@ -146,6 +146,9 @@ def test_a_big_one_message_answer_is_sent_and_read_without_copies_of_its_chunks(
     assert [(c.blob, bytes(c.data)) for c in read.results.chunk] == [(c.blob, c.data) for c in as_protobuf.results.chunk]
     res = _results.collect([read])
     assert torch.equal(res.saved[3], a) and res.compute_s == 0.25
+    # A message cut short is refused as protobuf refuses it, never read as the chunks that arrived.
+    with pytest.raises(Exception, match="[Tt]runcated|[Ee]rror parsing"):
+        _chunks.response(received[:-100])
     # A small answer stays bytes, parsed by protobuf as before.
     small = onemessage.join([saved, wire.ChunkResponse(1, raw[:4000]), done], limit=onemessage.MAX_ONE, gather=True)
     assert isinstance(small, bytes) and isinstance(_chunks.response(small), nnd_pb2.TraceResponse)

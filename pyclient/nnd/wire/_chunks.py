@@ -136,6 +136,8 @@ def _whole(raw: bytes) -> Whole | None:
         if kind == _LEN:
             size, at = _varint(buf, at)
             at += size
+            if at > end:
+                raise ValueError("truncated field")
             if tag >> 3 == _RESULTS_CHUNK:
                 chunk = _fields(buf[at - size : at])
                 if chunk is not None:
