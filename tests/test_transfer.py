@@ -123,13 +123,15 @@ def test_big_results_of_traces_are_each_their_own(daemon: Daemon, gpt2: str) -> 
             h = model.transformer.h[0].output.save()
             f32 = model.transformer.h[0].output.expand(COPIES, -1, -1).contiguous().save()
             transposed = model.transformer.h[0].output.expand(COPIES, -1, -1).transpose(0, 2).contiguous().save()
+            expanded = model.transformer.h[0].output.expand(COPIES, -1, -1).transpose(0, 1).save()  # strided: gathered as sent
         assert (router.fast_calls, router.once_calls) == (before[0] + 1, before[1] + 1)  # one framed TraceOnce
-        return {"h": h, "f32": f32, "transposed": transposed}
+        return {"h": h, "f32": f32, "transposed": transposed, "expanded": expanded}
 
     def check(got: dict[str, torch.Tensor]) -> None:
         big = got["h"].expand(COPIES, -1, -1)
         assert got["f32"].nbytes > 3 * 4 * 2**20
         assert torch.equal(got["f32"], big.contiguous()) and torch.equal(got["transposed"], big.transpose(0, 2).contiguous())
+        assert torch.equal(got["expanded"], big.transpose(0, 1))
 
     first = trace("hello world")
     second = trace("world hello")  # while first lives

@@ -392,9 +392,10 @@ class _Strided:
     def __len__(self) -> int:
         return self.nbytes
 
-    def view(self) -> memoryview:
-        """The bytes, in the staging buffer (valid until the next chunk of the blob is gathered)."""
-        buffer = self.staging.get()[: self.nbytes]
+    def view(self, *, own: bool = False) -> memoryview:
+        """The bytes, in the staging buffer (valid until the next chunk of the blob is gathered), or with
+        `own` in memory of their own (gathered there directly: one copy, not two)."""
+        buffer = torch.empty(self.nbytes, dtype=torch.uint8) if own else self.staging.get()[: self.nbytes]
         typed = buffer.view(self.pieces[0].dtype)
         at = 0
         for p in self.pieces:
@@ -448,17 +449,15 @@ class ChunkResponse:
 
     def pieces(self, *, stable: bool = True) -> tuple[bytes, bytes | memoryview]:
         """The serialized message as its framing and its data: the data a view of the saved tensor's
-        memory, or (a strided tensor's, whose bytes lie in a staging buffer the next chunk reuses) with
-        `stable`, a copy of its own."""
+        memory, or (a strided tensor's, gathered into a staging buffer the next chunk reuses) with
+        `stable`, gathered into memory of its own."""
         size = len(self._data)
         inner = (
             _BLOB_TAG + numlists.varint(self.blob) + _DATA_TAG + numlists.varint(size)
             if self.blob
             else _DATA_TAG + numlists.varint(size)
         )
-        data = self._bytes()
-        if stable and isinstance(self._data, _Strided):
-            data = data.tobytes()
+        data = self._data.view(own=stable) if isinstance(self._data, _Strided) else self._data
         return _CHUNK_TAG + numlists.varint(len(inner) + size) + inner, data
 
     def message(self) -> nnd_pb2.TraceResponse:
