@@ -127,6 +127,8 @@ def test_traces_generations_and_sessions_take_the_fast_socket_with_the_grpc_rout
         with model.trace(PROMPT):
             model.transformer.h[0].output[:] = 0
             edited = model.lm_head.output.save()
+            # over 256 KiB: the fast socket's answer goes out gathered (onemessage.Gathered), gRPC's joined
+            big = model.transformer.h[1].output.expand(2000, -1, -1).save()
         steps: list[torch.Tensor] = []
         with model.generate(PROMPT, max_new_tokens=4) as tracer:
             for _ in tracer.iter[:]:
@@ -138,7 +140,7 @@ def test_traces_generations_and_sessions_take_the_fast_socket_with_the_grpc_rout
             with model.trace(PROMPT):
                 model.transformer.h[1].output[:] = first * 2
                 doubled = model.lm_head.output.save()
-        return edited, torch.stack(list(steps)), tokens, doubled
+        return edited, torch.stack(list(steps)), tokens, doubled, big
 
     fast = run()
     assert router.fast_calls >= before[0] + 4
