@@ -35,9 +35,9 @@ class Gathered:
 
     __slots__ = ("parts", "size")
 
-    def __init__(self, parts: list[bytes | memoryview]) -> None:
-        self.parts = parts
-        self.size = sum(memoryview(p).nbytes for p in parts)
+    def __init__(self, parts: list[bytes | memoryview], size: int) -> None:
+        self.parts = parts  # bytes, and byte-format views (len() is their size)
+        self.size = size
 
     def __len__(self) -> int:
         return self.size
@@ -61,14 +61,13 @@ def join(responses: Sequence[Any], limit: int = MAX_BYTES, *, gather: bool = Fal
         # A result chunk (engine/wire.py's ChunkResponse) gives its framing and a view of its data.
         split = getattr(response, "pieces", None) if gather else None
         pieces = split() if split is not None else (response.SerializeToString(),)
-        for piece in pieces:
-            size += memoryview(piece).nbytes
-            parts.append(piece)
+        size += sum(map(len, pieces))
+        parts.extend(pieces)
         if size > limit:
             return None
     head = _TAG + _varint(size)
     if gather and size > MAX_BYTES:
-        return Gathered([head, *parts])
+        return Gathered([head, *parts], len(head) + size)
     return head + b"".join(parts)
 
 

@@ -4,8 +4,9 @@ A big result streams as `TraceResponse{chunk}` messages of a few MiB, or comes
 inside one `TraceResponse{results}` (TraceOnce). Parsing either with protobuf
 copies its data twice more (into the message, then out as `bytes`), each time
 into fresh memory; here the chunk's data is a view of the bytes received, which
-the client copies once, into the result's buffer (_results.py). Every other response is parsed by protobuf as before, and so is
-any chunk laid out otherwise than the two fields in order (another server's).
+the client copies once, into the result's buffer (_results.py). Every other
+response is parsed by protobuf as before, and so is any chunk laid out otherwise
+than the two fields in order (another server's).
 """
 
 from __future__ import annotations
@@ -136,13 +137,6 @@ def _whole(raw: bytes) -> Whole | None:
         if kind == _LEN:
             size, at = _varint(buf, at)
             at += size
-            if at > end:
-                raise ValueError("truncated field")
-            if tag >> 3 == _RESULTS_CHUNK:
-                chunk = _fields(buf[at - size : at])
-                if chunk is not None:
-                    chunks.append(chunk)
-                    continue
         elif kind == _VARINT:
             _, at = _varint(buf, at)
         elif kind == 1:
@@ -153,7 +147,11 @@ def _whole(raw: bytes) -> Whole | None:
             return None
         if at > end:
             raise ValueError("truncated field")
-        rest.append(buf[start:at])
+        chunk = _fields(buf[at - size : at]) if kind == _LEN and tag >> 3 == _RESULTS_CHUNK else None
+        if chunk is not None:
+            chunks.append(chunk)
+        else:
+            rest.append(buf[start:at])
     return Whole(Results(nnd_pb2.TraceResults.FromString(b"".join(rest)), chunks))
 
 

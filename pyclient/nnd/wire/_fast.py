@@ -97,7 +97,7 @@ def _closed(exc: OSError, initial: tuple[tuple[str, str], ...]) -> FastError:
     return FastError(grpc.StatusCode.UNAVAILABLE, f"the worker's fast route closed the connection ({exc})", (), initial)
 
 
-_MAPPED_MIN = 1 << 20  # parts this big are read into recycled memory (`_fresh`)
+_RECYCLED_MIN = 1 << 20  # parts this big are read into recycled memory (`_fresh`)
 _READ_AHEAD = 1 << 16  # what one recv may take of a reply's bytes beyond the part being read
 
 
@@ -108,7 +108,7 @@ def _fresh(size: int) -> bytearray | np.ndarray:
     """Memory for a part of `size` bytes, about to be written whole. A big one is recycled memory
     (_warm.py): `bytearray(n)` zero-fills every page first, and fresh pages fault one by one (for a
     256 MiB result, ~200 ms of the ~330 ms it took beyond computing it)."""
-    return bytearray(size) if size < _MAPPED_MIN else _received.take(size)
+    return bytearray(size) if size < _RECYCLED_MIN else _received.take(size)
 
 
 class _Reader:
